@@ -1,0 +1,67 @@
+"""weightsync: move freshly trained weights from RL trainers into running inference engines.
+
+Public API. Importing this package imports neither torch nor any heavy backend (vllm, ray,
+deepspeed, peft); those load where they are used.
+"""
+
+from weightsync.config import (
+    BroadcastConfig,
+    ExtractorConfig,
+    HeadExtractorConfig,
+    IpcConfig,
+    LoaderConfig,
+    PackedIpcConfig,
+    StrategyConfig,
+    WeightSyncConfig,
+    build_extractor,
+    build_loader,
+    build_strategy,
+    load_config,
+)
+from weightsync.engine import WeightUpdateEndpoint
+from weightsync.errors import (
+    UpdateIncompleteError,
+    WeightMismatchError,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
+from weightsync.interfaces import (
+    InferenceEngineClient,
+    SyncStats,
+    WeightExtractor,
+    WeightLoader,
+    WeightTransferReceiver,
+    WeightTransferSender,
+    WeightTransferStrategy,
+)
+from weightsync.registry import register_extractor, register_loader, register_strategy
+from weightsync.types import (
+    BroadcastWeightUpdateRequest,
+    CudaIpcWeightUpdateRequest,
+    EmptyWeightSyncInfo,
+    IpcBufferHandle,
+    PackedCudaIpcWeightUpdateRequest,
+    TensorMeta,
+    TorchDistributedWeightSyncInfo,
+    WeightChunk,
+    WeightSyncInfo,
+    WeightUpdateFinish,
+    WeightUpdateRequest,
+    WeightUpdateStart,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BroadcastConfig", "BroadcastWeightUpdateRequest", "CudaIpcWeightUpdateRequest",
+    "EmptyWeightSyncInfo", "ExtractorConfig", "HeadExtractorConfig", "InferenceEngineClient",
+    "IpcBufferHandle", "IpcConfig", "LoaderConfig", "PackedCudaIpcWeightUpdateRequest",
+    "PackedIpcConfig", "StrategyConfig", "SyncStats", "TensorMeta",
+    "TorchDistributedWeightSyncInfo", "UpdateIncompleteError", "WeightChunk",
+    "WeightExtractor", "WeightLoader", "WeightMismatchError", "WeightSyncConfig",
+    "WeightSyncError", "WeightSyncInfo", "WeightSyncTimeout", "WeightTransferReceiver",
+    "WeightTransferSender", "WeightTransferStrategy", "WeightUpdateEndpoint",
+    "WeightUpdateFinish", "WeightUpdateRequest", "WeightUpdateStart", "build_extractor",
+    "build_loader", "build_strategy", "load_config", "register_extractor", "register_loader",
+    "register_strategy",
+]

@@ -1,0 +1,181 @@
+"""Typed configs and the ``build_*`` helpers.
+
+A config is given as a mapping, an OmegaConf node, a dataclass instance or a YAML path, e.g.
+``{"type": "broadcast", "backend": "gloo", "bucket_size_mb": 512}``. The ``type`` picks the
+class from the registry; the class's ``config_cls`` (a dataclass) takes the remaining fields, and
+an unknown field is an error that names it and lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.registry import EXTRACTORS, LOADERS, STRATEGIES, Registry
+
+# --------------------------------------------------------------------------------------------
+# Config dataclasses
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class StrategyConfig:
+    """Fields every strategy understands."""
+
+    type: str = "broadcast"
+    bucket_size_mb: float = 1024
+    timeout_s: float = 600.0
+    device: str = "auto"  # "cpu", "cuda" or "auto" (follows the tensors)
+
+
+@dataclass(kw_only=True)
+class BroadcastConfig(StrategyConfig):
+    type: str = "broadcast"
+    backend: str = "gloo"  # "gloo" (CPU) or "nccl" (GPU)
+    master_addr: str | None = None  # default: this node's address (from Ray when running there)
+    master_port: int | None = None  # default: a free port
+    group_name: str = "weightsync"
+    packed: bool = True  # one broadcast per dtype per chunk instead of one per tensor
+
+
+@dataclass(kw_only=True)
+class IpcConfig(StrategyConfig):
+    type: str = "cuda_ipc"
+
+
+@dataclass(kw_only=True)
+class PackedIpcConfig(StrategyConfig):
+    type: str = "packed_cuda_ipc"
+    num_buffers: int = 2  # double buffering: pack chunk i+1 while the engine reads chunk i
+
+
+@dataclass(kw_only=True)
+class ExtractorConfig:
+    type: str = "hf"
+    bucket_size_mb: float = 1024
+    group_by_module: bool = True
+    is_sender: bool = True  # False on training ranks that only take part in the collectives
+
+
+@dataclass(kw_only=True)
+class HeadExtractorConfig(ExtractorConfig):
+    type: str = "hf_head"
+    head_name_patterns: list[str] = field(
+        default_factory=lambda: ["score.", "classifier.", "v_head."]
+    )
+
+
+@dataclass(kw_only=True)
+class LoaderConfig:
+    type: str = "torch_module"
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    """A whole preset: what ``configs/*.yaml`` hold."""
+
+    strategy: dict[str, Any] = field(default_factory=lambda: {"type": "broadcast"})
+    extractor: dict[str, Any] = field(default_factory=lambda: {"type": "hf"})
+    loader: dict[str, Any] = field(default_factory=lambda: {"type": "torch_module"})
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# Conversion helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _to_plain(cfg: Any) -> dict[str, Any]:
+    """Mapping / OmegaConf node / dataclass / YAML path -> plain dict."""
+    if isinstance(cfg, (str, os.PathLike)):
+        return _to_plain(_read_yaml(cfg))
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return dataclasses.asdict(cfg)
+    if type(cfg).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    raise TypeError(
+        f"config must be a mapping, OmegaConf node, dataclass or YAML path, got {type(cfg).__name__}"
+    )
+
+
+def _read_yaml(path: str | os.PathLike) -> Any:
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a core dependency
+        import yaml  # type: ignore[import-untyped]
+
+        with open(path) as f:
+            return yaml.safe_load(f)
+    return OmegaConf.load(path)
+
+
+def make_config(config_cls: type, data: Mapping[str, Any], *, what: str) -> Any:
+    """Build ``config_cls`` from ``data``; unknown fields raise with the list of valid ones."""
+    valid = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(data) - valid)
+    if unknown:
+        raise ValueError(
+            f"{what}: unknown field(s) {unknown}; valid fields: {', '.join(sorted(valid))}"
+        )
+    try:
+        return config_cls(**data)
+    except TypeError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+
+
+def _build(registry: Registry, cfg: Any, section: str, default_type: str, **kwargs: Any) -> Any:
+    data = _to_plain(cfg) if cfg is not None else {}
+    if section in data and isinstance(data[section], Mapping) and "type" not in data:
+        data = dict(data[section])  # a whole preset was given
+    kind = data.get("type", default_type)
+    cls = registry.get(kind)
+    config_cls = getattr(cls, "config_cls", None)
+    if config_cls is None or not dataclasses.is_dataclass(config_cls):
+        return cls(data, **kwargs)
+    data = {"type": kind, **data}
+    return cls(make_config(config_cls, data, what=f"{registry.kind} {kind!r}"), **kwargs)
+
+
+def build_strategy(cfg: Any = None) -> Any:
+    """-> a ``WeightTransferStrategy`` (default ``broadcast``)."""
+    return _build(STRATEGIES, cfg, "strategy", "broadcast")
+
+
+def build_extractor(cfg: Any = None) -> Any:
+    """-> a ``WeightExtractor`` (default ``hf``)."""
+    return _build(EXTRACTORS, cfg, "extractor", "hf")
+
+
+def build_loader(cfg: Any = None, **kwargs: Any) -> Any:
+    """-> a ``WeightLoader``; ``kwargs`` carry runtime objects (e.g. ``module=``)."""
+    return _build(LOADERS, cfg, "loader", "torch_module", **kwargs)
+
+
+def load_config(path: str | os.PathLike) -> WeightSyncConfig:
+    """Read a preset (``configs/*.yaml``) into a ``WeightSyncConfig``.
+
+    A bare name such as ``"broadcast_gloo"`` is looked up in the package's ``configs/``.
+    """
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        candidate = os.path.join(CONFIG_DIR, p if p.endswith(".yaml") else p + ".yaml")
+        if os.path.exists(candidate):
+            p = candidate
+        else:
+            raise FileNotFoundError(f"no config at {p!r} nor a preset {candidate!r}")
+    data = _to_plain(p)
+    return make_config(WeightSyncConfig, data, what=f"config {p}")
+
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

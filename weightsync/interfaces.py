@@ -1,0 +1,455 @@
+"""The abstract contracts (DESIGN.md section 3).
+
+Process map:
+- trainer process(es): ``WeightExtractor`` (every training rank, in lockstep),
+  ``WeightTransferSender`` (the sending rank only), ``InferenceEngineClient`` (sending rank).
+- engine process(es) / workers: ``WeightTransferReceiver`` and ``WeightLoader``, driven by a
+  ``weightsync.engine.WeightUpdateEndpoint``.
+- ``WeightTransferStrategy`` is a factory usable on both sides; it is built from config.
+
+One update = ``start`` (manifest validated by every engine before any byte moves) -> one request
+per chunk -> ``finish`` (engines publish the new version only if every chunk landed).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from weightsync.types import (
+    TensorMeta,
+    WeightChunk,
+    WeightSyncInfo,
+    WeightUpdateFinish,
+    WeightUpdateRequest,
+    WeightUpdateStart,
+    dtype_to_str,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+# --------------------------------------------------------------------------------------------
+# Extractor
+# --------------------------------------------------------------------------------------------
+
+
+class WeightExtractor(abc.ABC):
+    """Turns a training model into a stream of ``WeightChunk``s under engine names.
+
+    Called on every training rank. For sharded models all ranks must iterate
+    ``extract_weights`` to the end in lockstep (the raw iterator runs collectives); only the
+    sending rank (``is_sender``) keeps tensors, the others yield nothing. The whole model is never
+    materialised twice: chunks are yielded as soon as a bucket of ``bucket_size_mb`` fills.
+    """
+
+    def __init__(self, cfg: Any = None) -> None:
+        from weightsync.config import ExtractorConfig
+
+        self.cfg = cfg if cfg is not None else ExtractorConfig()
+
+    # -- subclasses implement -----------------------------------------------------------------
+    @abc.abstractmethod
+    def _extract_raw_weights(
+        self, model: Any, generator_dtype: torch.dtype | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(engine_name, full_tensor)`` one parameter at a time (collectives inside)."""
+
+    def metadata(self, model: Any, generator_dtype: torch.dtype | None = None) -> list[TensorMeta]:
+        """Cheap, non-collective list of what ``extract_weights`` will yield (for validation).
+
+        The default walks ``_extract_raw_weights``; sharded extractors override it to read
+        global shapes without gathering.
+        """
+        return [
+            TensorMeta(n, dtype_to_str(self._cast(t, generator_dtype).dtype), list(t.shape))
+            for n, t in self._extract_raw_weights(model, generator_dtype)
+        ]
+
+    @property
+    def is_sender(self) -> bool:
+        return bool(getattr(self.cfg, "is_sender", True))
+
+    # -- shared machinery ----------------------------------------------------------------------
+    async def extract_weights(
+        self, model: Any, generator_dtype: torch.dtype | None = None
+    ) -> AsyncIterator[WeightChunk]:
+        raw = self._cast_stream(self._extract_raw_weights(model, generator_dtype), generator_dtype)
+        groups = (
+            self._group_by_module(raw)
+            if getattr(self.cfg, "group_by_module", True)
+            else ((n, [(n, t)]) for n, t in raw)
+        )
+        threshold = int(getattr(self.cfg, "bucket_size_mb", 1024) * (1 << 20))
+        for chunk in self._batch_by_threshold(groups, threshold):
+            if self.is_sender:
+                yield chunk
+            await asyncio.sleep(0)
+
+    @staticmethod
+    def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        if dtype is None or t.dtype == dtype or not t.is_floating_point():
+            return t
+        return t.to(dtype)
+
+    def _cast_stream(
+        self, raw: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in raw:
+            yield name, self._cast(t.detach(), dtype)
+
+    @staticmethod
+    def _group_by_module(
+        named: Iterable[tuple[str, torch.Tensor]],
+    ) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
+        """Group consecutive parameters of one module (``a.b.weight``, ``a.b.bias`` -> ``a.b``)."""
+        current: str | None = None
+        group: list[tuple[str, torch.Tensor]] = []
+        for name, t in named:
+            module = name.rsplit(".", 1)[0] if "." in name else ""
+            if group and module != current:
+                yield current or "", group
+                group = []
+            current = module
+            group.append((name, t))
+        if group:
+            yield current or "", group
+
+    @staticmethod
+    def _batch_by_threshold(
+        groups: Iterable[tuple[str, list[tuple[str, torch.Tensor]]]], threshold_bytes: int
+    ) -> Iterator[WeightChunk]:
+        """Pack whole groups into chunks of at most ``threshold_bytes`` (a group larger than the
+        threshold is a chunk of its own; a group is never split)."""
+        names: list[str] = []
+        tensors: list[torch.Tensor] = []
+        modules: list[str] = []
+        size = 0
+        for module, items in groups:
+            gsize = sum(t.numel() * t.element_size() for _, t in items)
+            if names and size + gsize > threshold_bytes:
+                yield WeightChunk(names, tensors, module_name=_module_label(modules))
+                names, tensors, modules, size = [], [], [], 0
+            names.extend(n for n, _ in items)
+            tensors.extend(t for _, t in items)
+            modules.append(module)
+            size += gsize
+        if names:
+            yield WeightChunk(names, tensors, module_name=_module_label(modules))
+
+
+def _module_label(modules: list[str]) -> str | None:
+    if not modules:
+        return None
+    return modules[0] if len(modules) == 1 else f"{modules[0]}..{modules[-1]}"
+
+
+def compile_patterns(patterns: Iterable[str]) -> list[re.Pattern[str]]:
+    """Name patterns: a plain string matches as a substring; ``re:...`` is a regular expression."""
+    out = []
+    for p in patterns:
+        out.append(re.compile(p[3:]) if p.startswith("re:") else re.compile(re.escape(p)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Engine client (what the sender talks to)
+# --------------------------------------------------------------------------------------------
+
+
+class InferenceEngineClient(abc.ABC):
+    """Fan-out to every inference engine of a sync group. Lives in the sending process.
+
+    Engine ``i`` with ``w_i`` receiving workers gets ``rank_offset = 1 + sum(w_0..w_{i-1})``
+    (rank 0 is the sender). All methods take and return plain JSON-safe data.
+    """
+
+    @abc.abstractmethod
+    async def get_world_sizes(self) -> list[int]:
+        """Receiving workers per engine (TP x PP for vLLM, 1 for a plain module)."""
+
+    @abc.abstractmethod
+    async def init_weight_transfer(self, strategy_cfg: dict, sync_info: dict) -> None:
+        """Have every engine build its receivers (returns once they joined the data plane)."""
+
+    @abc.abstractmethod
+    async def start_weight_update(self, start: dict) -> None:
+        """Announce an update; engines validate its manifest and raise before any byte moves."""
+
+    @abc.abstractmethod
+    async def update_named_weights(self, request: dict) -> None:
+        """One chunk: returns once every engine received and loaded it."""
+
+    @abc.abstractmethod
+    async def finish_weight_update(self, finish: dict) -> list[int | None]:
+        """Close an update; returns each engine's published version."""
+
+    async def close_weight_transfer(self) -> None:  # noqa: B027 - optional hook
+        """Tear down receivers (optional)."""
+
+    @staticmethod
+    def rank_offsets(world_sizes: list[int]) -> list[int]:
+        offsets, nxt = [], 1
+        for w in world_sizes:
+            offsets.append(nxt)
+            nxt += w
+        return offsets
+
+
+# --------------------------------------------------------------------------------------------
+# Loader (engine side)
+# --------------------------------------------------------------------------------------------
+
+
+class WeightLoader(abc.ABC):
+    """Puts received tensors into the engine's model. Runs in the engine (worker) process.
+
+    ``load_weights`` must copy what it keeps: the tensors it receives may be views of transfer
+    buffers that are reused after it returns.
+    """
+
+    @abc.abstractmethod
+    async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def expected_metadata(self) -> Mapping[str, TensorMeta] | None:
+        """Names/shapes/dtypes the target accepts, or None when unknown (no validation)."""
+        return None
+
+    def validate(self, metas: Iterable[TensorMeta]) -> None:
+        """Raise ``WeightMismatchError`` listing offenders; called before any byte moves."""
+        from weightsync.validation import check_metadata
+
+        check_metadata(metas, self.expected_metadata())
+
+    async def start_update(self, start: WeightUpdateStart) -> None:  # noqa: B027
+        """Hook before the first chunk of an update."""
+
+    async def finish_update(self, finish: WeightUpdateFinish) -> None:  # noqa: B027
+        """Hook after the last chunk landed (reset caches, re-pack kernels, ...)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sender / receiver
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SyncStats:
+    """What one ``send_chunks`` call did."""
+
+    update_id: str
+    num_chunks: int = 0
+    num_tensors: int = 0
+    total_bytes: int = 0
+    seconds: float = 0.0
+    versions: list[int | None] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.total_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightTransferSender(abc.ABC):
+    """Ships chunks to every engine. Lives in the sending training process (rank 0).
+
+    ``send_chunks`` runs one whole update: ``start`` (manifest check on every engine), one
+    request per chunk, ``finish``. It overlaps preparing chunk i+1 (extraction, packing) with the
+    transfer of chunk i. Subclasses implement ``create_request`` (may pack into transfer buffers;
+    runs in a worker thread) and ``_transfer`` (moves the bytes and calls
+    ``inference_client.update_named_weights``).
+    """
+
+    overlap: bool = True
+
+    @abc.abstractmethod
+    def create_request(self, chunk: WeightChunk) -> WeightUpdateRequest: ...
+
+    @abc.abstractmethod
+    async def _transfer(
+        self,
+        chunk: WeightChunk,
+        request: WeightUpdateRequest,
+        inference_client: InferenceEngineClient,
+    ) -> None: ...
+
+    def _release(self, request: WeightUpdateRequest) -> None:  # noqa: B027
+        """Called once a chunk's transfer completed (or failed): free its buffers."""
+
+    async def send_chunks(
+        self,
+        chunks: AsyncIterable[WeightChunk] | Iterable[WeightChunk],
+        inference_client: InferenceEngineClient,
+        *,
+        version: int | None = None,
+        manifest: list[TensorMeta] | None = None,
+        extras: dict | None = None,
+    ) -> SyncStats:
+        if manifest is None and isinstance(chunks, (list, tuple)):
+            manifest = [m for c in chunks for m in c.metas()]
+        stats = SyncStats(update_id=uuid.uuid4().hex)
+        t0 = time.perf_counter()
+        start = WeightUpdateStart(
+            update_id=stats.update_id, version=version, manifest=manifest, extras=extras or {}
+        )
+        await inference_client.start_weight_update(start.to_dict())
+        try:
+            await self._pipeline(_aiter(chunks), inference_client, stats, version)
+        except BaseException as e:
+            finish = WeightUpdateFinish(
+                update_id=stats.update_id, version=version, num_chunks=stats.num_chunks,
+                ok=False, error=f"{type(e).__name__}: {e}"[:2000],
+            )
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    inference_client.finish_weight_update(finish.to_dict()), timeout=10
+                )
+            raise
+        finish = WeightUpdateFinish(
+            update_id=stats.update_id, version=version, num_chunks=stats.num_chunks
+        )
+        stats.versions = await inference_client.finish_weight_update(finish.to_dict())
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    async def _pipeline(
+        self,
+        it: AsyncIterator[WeightChunk],
+        client: InferenceEngineClient,
+        stats: SyncStats,
+        version: int | None,
+    ) -> None:
+        pending: asyncio.Task | None = None
+        nxt = await anext(it, None)
+        index = 0
+        try:
+            while nxt is not None:
+                chunk = nxt
+                if self.overlap:
+                    request = await asyncio.to_thread(self.create_request, chunk)
+                else:
+                    if pending is not None:
+                        await pending
+                        pending = None
+                    request = self.create_request(chunk)
+                nxt = await anext(it, None)
+                request.update_id = stats.update_id
+                request.chunk_index = index
+                request.is_last = nxt is None
+                request.version = version
+                if pending is not None:
+                    await pending
+                pending = asyncio.create_task(self._transfer_and_release(chunk, request, client))
+                index += 1
+                stats.num_chunks = index
+                stats.num_tensors += len(chunk)
+                stats.total_bytes += chunk.total_size_bytes
+            if pending is not None:
+                await pending
+                pending = None
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+
+    async def _transfer_and_release(
+        self, chunk: WeightChunk, request: WeightUpdateRequest, client: InferenceEngineClient
+    ) -> None:
+        try:
+            await self._transfer(chunk, request, client)
+        finally:
+            self._release(request)
+
+    async def close(self) -> None:  # noqa: B027
+        """Release transport resources (process groups, shared buffers)."""
+
+
+class WeightTransferReceiver(abc.ABC):
+    """Receives one chunk's bytes and hands them to a loader. Lives in an engine worker.
+
+    ``receive_and_load_weights`` must call ``loader.validate(request.metas())`` before it moves or
+    loads any byte, and on failure must still release its peers (e.g. a collective strategy
+    tells the sender to skip the data), then raise the ``WeightMismatchError``.
+    """
+
+    request_cls: ClassVar[type[WeightUpdateRequest]] = WeightUpdateRequest
+
+    @abc.abstractmethod
+    async def receive_and_load_weights(
+        self, request: WeightUpdateRequest, loader: WeightLoader
+    ) -> None: ...
+
+    def parse_request(self, request_dict: dict) -> WeightUpdateRequest:
+        """Rebuild a request from plain data; a request of another strategy is a ValueError."""
+        req = WeightUpdateRequest.from_dict(request_dict)
+        if not isinstance(req, self.request_cls):
+            raise ValueError(
+                f"{type(self).__name__} expects a {self.request_cls.TYPE!r} request, got "
+                f"{request_dict.get('type')!r}: sender and engine use different strategies"
+            )
+        return req
+
+    def close(self) -> None:  # noqa: B027
+        """Release transport resources."""
+
+
+# --------------------------------------------------------------------------------------------
+# Strategy (factory)
+# --------------------------------------------------------------------------------------------
+
+
+class WeightTransferStrategy(abc.ABC):
+    """Builds matching sender/receiver pairs. Constructed from a typed config (``config_cls``).
+
+    ``create_sync_info`` and ``create_sender`` run in the sending process; ``create_sender`` also
+    asks every engine (through the client) to build its receiver, so that both sides join the
+    data plane together. ``create_receiver`` runs in each engine worker with its
+    ``rank_offset``.
+    """
+
+    name: ClassVar[str] = ""
+    config_cls: ClassVar[type] = object
+
+    def __init__(self, cfg: Any = None) -> None:
+        self.cfg = cfg if cfg is not None else self.config_cls()
+
+    @abc.abstractmethod
+    async def create_sync_info(
+        self, cfg: Any, inference_client: InferenceEngineClient
+    ) -> WeightSyncInfo: ...
+
+    @abc.abstractmethod
+    async def create_sender(
+        self, cfg: Any, inference_client: InferenceEngineClient, sync_info: WeightSyncInfo
+    ) -> WeightTransferSender: ...
+
+    @abc.abstractmethod
+    async def create_receiver(
+        self, cfg: Any, sync_info: WeightSyncInfo, rank_offset: int
+    ) -> WeightTransferReceiver: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def get_request_type(cls) -> type[WeightUpdateRequest]: ...
+
+    def config_dict(self) -> dict:
+        from weightsync.config import config_to_dict
+
+        return config_to_dict(self.cfg)
+
+
+async def _aiter(chunks: AsyncIterable[WeightChunk] | Iterable[WeightChunk]) -> AsyncIterator[WeightChunk]:
+    if hasattr(chunks, "__aiter__"):
+        async for c in chunks:  # type: ignore[union-attr]
+            yield c
+    else:
+        for c in chunks:  # type: ignore[union-attr]
+            yield c

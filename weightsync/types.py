@@ -1,0 +1,405 @@
+"""Plain data types that cross process boundaries.
+
+Every request and sync-info type round-trips through ``to_dict()`` / ``from_dict()`` as
+JSON-safe data (dtype strings such as ``"bfloat16"``, shapes as lists of ints). Nothing here is
+ever pickled onto a wire we own: IPC handles travel as plain fields (see ``IpcBufferHandle``)
+and are rebuilt by our own code on the receiving side.
+
+This module does not import torch at import time, so ``import weightsync`` stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+# --------------------------------------------------------------------------------------------
+# dtype helpers (string <-> torch.dtype), the only place that spells dtypes as strings
+# --------------------------------------------------------------------------------------------
+
+_DTYPE_NAMES = (
+    "float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2",
+    "int8", "uint8", "int16", "int32", "int64", "bool",
+)
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def str_to_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` (or ``"torch.bfloat16"``) -> ``torch.bfloat16``; unknown names raise."""
+    import torch
+
+    key = name.removeprefix("torch.")
+    dtype = getattr(torch, key, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPE_NAMES)}")
+    return dtype
+
+
+def dtype_itemsize(name: str) -> int:
+    return str_to_dtype(name).itemsize
+
+
+# --------------------------------------------------------------------------------------------
+# WeightChunk: what extractors yield and senders ship
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WeightChunk:
+    """A batch of named tensors shipped as one unit (e.g. one module's q/k/v, or one bucket).
+
+    ``names[i]`` is the engine-side name of ``tensors[i]``. ``packed`` tells a sender that the
+    tensors were already laid out contiguously by the producer (a hint; senders may ignore it).
+    """
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    module_name: str | None = None
+    packed: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.tensors):
+            raise ValueError(
+                f"WeightChunk has {len(self.names)} names but {len(self.tensors)} tensors"
+            )
+        if len(set(self.names)) != len(self.names):
+            dup = sorted({n for n in self.names if self.names.count(n) > 1})
+            raise ValueError(f"WeightChunk names repeated: {dup}")
+
+    @property
+    def dtypes(self) -> list[str]:
+        return [dtype_to_str(t.dtype) for t in self.tensors]
+
+    @property
+    def shapes(self) -> list[list[int]]:
+        return [list(t.shape) for t in self.tensors]
+
+    @property
+    def total_size_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, dtype string and shape of one tensor: what validation compares."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_itemsize(self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorMeta:
+        return cls(str(d["name"]), str(d["dtype"]), [int(s) for s in d["shape"]])
+
+
+# --------------------------------------------------------------------------------------------
+# Serialisable base: a "type" tag picks the dataclass on the receiving side
+# --------------------------------------------------------------------------------------------
+
+
+class _Tagged:
+    """Mixin: ``to_dict`` adds ``"type"``; ``from_dict`` on the base class dispatches on it."""
+
+    TYPE: ClassVar[str] = ""
+    _subclasses: ClassVar[dict[str, type]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not hasattr(cls, "_subclasses"):
+            cls._subclasses = {}
+        if cls.TYPE:
+            cls._subclasses[cls.TYPE] = cls
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.TYPE}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            out[f.name] = _to_jsonable(getattr(self, f.name))
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Any:
+        if not isinstance(d, dict):
+            raise ValueError(f"{cls.__name__}.from_dict expects a dict, got {type(d).__name__}")
+        kind = d.get("type", cls.TYPE)
+        target = cls._subclasses.get(kind) if kind else cls
+        if target is None:
+            raise ValueError(
+                f"unknown {cls.__name__} type {kind!r}; known: {sorted(cls._subclasses)}"
+            )
+        if cls.TYPE and target is not cls and not issubclass(target, cls):
+            raise ValueError(f"expected a {cls.TYPE!r} request, got {kind!r}")
+        names = {f.name for f in dataclasses.fields(target)}
+        unknown = sorted(set(d) - names - {"type"})
+        if unknown:
+            raise ValueError(f"{target.__name__}: unknown fields {unknown}")
+        kwargs = {k: v for k, v in d.items() if k in names}
+        try:
+            obj = target(**kwargs)
+        except TypeError as e:  # missing required field
+            raise ValueError(f"{target.__name__}: {e}") from None
+        obj._coerce()
+        return obj
+
+    def _coerce(self) -> None:
+        """Normalise and check field types after from_dict (subclasses extend)."""
+
+
+def _to_jsonable(v: Any) -> Any:
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return v.to_dict() if hasattr(v, "to_dict") else dataclasses.asdict(v)
+    if isinstance(v, (list, tuple)):
+        return [_to_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _to_jsonable(x) for k, x in v.items()}
+    return v
+
+
+# --------------------------------------------------------------------------------------------
+# Weight update requests (control plane, one per chunk)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class WeightUpdateRequest(_Tagged):
+    """Metadata of one chunk; the bytes travel on the strategy's data plane.
+
+    ``update_id`` names the whole update (all chunks of one sync); ``chunk_index`` counts from 0
+    and ``is_last`` marks the chunk after which the engine may publish ``version``.
+    """
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    update_id: str = ""
+    chunk_index: int = 0
+    is_last: bool = True
+    version: int | None = None
+
+    def _coerce(self) -> None:
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError(
+                f"{type(self).__name__}: names/dtypes/shapes lengths differ "
+                f"({len(self.names)}/{len(self.dtypes)}/{len(self.shapes)})"
+            )
+        bad = [n for n in self.names if not isinstance(n, str) or not n]
+        if bad:
+            raise ValueError(f"{type(self).__name__}: parameter names must be non-empty strings")
+        for n, d in zip(self.names, self.dtypes):
+            try:
+                str_to_dtype(d)
+            except ValueError as e:
+                raise ValueError(f"parameter {n!r}: {e}") from None
+        for n, s in zip(self.names, self.shapes):
+            if not isinstance(s, (list, tuple)) or not all(
+                isinstance(x, int) and x >= 0 for x in s
+            ):
+                raise ValueError(f"parameter {n!r}: shape must be a list of ints >= 0, got {s!r}")
+        self.shapes = [list(s) for s in self.shapes]
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+
+    @property
+    def total_size_bytes(self) -> int:
+        return sum(m.nbytes for m in self.metas())
+
+
+@dataclass(kw_only=True)
+class BroadcastWeightUpdateRequest(WeightUpdateRequest):
+    """Bytes follow as collective broadcasts from ``src_rank``.
+
+    ``packed``: one flat broadcast per dtype group (tensors in request order, offsets derived
+    from shapes, each start aligned to ``align_bytes``); otherwise one broadcast per tensor.
+    """
+
+    TYPE: ClassVar[str] = "broadcast"
+    src_rank: int = 0
+    packed: bool = True
+    align_bytes: int = 256
+
+
+@dataclass(kw_only=True)
+class IpcBufferHandle:
+    """A plain-field handle to one shared buffer.
+
+    ``kind="shm"``: a POSIX shared-memory segment named ``name`` of ``nbytes`` (CPU tensors).
+    ``kind="cuda"``: a CUDA IPC memory handle; ``handle`` is the base64 of the 64-byte
+    ``cudaIpcMemHandle_t`` of the allocation, ``offset`` the byte offset of the buffer inside it,
+    ``device_uuid`` the GPU it lives on (the receiver maps it to its own device index).
+    """
+
+    kind: str
+    nbytes: int
+    name: str = ""
+    handle: str = ""
+    offset: int = 0
+    alloc_nbytes: int = 0
+    device_uuid: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> IpcBufferHandle:
+        if not isinstance(d, dict):
+            raise ValueError(f"IPC handle must be a dict, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"IPC handle: unknown fields {unknown}")
+        h = cls(**d)
+        if h.kind not in ("shm", "cuda"):
+            raise ValueError(f"IPC handle kind must be 'shm' or 'cuda', got {h.kind!r}")
+        if not isinstance(h.nbytes, int) or h.nbytes < 0:
+            raise ValueError(f"IPC handle nbytes must be an int >= 0, got {h.nbytes!r}")
+        return h
+
+
+@dataclass(kw_only=True)
+class CudaIpcWeightUpdateRequest(WeightUpdateRequest):
+    """One shared buffer per tensor (CUDA IPC for CUDA tensors, shared memory for CPU ones)."""
+
+    TYPE: ClassVar[str] = "cuda_ipc"
+    handles: list[IpcBufferHandle] = field(default_factory=list)
+
+    def _coerce(self) -> None:
+        super()._coerce()
+        self.handles = [
+            h if isinstance(h, IpcBufferHandle) else IpcBufferHandle.from_dict(h)
+            for h in self.handles
+        ]
+        if len(self.handles) != len(self.names):
+            raise ValueError(
+                f"cuda_ipc request: {len(self.names)} names but {len(self.handles)} handles"
+            )
+
+
+@dataclass(kw_only=True)
+class PackedCudaIpcWeightUpdateRequest(WeightUpdateRequest):
+    """One contiguous buffer per dtype group; tensor ``i`` lives in ``buffers[buffer_index[i]]``
+    at byte ``offsets[i]`` and is rebuilt there as a view (no extra copy)."""
+
+    TYPE: ClassVar[str] = "packed_cuda_ipc"
+    buffers: list[IpcBufferHandle] = field(default_factory=list)
+    buffer_index: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+
+    def _coerce(self) -> None:
+        super()._coerce()
+        self.buffers = [
+            h if isinstance(h, IpcBufferHandle) else IpcBufferHandle.from_dict(h)
+            for h in self.buffers
+        ]
+        n = len(self.names)
+        if len(self.buffer_index) != n or len(self.offsets) != n:
+            raise ValueError(
+                f"packed_cuda_ipc request: {n} names but {len(self.buffer_index)} buffer "
+                f"indices and {len(self.offsets)} offsets"
+            )
+        for name, bi, off, m in zip(self.names, self.buffer_index, self.offsets, self.metas()):
+            if not (0 <= bi < len(self.buffers)):
+                raise ValueError(f"parameter {name!r}: buffer index {bi} out of range")
+            if off < 0 or off + m.nbytes > self.buffers[bi].nbytes:
+                raise ValueError(
+                    f"parameter {name!r}: bytes [{off}, {off + m.nbytes}) fall outside buffer "
+                    f"{bi} of {self.buffers[bi].nbytes} bytes"
+                )
+
+
+# --------------------------------------------------------------------------------------------
+# Sync info (built once by the controller, handed to both sides)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class WeightSyncInfo(_Tagged):
+    """What both sides need to set up the data plane once, before the first sync."""
+
+
+@dataclass(kw_only=True)
+class EmptyWeightSyncInfo(WeightSyncInfo):
+    """For strategies that need no set-up (IPC: every request carries its own handles)."""
+
+    TYPE: ClassVar[str] = "empty"
+
+
+@dataclass(kw_only=True)
+class TorchDistributedWeightSyncInfo(WeightSyncInfo):
+    """Rendezvous for a private torch.distributed group: rank 0 sends, ranks 1.. receive."""
+
+    TYPE: ClassVar[str] = "torch_distributed"
+    master_addr: str
+    master_port: int
+    world_size: int
+    group_name: str = "weightsync"
+    backend: str = "gloo"
+    timeout_s: float = 600.0
+
+    def _coerce(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.world_size < 2:
+            raise ValueError(f"world_size must be >= 2 (1 sender + receivers), got {self.world_size}")
+
+
+# --------------------------------------------------------------------------------------------
+# Update lifecycle messages (start / finish), sent by the sender around the chunk requests
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class WeightUpdateStart(_Tagged):
+    """Announces an update. ``manifest`` (when known) lists every tensor the update will carry,
+    so engines validate names/shapes/dtypes before any byte moves."""
+
+    TYPE: ClassVar[str] = "start"
+    update_id: str
+    version: int | None = None
+    manifest: list[TensorMeta] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def _coerce(self) -> None:
+        if self.manifest is not None:
+            self.manifest = [
+                m if isinstance(m, TensorMeta) else TensorMeta.from_dict(m) for m in self.manifest
+            ]
+
+
+@dataclass(kw_only=True)
+class WeightUpdateFinish(_Tagged):
+    """Closes an update; engines publish ``version`` only if every chunk landed."""
+
+    TYPE: ClassVar[str] = "finish"
+    update_id: str
+    version: int | None = None
+    num_chunks: int = 0
+    ok: bool = True
+    error: str = ""
