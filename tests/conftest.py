@@ -1,0 +1,34 @@
+"""Shared pytest set-up: GPU tests skip without CUDA; vLLM/Ray state goes to a temp dir."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+_TMP = tempfile.mkdtemp(prefix="weightsync-tests-")
+os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(_TMP, "vllm-cache"))
+os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(_TMP, "vllm-rpc"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.makedirs(os.environ["VLLM_RPC_BASE_PATH"], exist_ok=True)
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
