@@ -1,1 +1,40 @@
-"""See DESIGN.md section 2."""
+"""Reward models on vLLM: types, the server, the client (DESIGN.md section 6).
+
+Importing this package is light (no vLLM, no httpx): the types are plain data and the client /
+server are imported on first attribute access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from weightsync.reward.types import (
+    DEFAULT_HEAD_NAME_PATTERNS,
+    PoolingType,
+    RewardModelTrainingMode,
+    ScoringRequest,
+    ScoringResponse,
+    is_head_param,
+    non_head_params,
+)
+
+_LAZY = {
+    "RewardModelClient": "weightsync.reward.client",
+    "VLLMRewardClient": "weightsync.reward.client",
+    "HttpEngineClient": "weightsync.reward.http_engine_client",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightsync.reward' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "DEFAULT_HEAD_NAME_PATTERNS", "HttpEngineClient", "PoolingType", "RewardModelClient",
+    "RewardModelTrainingMode", "ScoringRequest", "ScoringResponse", "VLLMRewardClient",
+    "is_head_param", "non_head_params",
+]
