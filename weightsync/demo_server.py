@@ -1,0 +1,167 @@
+"""Run the reward server as a real subprocess and always take it down again.
+
+Used by ``weightsync demo``, ``benchmarks/bench_scoring.py`` and the examples, in the trainer's
+process. ``RewardServerProcess`` starts ``python -m weightsync.reward.server --model DIR --port P``
+in its own session (so vLLM's engine-core children go down with it), sends its output to a log
+file, waits for ``GET /health`` while reporting progress, and stops the whole process group on
+``stop()``, on leaving a ``with`` block, and at interpreter exit (atexit), whichever comes first.
+A server that dies during start-up raises ``RuntimeError`` with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (bind to port 0, read it back, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def vllm_scratch_env(scratch_dir: str) -> dict[str, str]:
+    """Environment that keeps vLLM's cache and IPC sockets inside ``scratch_dir``."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CACHE_ROOT", os.path.join(scratch_dir, "vllm-cache"))
+    env.setdefault("VLLM_RPC_BASE_PATH", os.path.join(scratch_dir, "vllm-rpc"))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    os.makedirs(env["VLLM_RPC_BASE_PATH"], exist_ok=True)
+    return env
+
+
+class RewardServerProcess:
+    """One reward server subprocess on ``host:port``, owned by the calling process."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        scratch_dir: str,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        module: str = "weightsync.reward.server",
+    ) -> None:
+        self.model_dir = model_dir
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_path = os.path.join(scratch_dir, f"reward-server-{self.port}.log")
+        self.cmd = [
+            sys.executable, "-m", module, "--model", model_dir,
+            "--host", host, "--port", str(self.port), *extra_args,
+        ]
+        self._env = vllm_scratch_env(scratch_dir)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> RewardServerProcess:
+        """Launch the subprocess (returns at once; use ``wait_healthy`` to wait for it)."""
+        if self._proc is not None:
+            raise RuntimeError("RewardServerProcess.start: already started")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
+            start_new_session=True,
+        )
+        atexit.register(self.stop)
+        return self
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - n_chars))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+
+    def health(self, timeout_s: float = 2.0) -> dict | None:
+        """The parsed ``/health`` answer, or None while the server is not answering."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as r:
+                return json.loads(r.read() or b"{}") if r.status == 200 else None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+            return None
+
+    def wait_healthy(
+        self,
+        *,
+        timeout_s: float = 240.0,
+        progress: Callable[[str], None] | None = None,
+        every_s: float = 5.0,
+    ) -> float:
+        """Block until ``/health`` answers 200; -> seconds waited. Raises if the server dies or
+        ``timeout_s`` passes (the log tail is in the message)."""
+        if self._proc is None:
+            raise RuntimeError("RewardServerProcess.wait_healthy: call start() first")
+        t0 = time.monotonic()
+        next_report = t0 + every_s
+        while True:
+            if self.health() is not None:
+                return time.monotonic() - t0
+            code = self._proc.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"reward server exited with code {code} during start-up "
+                    f"(command: {' '.join(self.cmd)}); last log lines:\n{self.log_tail()}"
+                )
+            now = time.monotonic()
+            if now - t0 > timeout_s:
+                self.stop()
+                raise TimeoutError(
+                    f"reward server not healthy after {timeout_s:.0f}s at {self.url}; "
+                    f"last log lines:\n{self.log_tail()}"
+                )
+            if progress is not None and now >= next_report:
+                progress(f"waiting for reward server at {self.url} ... {now - t0:.0f}s")
+                next_report = now + every_s
+            time.sleep(0.25)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Terminate the server's whole process group (SIGTERM, then SIGKILL). Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            # the group may outlive its leader (engine-core children): make sure it is gone
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+            atexit.unregister(self.stop)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> RewardServerProcess:
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
