@@ -1,1 +1,13 @@
-"""See DESIGN.md section 2."""
+"""Training-side extractors: a model in the trainer -> a stream of ``WeightChunk``s.
+
+One module per source (DESIGN.md section 2); each registers itself under its YAML ``type``:
+
+- ``hf``, ``hf_head`` (:mod:`weightsync.extractors.hf`): plain torch modules / HF models, the
+  whole state or only the head (reward models trained head-only).
+- ``lora_merge`` (:mod:`weightsync.extractors.lora`): PEFT models, merged weights.
+- ``fsdp`` (:mod:`weightsync.extractors.fsdp`): FSDP2 (DTensor) models, gathered per module.
+- ``deepspeed`` (:mod:`weightsync.extractors.deepspeed`): ZeRO-1/2/3 models.
+
+Nothing is imported here: ``weightsync.build_extractor({"type": ...})`` imports the one module
+it needs (see ``weightsync.registry``).
+"""

@@ -1,0 +1,267 @@
+"""``hf`` / ``hf_head`` extractors on real torch modules and real (tiny, random) HF models."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+import weightsync as ws
+from weightsync.config import CONFIG_DIR
+from weightsync.extractors.hf import (
+    HFHeadWeightExtractor,
+    HFWeightExtractor,
+    engine_name,
+    unique_named_tensors,
+)
+
+
+def _collect(extractor, model, dtype=None) -> list[ws.WeightChunk]:
+    async def go():
+        return [c async for c in extractor.extract_weights(model, dtype)]
+
+    return asyncio.run(go())
+
+
+def _flat(chunks) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for c in chunks:
+        for n, t in zip(c.names, c.tensors, strict=True):
+            assert n not in out, f"{n} sent twice"
+            out[n] = t
+    return out
+
+
+def _qwen2(cls_name: str = "Qwen2ForCausalLM", *, tie: bool = False, num_labels: int = 1):
+    import transformers
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie,
+        num_labels=num_labels, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return getattr(transformers, cls_name)(cfg).eval()
+
+
+class WithBuffers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.bn = torch.nn.BatchNorm1d(3)  # running stats are persistent buffers (+ int64 counter)
+        self.register_buffer("scratch", torch.zeros(5), persistent=False)
+
+
+# -- hf: what is sent ---------------------------------------------------------------------------
+
+
+def test_hf_sends_state_dict_bit_exact_without_copies():
+    m = WithBuffers()
+    chunks = _collect(HFWeightExtractor(), m)
+    got = _flat(chunks)
+    sd = m.state_dict()
+    assert list(got) == list(sd)  # params and persistent buffers, state_dict order
+    assert "scratch" not in got
+    for n, t in sd.items():
+        assert torch.equal(got[n], t)
+        assert got[n].data_ptr() == t.data_ptr(), f"{n} was copied although no cast was asked"
+        assert not got[n].requires_grad
+
+
+def test_hf_casts_floating_only_and_accepts_dtype_strings():
+    m = WithBuffers()
+    got = _flat(_collect(HFWeightExtractor(), m, "bfloat16"))
+    assert got["lin.weight"].dtype == torch.bfloat16
+    assert torch.equal(got["lin.weight"], m.lin.weight.detach().to(torch.bfloat16))
+    assert got["bn.num_batches_tracked"].dtype == torch.int64  # integer buffers keep their dtype
+    assert m.lin.weight.dtype == torch.float32  # the model itself is untouched
+    with pytest.raises(ValueError, match="unknown dtype 'bf17'"):
+        _collect(HFWeightExtractor(), m, "bf17")
+
+
+def test_hf_metadata_matches_extraction_and_needs_no_data():
+    model = _qwen2()
+    ex = HFWeightExtractor()
+    metas = ex.metadata(model, torch.bfloat16)
+    chunks = _collect(ex, model, torch.bfloat16)
+    assert metas == [m for c in chunks for m in c.metas()]
+    assert {m.dtype for m in metas} == {"bfloat16"}
+    with torch.device("meta"):  # no storage at all: metadata reads shapes and dtypes only
+        hollow = _qwen2()
+    assert ex.metadata(hollow, torch.bfloat16) == metas
+
+
+def test_hf_tied_embedding_sent_once_under_embedding_name():
+    tied = _qwen2(tie=True)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    got = _flat(_collect(HFWeightExtractor(), tied))
+    assert "lm_head.weight" not in got
+    assert torch.equal(got["model.embed_tokens.weight"], tied.model.embed_tokens.weight)
+    assert len(got) == len(tied.state_dict()) - 1
+
+    untied = _qwen2(tie=False)
+    got = _flat(_collect(HFWeightExtractor(), untied))
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(got)
+
+
+class HeadFirst(torch.nn.Module):
+    """Registers the output head before the embedding; ties them."""
+
+    def __init__(self, with_getter: bool) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(8, 10, bias=False)
+        self.embed = torch.nn.Embedding(10, 8)
+        self.lm_head.weight = self.embed.weight
+        self._with_getter = with_getter
+
+    def get_input_embeddings(self):
+        if not self._with_getter:
+            raise NotImplementedError
+        return self.embed
+
+
+@pytest.mark.parametrize("with_getter,expected", [(True, "embed.weight"), (False, "lm_head.weight")])
+def test_tied_name_prefers_input_embedding_else_first_registered(with_getter, expected):
+    names = [n for n, _ in unique_named_tensors(HeadFirst(with_getter))]
+    assert names == [expected]
+
+
+def test_tied_weight_round_trips_into_a_fresh_model_through_the_loader():
+    from weightsync.loaders.torch_module import TorchModuleWeightLoader
+
+    src, dst = _qwen2(tie=True), _qwen2(tie=True)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(1.0)
+    loader = TorchModuleWeightLoader(module=dst)
+    chunks = _collect(HFWeightExtractor(ws.ExtractorConfig(bucket_size_mb=0.01)), src)
+    assert len(chunks) > 3
+    for c in chunks:
+        loader.validate(c.metas())
+        asyncio.run(loader.load_weights(dict(zip(c.names, c.tensors, strict=True))))
+    for (n, a), b in zip(src.state_dict().items(), dst.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    assert dst.lm_head.weight is dst.model.embed_tokens.weight
+
+
+# -- names ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw,expected",
+    [
+        ("module.model.norm.weight", "model.norm.weight"),
+        ("_orig_mod.model.norm.weight", "model.norm.weight"),
+        ("module._orig_mod.lin.weight", "lin.weight"),
+        ("model.layers.0._checkpoint_wrapped_module.mlp.up.weight", "model.layers.0.mlp.up.weight"),
+        ("score.weight", "score.weight"),
+    ],
+)
+def test_engine_name_strips_wrappers(raw, expected):
+    assert engine_name(raw) == expected
+
+
+def test_compiled_and_ddp_style_wrappers_do_not_reach_the_engine():
+    m = WithBuffers()
+    compiled = torch.compile(m)  # lazily compiled: never run here, only wrapped
+    assert any(n.startswith("_orig_mod.") for n, _ in compiled.named_parameters())
+    assert [n for n, _ in unique_named_tensors(compiled)] == list(m.state_dict())
+    sd = {f"module.{k}": v for k, v in m.state_dict().items()}
+    assert list(_flat(_collect(HFWeightExtractor(), sd))) == list(m.state_dict())
+
+
+def test_two_tensors_colliding_on_one_engine_name_is_an_error():
+    sd = {"module.w": torch.zeros(2), "w": torch.ones(2)}
+    with pytest.raises(ValueError, match="engine name 'w'"):
+        HFWeightExtractor().metadata(sd)
+
+
+def test_bad_model_type_is_a_type_error():
+    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+        HFWeightExtractor().metadata([1, 2, 3])
+    with pytest.raises(TypeError, match="not tensors: \\['b'\\]"):
+        HFWeightExtractor().metadata({"a": torch.zeros(1), "b": 3})
+
+
+# -- chunking ---------------------------------------------------------------------------------------
+
+
+def test_chunks_respect_bucket_and_keep_modules_whole():
+    model = _qwen2()
+    threshold_mb = 0.02
+    ex = HFWeightExtractor(ws.ExtractorConfig(bucket_size_mb=threshold_mb))
+    chunks = _collect(ex, model)
+    limit = int(threshold_mb * (1 << 20))
+    names_in_order = [n for c in chunks for n in c.names]
+    assert names_in_order == [n for n, _ in unique_named_tensors(model)]
+    owner: dict[str, int] = {}
+    for i, c in enumerate(chunks):
+        modules = {n.rsplit(".", 1)[0] for n in c.names}
+        if len(modules) > 1:
+            assert c.total_size_bytes <= limit
+        for mod in modules:
+            assert owner.setdefault(mod, i) == i, f"module {mod} split across chunks"
+
+
+def test_not_sender_yields_nothing_but_iterates():
+    ex = HFWeightExtractor(ws.ExtractorConfig(is_sender=False))
+    assert _collect(ex, WithBuffers()) == []
+
+
+# -- hf_head --------------------------------------------------------------------------------------
+
+
+def test_head_only_sends_score_layer():
+    model = _qwen2("Qwen2ForSequenceClassification", num_labels=3)
+    ex = ws.build_extractor({"type": "hf_head"})
+    assert isinstance(ex, HFHeadWeightExtractor)
+    got = _flat(_collect(ex, model))
+    assert list(got) == ["score.weight"]
+    assert got["score.weight"].shape == (3, 32)
+    assert [m.name for m in ex.metadata(model)] == ["score.weight"]
+
+
+def test_head_patterns_regex_and_substring():
+    model = WithBuffers()
+    ex = ws.build_extractor({"type": "hf_head", "head_name_patterns": ["re:^bn\\.(weight|bias)$"]})
+    assert [m.name for m in ex.metadata(model)] == ["bn.weight", "bn.bias"]
+    ex = ws.build_extractor({"type": "hf_head", "head_name_patterns": ["lin."]})
+    assert [m.name for m in ex.metadata(model)] == ["lin.weight", "lin.bias"]
+
+
+def test_head_no_match_lists_patterns_and_some_names():
+    model = _qwen2()
+    ex = ws.build_extractor({"type": "hf_head"})
+    with pytest.raises(ValueError) as e:
+        _collect(ex, model)
+    msg = str(e.value)
+    assert "['score.', 'classifier.', 'v_head.']" in msg
+    assert "model.embed_tokens.weight" in msg and "model.norm.weight" in msg
+    with pytest.raises(ValueError, match="head_name_patterns"):
+        ex.metadata(model)
+
+
+def test_head_empty_patterns_refused():
+    with pytest.raises(ValueError, match="must not be empty"):
+        ws.build_extractor({"type": "hf_head", "head_name_patterns": []})
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "preset,cls", [("extractor_hf", HFWeightExtractor), ("extractor_hf_head", HFHeadWeightExtractor)]
+)
+def test_presets_build(preset, cls):
+    path = os.path.join(CONFIG_DIR, f"{preset}.yaml")
+    ex = ws.build_extractor(path)
+    assert type(ex) is cls
+    assert isinstance(ex.cfg, cls.config_cls)
+    assert ws.load_config(preset).extractor["type"] == cls.name
+
+
+def test_unknown_field_lists_valid_ones():
+    with pytest.raises(ValueError, match="unknown field.*'head_patterns'.*head_name_patterns"):
+        ws.build_extractor({"type": "hf_head", "head_patterns": ["x"]})

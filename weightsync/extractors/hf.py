@@ -1,0 +1,247 @@
+"""Extractors for plain torch modules and Hugging Face models: ``hf`` (everything) and ``hf_head``
+(only the head, e.g. a reward model's ``score`` layer).
+
+Who calls: the sending training process (one rank; these models are not sharded, except that a
+DTensor parameter is gathered with ``full_tensor()``, which is a collective: then every rank must
+iterate in lockstep, as for any extractor). What is yielded is what the model's ``state_dict``
+holds (parameters and persistent buffers) under engine names, with three rules:
+
+- **Tied weights are sent once.** Two names sharing one tensor (HF ``tie_word_embeddings``:
+  ``lm_head.weight`` is ``model.embed_tokens.weight``) yield one tensor, under the input
+  embedding's name for HF models (what the checkpoint and vLLM expect; vLLM skips
+  ``lm_head.weight`` when embeddings are tied), otherwise under the first registered name.
+- **Wrapper prefixes never reach the engine**: ``module.`` (DDP), ``_orig_mod.``
+  (``torch.compile``), ``_checkpoint_wrapped_module.`` / ``_fsdp_wrapped_module.``. The mapping
+  lives in :func:`engine_name` (one place; ``weightsync.naming`` when present).
+- **Nothing is copied unless cast**: tensors are yielded detached, one at a time; the base class
+  casts floating tensors to ``generator_dtype`` (a ``torch.dtype`` or a string such as
+  ``"bfloat16"``) as they stream, so the model is never materialised twice.
+
+``metadata()`` is cheap (names, dtypes after cast, shapes; no copies and no collectives), so a
+caller can validate against an engine before extracting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from weightsync.config import ExtractorConfig, HeadExtractorConfig
+from weightsync.interfaces import WeightExtractor, compile_patterns
+from weightsync.registry import register_extractor
+from weightsync.types import TensorMeta, WeightChunk, dtype_to_str, str_to_dtype
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def engine_name(name: str) -> str:
+    """Training-side parameter name -> the name the engine expects.
+
+    Delegates to ``weightsync.naming.to_engine_name`` when that module exists (it knows the full
+    HF / PEFT / FSDP mapping); otherwise strips wrapper prefixes only.
+    """
+    mapper = _naming_mapper()
+    if mapper is not None:
+        return mapper(name)
+    changed = True
+    while changed:
+        changed = False
+        for p in _WRAPPER_PREFIXES:
+            if name.startswith(p):
+                name, changed = name[len(p):], True
+    for infix in _WRAPPER_INFIXES:
+        name = name.replace(infix, "")
+    return name
+
+
+def _naming_mapper() -> Any:
+    try:
+        from weightsync import naming  # optional: the full HF/PEFT/FSDP mapping
+    except ImportError:
+        return None
+    return getattr(naming, "to_engine_name", None)
+
+
+def _unwrap(model: Any) -> Any:
+    """Peel DDP / DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    import torch
+
+    seen = 0
+    while seen < 8:
+        seen += 1
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, torch.nn.Module):
+            model = inner
+            continue
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+            continue
+        break
+    return model
+
+
+def _state_entries(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` in ``state_dict`` order, every alias included (no copies).
+
+    A mapping of tensors (a state dict) is accepted as is.
+    """
+    import torch
+
+    if isinstance(model, Mapping):
+        bad = [k for k, v in model.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"state dict values must be tensors; not tensors: {bad[:5]}")
+        return [(str(k), v) for k, v in model.items()]
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"hf extractor needs a torch.nn.Module (or a dict of tensors), got "
+            f"{type(model).__name__}"
+        )
+    out: list[tuple[str, torch.Tensor]] = []
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        for n, p in mod._parameters.items():
+            if p is not None:
+                out.append((pre + n, p))
+        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        for n, b in mod._buffers.items():
+            if b is not None and n not in skip:
+                out.append((pre + n, b))
+    return out
+
+
+def _input_embedding_name(model: Any) -> str | None:
+    """Name of the HF input-embedding weight (``model.embed_tokens.weight``), if any."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if not callable(getter):
+        return None
+    try:
+        emb = getter()
+    except (NotImplementedError, AttributeError):
+        return None
+    if emb is None:
+        return None
+    for prefix, mod in model.named_modules():
+        if mod is emb:
+            return f"{prefix}.weight" if prefix else "weight"
+    return None
+
+
+def unique_named_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """Engine-named tensors of ``model``, each tied group once (see module docstring).
+
+    Order is ``state_dict`` order; a tied group sits where its first alias appears.
+    """
+    model = _unwrap(model)
+    entries = _state_entries(model)
+    preferred = _input_embedding_name(model)
+    aliases: dict[int, list[str]] = {}
+    order: list[tuple[int, torch.Tensor]] = []
+    for name, t in entries:
+        key = id(t)
+        if key not in aliases:
+            aliases[key] = []
+            order.append((key, t))
+        aliases[key].append(name)
+    out: list[tuple[str, torch.Tensor]] = []
+    for key, t in order:
+        names = aliases[key]
+        chosen = preferred if preferred in names else names[0]
+        out.append((engine_name(chosen), t))
+    seen: dict[str, int] = {}
+    for i, (n, _) in enumerate(out):
+        if n in seen:
+            raise ValueError(
+                f"two different tensors map to the engine name {n!r} after stripping wrapper "
+                f"prefixes (positions {seen[n]} and {i}); rename one of them"
+            )
+        seen[n] = i
+    return out
+
+
+def _as_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or not isinstance(dtype, str):
+        return dtype
+    return str_to_dtype(dtype)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Gather a DTensor (a collective: all ranks must call it); plain tensors pass through."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+@register_extractor("hf")
+class HFWeightExtractor(WeightExtractor):
+    """Every parameter and persistent buffer of a torch module / HF model (``type: hf``).
+
+    Config: ``ExtractorConfig`` (``bucket_size_mb``, ``group_by_module``, ``is_sender``).
+    """
+
+    name = "hf"
+    config_cls = ExtractorConfig
+
+    def _select(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Hook for subclasses: which of the engine-named tensors to send."""
+        return named
+
+    def _extract_raw_weights(
+        self, model: Any, generator_dtype: torch.dtype | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._select(unique_named_tensors(model)):
+            yield name, _full(t).detach()
+
+    def metadata(self, model: Any, generator_dtype: Any = None) -> list[TensorMeta]:
+        dtype = _as_dtype(generator_dtype)
+        out = []
+        for name, t in self._select(unique_named_tensors(model)):
+            d = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            out.append(TensorMeta(name, dtype_to_str(d), list(t.shape)))
+        return out
+
+    async def extract_weights(
+        self, model: Any, generator_dtype: Any = None
+    ) -> AsyncIterator[WeightChunk]:
+        """As the base class; ``generator_dtype`` may also be a string (``"bfloat16"``)."""
+        async for chunk in super().extract_weights(model, _as_dtype(generator_dtype)):
+            yield chunk
+
+
+@register_extractor("hf_head")
+class HFHeadWeightExtractor(HFWeightExtractor):
+    """Only head tensors, matched on engine names by ``head_name_patterns`` (``type: hf_head``).
+
+    Patterns follow ``compile_patterns``: a plain string matches as a substring (default
+    ``score.``, ``classifier.``, ``v_head.``), ``re:...`` is a regular expression. A model in which
+    no tensor matches is an error that lists the patterns and some of the model's names.
+    """
+
+    name = "hf_head"
+    config_cls = HeadExtractorConfig
+
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__(cfg if cfg is not None else HeadExtractorConfig())
+        patterns = list(getattr(self.cfg, "head_name_patterns", None) or [])
+        if not patterns:
+            raise ValueError("hf_head extractor: head_name_patterns must not be empty")
+        self.patterns = patterns
+        self._compiled = compile_patterns(patterns)
+
+    def is_head(self, name: str) -> bool:
+        return any(p.search(name) for p in self._compiled)
+
+    def _select(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        picked = [(n, t) for n, t in named if self.is_head(n)]
+        if not picked:
+            names = [n for n, _ in named]
+            shown = names[:3] + (["..."] if len(names) > 6 else []) + names[max(3, len(names) - 3):]
+            raise ValueError(
+                f"hf_head extractor: no parameter matches head_name_patterns {self.patterns}; "
+                f"the model has {len(names)} tensors, e.g. {shown}. Set head_name_patterns to "
+                f"your head's name (a substring, or 're:<regex>')"
+            )
+        return picked
