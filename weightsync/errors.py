@@ -24,6 +24,14 @@ class WeightMismatchError(WeightSyncError, ValueError):
             f"{len(self.offenders)} parameter(s) do not match the {target}; nothing was "
             f"loaded:\n  {lines}"
         )
+        self.target = target
+
+    def __reduce__(self):  # keep offenders and message intact through pickle (Ray, multiprocessing)
+        return (_rebuild_mismatch, (type(self), self.offenders, self.target))
+
+
+def _rebuild_mismatch(cls: type, offenders: list[str], target: str) -> WeightMismatchError:
+    return cls(offenders, target=target)
 
 
 class WeightSyncTimeout(WeightSyncError, TimeoutError):
