@@ -1,0 +1,104 @@
+"""``WeightSyncEngineMixin``: makes a user's inference actor a weight-sync engine.
+
+Mix it into the Ray actor class that owns the inference model (a torch module, a vLLM engine,
+...) and implement ``_weightsync_loader()`` to return the ``WeightLoader`` for it. The mixin
+exposes the endpoint methods that ``RayEngineClient`` calls, as async actor methods, and
+forwards them to one ``weightsync.engine.WeightUpdateEndpoint`` created on first use in the
+actor's process:
+
+    get_weight_sync_world_size()  -> receiving workers in this engine (override for TP > 1)
+    init_weight_transfer(strategy_cfg, sync_info, rank_offset)
+    start_weight_update(start) / update_named_weights(request) / finish_weight_update(finish)
+    close_weight_transfer()
+    get_weight_version() / get_weight_sync_state()
+
+All arguments are plain dicts (what ``to_dict()`` gives); nothing but them crosses Ray. The
+actor must be async (it is, as soon as it has these async methods), so Ray runs them on one event
+loop: the endpoint's data-plane waits run in threads and the actor keeps answering.
+
+Serving code in the actor should call ``self.check_weights_servable()`` before using the model:
+it raises ``UpdateIncompleteError`` while a failed update left the weights half-written.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from weightsync.engine import WeightUpdateEndpoint
+    from weightsync.interfaces import WeightLoader
+
+
+class WeightSyncEngineMixin:
+    """Endpoint methods for an inference actor; implement ``_weightsync_loader``."""
+
+    _weightsync_ep: WeightUpdateEndpoint | None = None
+
+    # -- what the actor provides --------------------------------------------------------------
+    def _weightsync_loader(self) -> WeightLoader:
+        raise NotImplementedError(
+            f"{type(self).__name__} mixes in WeightSyncEngineMixin but does not implement "
+            f"_weightsync_loader() -> WeightLoader"
+        )
+
+    def _weightsync_name(self) -> str:
+        """How this engine is named in errors and logs (override to give a friendlier name)."""
+        name = getattr(self, "_weightsync_engine_name", None)
+        if name:
+            return str(name)
+        try:
+            import ray
+
+            actor_id = ray.get_runtime_context().get_actor_id() or "?"
+        except Exception:
+            actor_id = "?"
+        return f"{type(self).__name__}({actor_id[:12]})"
+
+    def _weightsync_endpoint(self) -> WeightUpdateEndpoint:
+        if self._weightsync_ep is None:
+            from weightsync.engine import WeightUpdateEndpoint
+
+            self._weightsync_ep = WeightUpdateEndpoint(
+                self._weightsync_loader(), name=self._weightsync_name()
+            )
+        return self._weightsync_ep
+
+    # -- actor methods (called by RayEngineClient) -------------------------------------------
+    async def get_weight_sync_world_size(self) -> int:
+        """Receiving workers of this engine; 1 for a module in this process."""
+        return 1
+
+    async def get_weight_sync_name(self) -> str:
+        return self._weightsync_name()
+
+    async def init_weight_transfer(
+        self, strategy_cfg: dict, sync_info: dict, rank_offset: int
+    ) -> None:
+        await self._weightsync_endpoint().init_weight_transfer(
+            strategy_cfg, sync_info, rank_offset
+        )
+
+    async def start_weight_update(self, start: dict) -> None:
+        await self._weightsync_endpoint().start_weight_update(start)
+
+    async def update_named_weights(self, request: dict) -> None:
+        await self._weightsync_endpoint().update_named_weights(request)
+
+    async def finish_weight_update(self, finish: dict) -> int:
+        return await self._weightsync_endpoint().finish_weight_update(finish)
+
+    async def close_weight_transfer(self) -> None:
+        if self._weightsync_ep is not None:
+            await self._weightsync_ep.close_weight_transfer()
+
+    async def get_weight_version(self) -> int:
+        return self._weightsync_endpoint().version
+
+    async def get_weight_sync_state(self) -> dict[str, Any]:
+        ep = self._weightsync_endpoint()
+        return {"version": ep.version, "state": ep.state, "last_error": ep.last_error}
+
+    def check_weights_servable(self) -> None:
+        """Raise ``UpdateIncompleteError`` while the weights are a partial update."""
+        if self._weightsync_ep is not None:
+            self._weightsync_ep.check_serving()

@@ -1,0 +1,163 @@
+"""``WeightSyncTrainerMixin``: lets a training actor send its weights to engine actors.
+
+Mix it into the Ray actor class that trains, and implement ``_weightsync_model()`` to return the
+model to extract from. Then (usually through ``weightsync.ray.controller``):
+
+    await trainer.setup_weight_sync.remote(strategy_cfg, extractor_cfg, engine_handles)
+    stats = await trainer.sync_weights.remote(version=None)
+
+On the sending rank ``setup_weight_sync`` builds the strategy, a ``RayEngineClient`` over the
+engine handles, the sync info and the sender; building the sender makes every engine build its
+receiver at the same time (rendezvous). A broadcast strategy without ``master_addr`` gets this
+node's address from Ray (``ray.util.get_node_ip_address()``), so the same code spans nodes.
+
+For sharded training (FSDP, ZeRO-3) every training rank is an actor with this mixin: rank 0 gets
+the engine handles and ``is_sender=True``; the others get ``engine_handles=None`` and only run
+the extractor's collectives in ``sync_weights`` (all ranks must call it together).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from weightsync.interfaces import (
+        WeightExtractor,
+        WeightTransferSender,
+        WeightTransferStrategy,
+    )
+    from weightsync.ray.client import RayEngineClient
+
+
+@dataclass
+class _TrainerSyncState:
+    extractor: WeightExtractor
+    strategy: WeightTransferStrategy | None = None
+    client: RayEngineClient | None = None
+    sender: WeightTransferSender | None = None
+    generator_dtype: torch.dtype | None = None
+    version: int = 0  # last version the engines published
+
+
+class WeightSyncTrainerMixin:
+    """Sender-side set-up and ``sync_weights``; implement ``_weightsync_model``."""
+
+    _weightsync: _TrainerSyncState | None = None
+
+    def _weightsync_model(self) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} mixes in WeightSyncTrainerMixin but does not implement "
+            f"_weightsync_model() -> the model to extract weights from"
+        )
+
+    async def setup_weight_sync(
+        self,
+        strategy_cfg: Any,
+        extractor_cfg: Any = None,
+        engine_handles: list[Any] | None = None,
+        *,
+        is_sender: bool = True,
+        generator_dtype: str | None = None,
+        timeout_s: float | None = None,
+        engine_names: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Build extractor (every rank) and strategy/client/sender (sending rank).
+
+        Returns ``{"sync_info", "world_sizes", "versions"}`` on the sender, ``{}`` elsewhere.
+        Calling it again tears the previous set-up down first.
+        """
+        from weightsync.config import build_extractor, build_strategy
+        from weightsync.ray.client import RayEngineClient
+        from weightsync.types import str_to_dtype
+
+        await self.close_weight_sync()
+        extractor = build_extractor(_with_sender_flag(extractor_cfg, is_sender))
+        state = _TrainerSyncState(
+            extractor=extractor,
+            generator_dtype=str_to_dtype(generator_dtype) if generator_dtype else None,
+        )
+        if not is_sender:
+            self._weightsync = state
+            return {}
+        if not engine_handles:
+            raise ValueError("setup_weight_sync: the sending rank needs engine_handles")
+        strategy = build_strategy(strategy_cfg)
+        _fill_ray_address(strategy.cfg)
+        timeout = float(timeout_s if timeout_s is not None else strategy.cfg.timeout_s)
+        client = RayEngineClient(engine_handles, timeout_s=timeout, names=engine_names)
+        sync_info = await strategy.create_sync_info(strategy.cfg, client)
+        sender = await strategy.create_sender(strategy.cfg, client, sync_info)
+        versions = await client.get_weight_versions()
+        state.strategy, state.client, state.sender = strategy, client, sender
+        state.version = max(versions)
+        self._weightsync = state
+        return {
+            "sync_info": sync_info.to_dict(),
+            "world_sizes": await client.get_world_sizes(),
+            "versions": versions,
+        }
+
+    async def sync_weights(self, version: int | None = None) -> dict[str, Any]:
+        """Extract the model's weights and send them to every engine as one update.
+
+        ``version`` defaults to one more than the highest version the engines published, so all
+        engines publish the same number. Returns the sync stats as a dict (``version``,
+        ``versions`` per engine, ``total_bytes``, ``seconds``, ``gbps``, ...). On a non-sending
+        rank it only runs the extractor's collectives and returns ``{}``.
+        """
+        state = self._weightsync
+        if state is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.sync_weights called before setup_weight_sync"
+            )
+        model = self._weightsync_model()
+        chunks = state.extractor.extract_weights(model, state.generator_dtype)
+        if state.sender is None:
+            async for _ in chunks:  # lockstep collectives; nothing is kept here
+                pass
+            return {}
+        if version is None:
+            version = state.version + 1
+        manifest = state.extractor.metadata(model, state.generator_dtype)
+        stats = await state.sender.send_chunks(
+            chunks, state.client, version=version, manifest=manifest
+        )
+        state.version = max([v for v in stats.versions if v is not None] or [version])
+        out = dataclasses.asdict(stats)
+        out["version"] = version
+        out["gbps"] = stats.gbps
+        return out
+
+    async def close_weight_sync(self) -> None:
+        """Tear down sender and engine receivers (safe to call twice)."""
+        state, self._weightsync = self._weightsync, None
+        if state is None or state.sender is None:
+            return
+        try:
+            await state.sender.close()
+        finally:
+            if state.client is not None:
+                await state.client.close_weight_transfer()
+
+
+def _with_sender_flag(extractor_cfg: Any, is_sender: bool) -> Any:
+    from weightsync.config import _to_plain
+
+    data = _to_plain(extractor_cfg) if extractor_cfg is not None else {"type": "hf"}
+    if "extractor" in data and "type" not in data:
+        data = dict(data["extractor"])
+    data["is_sender"] = is_sender
+    return data
+
+
+def _fill_ray_address(cfg: Any) -> None:
+    """A broadcast config without ``master_addr`` rendezvous at this node's Ray address."""
+    if hasattr(cfg, "master_addr") and not getattr(cfg, "master_addr", None):
+        import ray
+
+        if ray.is_initialized():
+            cfg.master_addr = ray.util.get_node_ip_address()
