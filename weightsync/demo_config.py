@@ -1,0 +1,153 @@
+"""Typed config of ``weightsync demo``: ``configs/demo.yaml`` + command-line overrides.
+
+The dataclass defaults are the same as ``configs/demo.yaml``, so the demo also runs from an
+installed wheel without the repository's ``configs/``. Unknown keys in the YAML are an error that
+names them and lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.config import CONFIG_DIR, _to_plain, make_config
+
+DEFAULT_CONFIG = os.path.join(CONFIG_DIR, "demo.yaml")
+
+# --strategy NAME -> strategy config; any other name is taken as {"type": NAME}
+STRATEGY_PRESETS: dict[str, dict[str, Any]] = {
+    "broadcast": {"type": "broadcast", "backend": "gloo"},
+    "broadcast_gloo": {"type": "broadcast", "backend": "gloo"},
+    "broadcast_nccl": {"type": "broadcast", "backend": "nccl"},
+    "cuda_ipc": {"type": "cuda_ipc"},
+    "packed_cuda_ipc": {"type": "packed_cuda_ipc"},
+}
+
+TRAIN_MODES = ("head_only", "full")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    family: str = "qwen2"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    seed: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSection:
+    num_train: int = 256
+    num_eval: int = 64
+    seed: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSection:
+    mode: str = "head_only"
+    steps: int = 300
+    lr: float = 1e-2
+    batch_size: int = 64
+    full_steps: int = 20
+    full_lr: float = 1e-3
+    full_batch_size: int = 16
+    threads: int = 1
+    device: str = "cpu"
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerSection:
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = 300.0
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckSection:
+    max_abs_err: float = 1e-4
+    min_accuracy_gain: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    server: ServerSection = field(default_factory=ServerSection)
+    strategy: dict[str, Any] = field(
+        default_factory=lambda: dict(STRATEGY_PRESETS["broadcast"])
+    )
+    check: CheckSection = field(default_factory=CheckSection)
+
+    def validate(self) -> None:
+        if self.train.mode not in TRAIN_MODES:
+            raise ValueError(f"train.mode must be one of {TRAIN_MODES}, got {self.train.mode!r}")
+        if self.model.family not in ("qwen2", "llama"):
+            raise ValueError(f"model.family must be qwen2 or llama, got {self.model.family!r}")
+        for name in ("num_train", "num_eval"):
+            if getattr(self.data, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(self.data, name)}")
+        if "type" not in self.strategy:
+            raise ValueError(f"strategy needs a 'type' field, got {self.strategy!r}")
+        if self.train.device not in ("cpu", "cuda"):
+            raise ValueError(f"train.device must be cpu or cuda, got {self.train.device!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {
+    "model": ModelSection, "data": DataSection, "train": TrainSection,
+    "server": ServerSection, "check": CheckSection,
+}
+
+
+def demo_config_from_mapping(data: Mapping[str, Any]) -> DemoConfig:
+    """Build a ``DemoConfig``; unknown sections or fields raise naming them."""
+    unknown = sorted(set(data) - set(_SECTIONS) - {"strategy"})
+    if unknown:
+        raise ValueError(
+            f"demo config: unknown section(s) {unknown}; valid: "
+            f"{', '.join(sorted([*_SECTIONS, 'strategy']))}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        if data.get(name) is not None:
+            kwargs[name] = make_config(cls, dict(data[name]), what=f"demo config [{name}]")
+    if data.get("strategy") is not None:
+        kwargs["strategy"] = dict(data["strategy"])
+    cfg = DemoConfig(**kwargs)
+    cfg.validate()
+    return cfg
+
+
+def load_demo_config(path: str | None = None) -> DemoConfig:
+    """Read ``path`` (default ``configs/demo.yaml`` when present, else the built-in defaults)."""
+    if path is None:
+        if not os.path.exists(DEFAULT_CONFIG):
+            return DemoConfig()
+        path = DEFAULT_CONFIG
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"demo config {path!r} does not exist")
+    return demo_config_from_mapping(_to_plain(path))
+
+
+def strategy_from_name(name: str) -> dict[str, Any]:
+    """``--strategy`` value -> strategy config: a preset name, a YAML path, or a registered type."""
+    if name in STRATEGY_PRESETS:
+        return dict(STRATEGY_PRESETS[name])
+    if name.endswith((".yaml", ".yml")) or os.path.exists(name):
+        data = _to_plain(name)
+        return dict(data["strategy"]) if "strategy" in data and "type" not in data else data
+    from weightsync.registry import STRATEGIES
+
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"--strategy {name!r}: not a preset ({', '.join(STRATEGY_PRESETS)}), a YAML file, "
+            f"nor a registered strategy ({', '.join(STRATEGIES.names())})"
+        )
+    return {"type": name}
