@@ -87,7 +87,7 @@ class WeightChunk:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def metas(self) -> list[TensorMeta]:
-        return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+        return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtypes, self.shapes, strict=True)]
 
     def __len__(self) -> int:
         return len(self.names)
@@ -117,7 +117,25 @@ class TensorMeta:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorMeta:
-        return cls(str(d["name"]), str(d["dtype"]), [int(s) for s in d["shape"]])
+        if not isinstance(d, dict):
+            raise ValueError(f"tensor metadata must be a dict, got {type(d).__name__}")
+        missing = [k for k in ("name", "dtype", "shape") if k not in d]
+        if missing:
+            raise ValueError(f"tensor metadata {d.get('name', '?')!r}: missing fields {missing}")
+        name, dtype, shape = d["name"], d["dtype"], d["shape"]
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor metadata: name must be a non-empty string, got {name!r}")
+        try:
+            if not isinstance(dtype, str):
+                raise ValueError(f"dtype must be a string such as 'bfloat16', got {dtype!r}")
+            str_to_dtype(dtype)
+        except ValueError as e:
+            raise ValueError(f"parameter {name!r}: {e}") from None
+        if not isinstance(shape, (list, tuple)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape
+        ):
+            raise ValueError(f"parameter {name!r}: shape must be a list of ints >= 0, got {shape!r}")
+        return cls(name, dtype.removeprefix("torch."), [int(s) for s in shape])
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,12 +230,12 @@ class WeightUpdateRequest(_Tagged):
         bad = [n for n in self.names if not isinstance(n, str) or not n]
         if bad:
             raise ValueError(f"{type(self).__name__}: parameter names must be non-empty strings")
-        for n, d in zip(self.names, self.dtypes):
+        for n, d in zip(self.names, self.dtypes, strict=True):
             try:
                 str_to_dtype(d)
             except ValueError as e:
                 raise ValueError(f"parameter {n!r}: {e}") from None
-        for n, s in zip(self.names, self.shapes):
+        for n, s in zip(self.names, self.shapes, strict=True):
             if not isinstance(s, (list, tuple)) or not all(
                 isinstance(x, int) and x >= 0 for x in s
             ):
@@ -225,7 +243,7 @@ class WeightUpdateRequest(_Tagged):
         self.shapes = [list(s) for s in self.shapes]
 
     def metas(self) -> list[TensorMeta]:
-        return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+        return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtypes, self.shapes, strict=True)]
 
     @property
     def total_size_bytes(self) -> int:
@@ -324,7 +342,9 @@ class PackedCudaIpcWeightUpdateRequest(WeightUpdateRequest):
                 f"packed_cuda_ipc request: {n} names but {len(self.buffer_index)} buffer "
                 f"indices and {len(self.offsets)} offsets"
             )
-        for name, bi, off, m in zip(self.names, self.buffer_index, self.offsets, self.metas()):
+        for name, bi, off, m in zip(
+            self.names, self.buffer_index, self.offsets, self.metas(), strict=True
+        ):
             if not (0 <= bi < len(self.buffers)):
                 raise ValueError(f"parameter {name!r}: buffer index {bi} out of range")
             if off < 0 or off + m.nbytes > self.buffers[bi].nbytes:
