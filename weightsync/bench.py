@@ -1,0 +1,366 @@
+"""``weightsync bench``: move a model of a named shape through each strategy between two real
+processes, check every tensor arrived bit-exact, and compare with references from the same run.
+
+Sender: this process (a module built by ``weightsync.bench_shapes.build_module``, random
+values, extracted with the ``hf`` extractor like a trainer would). Receiver: a
+``weightsync.local.LocalEngineProcess`` holding a module with the same names and shapes and
+different values (a constant). Per strategy: one warm-up sync (reported as ``first_seconds``),
+then ``repeats`` timed syncs (the sender negates its weights before each, so every sync moves new
+values); ``seconds`` is their median, wall time of ``send_chunks`` (extract, start, every chunk
+received and loaded, finish). After the last sync the receiver's state digest must equal the
+sender's (``bit_exact``).
+
+References (``weightsync.bench_reference``): on CPU a memcpy of the same bytes; on CUDA a raw
+device copy (IPC strategies) or a raw broadcast of one flat buffer (``broadcast``). Broadcast
+rows also report the raw broadcast of one flat buffer over the same backend.
+
+``naive`` is the per-tensor way many RL stacks start with: broadcast, one request and one
+broadcast per tensor, no bucketing, no packing.
+
+Progress goes to stderr; the table to stdout; ``--json PATH`` writes the records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+NAIVE = "naive"
+DEFAULT_STRATEGIES = ["broadcast", "cuda_ipc", "packed_cuda_ipc", NAIVE]
+NAIVE_MAX_TENSORS = 5000  # above this the per-tensor row is too slow to be worth running
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    shape: str = "qwen2-0.5b"
+    strategies: list[str] = field(default_factory=lambda: list(DEFAULT_STRATEGIES))
+    backend: str | None = None  # broadcast backend; default gloo on CPU, nccl on CUDA
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    bucket_mb: float = 256.0
+    repeats: int = 3
+    timeout_s: float = 300.0
+    json_path: str | None = None
+    quiet: bool = False
+
+    def resolved_backend(self) -> str:
+        return self.backend or ("nccl" if self.device.startswith("cuda") else "gloo")
+
+
+# --------------------------------------------------------------------------------------------
+# digests (the bit-exact check)
+# --------------------------------------------------------------------------------------------
+
+
+def module_digest(module: Any) -> dict[str, dict[str, Any]]:
+    """``{name: {"digest", "dtype", "shape"}}`` over ``module.state_dict()``, in the same form
+    as a ``LocalEngineProcess``'s ``state_digest``."""
+    from weightsync.local import state_digest
+
+    return state_digest(module)
+
+
+def compare_digests(
+    sent: dict[str, dict[str, Any]], received: dict[str, dict[str, Any]]
+) -> list[str]:
+    """Names whose digest/dtype/shape differ, or that one side lacks."""
+    bad = sorted(n for n in sent if received.get(n) != sent[n])
+    return bad + sorted(n for n in received if n not in sent)
+
+
+# --------------------------------------------------------------------------------------------
+# one strategy
+# --------------------------------------------------------------------------------------------
+
+
+def strategy_config(name: str, cfg: BenchConfig) -> tuple[dict, dict]:
+    """(strategy cfg, extractor cfg) for a bench row."""
+    common = {"bucket_size_mb": cfg.bucket_mb, "timeout_s": cfg.timeout_s}
+    extractor: dict[str, Any] = {"type": "hf", "bucket_size_mb": cfg.bucket_mb}
+    if name == NAIVE:
+        strategy = {"type": "broadcast", "backend": cfg.resolved_backend(), "packed": False,
+                    **common}
+        extractor.update(bucket_size_mb=0, group_by_module=False)
+    elif name == "broadcast":
+        strategy = {"type": "broadcast", "backend": cfg.resolved_backend(), **common}
+    else:
+        strategy = {"type": name, **common}
+    return strategy, extractor
+
+
+def backend_label(name: str, cfg: BenchConfig) -> str:
+    strategy, _ = strategy_config(name, cfg)
+    if strategy["type"] == "broadcast":
+        return strategy["backend"]
+    return "cuda_ipc" if cfg.device.startswith("cuda") else "shm"
+
+
+def receiver_device(name: str, cfg: BenchConfig) -> str:
+    """NCCL cannot put two ranks on one GPU: a broadcast receiver goes to the next GPU."""
+    if not cfg.device.startswith("cuda"):
+        return cfg.device
+    strategy, _ = strategy_config(name, cfg)
+    if strategy["type"] == "broadcast" and strategy.get("backend") == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            raise RuntimeError("broadcast over nccl needs 2 GPUs (NCCL refuses two ranks on one)")
+        return "cuda:1"
+    return cfg.device
+
+
+async def bench_strategy(name: str, module: Any, cfg: BenchConfig, log: Any) -> dict[str, Any]:
+    """Run one row; returns its record (``error`` set and ``bit_exact`` False on failure)."""
+    import torch
+
+    from weightsync.config import build_extractor, build_strategy
+    from weightsync.local import LocalEngineClient, LocalEngineProcess
+
+    strategy_cfg, extractor_cfg = strategy_config(name, cfg)
+    rec: dict[str, Any] = {
+        "strategy": name, "backend": backend_label(name, cfg), "device": cfg.device,
+        "shape": cfg.shape, "dtype": cfg.dtype, "bucket_mb": cfg.bucket_mb,
+        "bit_exact": False, "error": None,
+    }
+    engine = client = sender = None
+    try:
+        log(f"{name}: starting receiver process")
+        engine = await _maybe_await(LocalEngineProcess.spawn(
+            "weightsync.bench_shapes:build_module",
+            {"shape": cfg.shape, "dtype": cfg.dtype, "device": receiver_device(name, cfg),
+             "fill": 0.0},
+            name=f"bench-{name}",
+        ))
+        client = LocalEngineClient([engine], timeout_s=cfg.timeout_s)
+        strategy = build_strategy(strategy_cfg)
+        extractor = build_extractor(extractor_cfg)
+        sync_info = await strategy.create_sync_info(strategy.cfg, client)
+        sender = await strategy.create_sender(strategy.cfg, client, sync_info)
+        manifest = extractor.metadata(module)
+        times = []
+        for i in range(cfg.repeats + 1):
+            _negate_(module)  # every sync moves values the receiver does not hold yet
+            t0 = time.perf_counter()
+            stats = await sender.send_chunks(
+                extractor.extract_weights(module), client, version=i + 1, manifest=manifest
+            )
+            dt = time.perf_counter() - t0
+            if i == 0:
+                rec["first_seconds"] = dt
+            else:
+                times.append(dt)
+            log(f"{name}: sync {i + 1}/{cfg.repeats + 1}{' (warm-up)' if i == 0 else ''} "
+                f"{stats.total_bytes / 1e9:.3f} GB in {dt:.3f} s "
+                f"({stats.total_bytes / dt / 1e9:.2f} GB/s, {stats.num_chunks} chunks)")
+        rec.update(
+            bytes=stats.total_bytes, num_tensors=stats.num_tensors, num_chunks=stats.num_chunks,
+            seconds=statistics.median(times), seconds_all=times,
+            gbps=stats.total_bytes / statistics.median(times) / 1e9,
+            version=stats.versions[0] if stats.versions else None,
+        )
+        log(f"{name}: checking digests")
+        if cfg.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        received = await engine.call("state_digest")
+        bad = compare_digests(module_digest(module), received)
+        rec["bit_exact"] = not bad
+        rec["mismatched"] = bad[:10]
+        if bad:
+            log(f"{name}: {len(bad)} tensors differ, e.g. {bad[:3]}")
+    except Exception as e:  # a failed row is reported, the others still run
+        rec["error"] = f"{type(e).__name__}: {e}"[:1000]
+        log(f"{name}: FAILED: {rec['error']}")
+    finally:
+        if sender is not None:
+            await _quietly(sender.close())
+        if client is not None:
+            await _quietly(client.close_weight_transfer())
+        if engine is not None:
+            await _quietly(_maybe_await(engine.stop()))
+    return rec
+
+
+def _negate_(module: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for p in module.parameters():
+            p.neg_()
+
+
+async def _maybe_await(x: Any) -> Any:
+    return await x if asyncio.iscoroutine(x) or isinstance(x, asyncio.Future) else x
+
+
+async def _quietly(aw: Any) -> None:
+    try:
+        await asyncio.wait_for(aw, 30)
+    except Exception:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# the whole run
+# --------------------------------------------------------------------------------------------
+
+
+async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
+    from weightsync.bench_reference import memcpy_gbps, raw_broadcast_gbps
+    from weightsync.bench_shapes import build_module, shape_numel, shape_specs
+
+    log = _logger(cfg.quiet)
+    validate_config(cfg)
+    import torch
+
+    n_tensors = len(shape_specs(cfg.shape))
+    nbytes = shape_numel(cfg.shape) * torch.empty((), dtype=_dtype(cfg.dtype)).element_size()
+    log(f"shape {cfg.shape}: {n_tensors} tensors, {nbytes / 1e9:.3f} GB ({cfg.dtype}) on "
+        f"{cfg.device}; bucket {cfg.bucket_mb:g} MB; {cfg.repeats} repeats")
+    log("building sender model")
+    module = build_module(shape=cfg.shape, dtype=cfg.dtype, seed=0, device=cfg.device)
+
+    log("measuring memcpy reference")
+    ref_copy = memcpy_gbps(nbytes, cfg.device, cfg.repeats)
+    log(f"memcpy: {ref_copy:.2f} GB/s")
+    raw_bcast: float | None = None
+
+    records = []
+    for name in cfg.strategies:
+        if name == NAIVE and n_tensors > NAIVE_MAX_TENSORS:
+            log(f"{name}: skipped ({n_tensors} tensors > {NAIVE_MAX_TENSORS})")
+            continue
+        strategy_cfg, _ = strategy_config(name, cfg)
+        is_bcast = strategy_cfg["type"] == "broadcast"
+        if is_bcast and raw_bcast is None:
+            log(f"measuring raw {cfg.resolved_backend()} broadcast reference")
+            try:
+                raw_bcast = raw_broadcast_gbps(
+                    nbytes, cfg.resolved_backend(), cfg.device, cfg.repeats,
+                    peer_device=receiver_device(name, cfg), timeout_s=cfg.timeout_s,
+                )
+                log(f"raw broadcast: {raw_bcast:.2f} GB/s")
+            except Exception as e:
+                log(f"raw broadcast reference failed: {type(e).__name__}: {e}")
+                raw_bcast = float("nan")
+        rec = await bench_strategy(name, module, cfg, log)
+        on_gpu_bcast = is_bcast and cfg.device.startswith("cuda")
+        rec["reference"] = f"raw {cfg.resolved_backend()} broadcast" if on_gpu_bcast else (
+            "device copy" if cfg.device.startswith("cuda") else "memcpy"
+        )
+        rec["reference_gbps"] = raw_bcast if on_gpu_bcast else ref_copy
+        rec["memcpy_gbps"] = ref_copy
+        if is_bcast:
+            rec["raw_broadcast_gbps"] = raw_bcast
+        gbps = rec.get("gbps")
+        rec["ratio"] = gbps / rec["reference_gbps"] if gbps and rec["reference_gbps"] else None
+        rec.setdefault("bytes", nbytes)
+        rec.setdefault("seconds", None)
+        rec.setdefault("gbps", None)
+        records.append(rec)
+    if cfg.json_path:
+        with open(cfg.json_path, "w") as f:
+            json.dump(records, f, indent=2)
+        log(f"wrote {cfg.json_path}")
+    return records
+
+
+def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
+    return asyncio.run(run_bench_async(cfg))
+
+
+def validate_config(cfg: BenchConfig) -> None:
+    """Raise ``ValueError`` naming the bad field and the valid values."""
+    from weightsync.bench_shapes import get_shape
+
+    get_shape(cfg.shape)
+    valid = valid_strategy_names()
+    unknown = [s for s in cfg.strategies if s not in valid]
+    if unknown or not cfg.strategies:
+        raise ValueError(
+            f"unknown strategy {', '.join(unknown) or '(none)'}; valid: all, {', '.join(valid)}"
+        )
+    if cfg.backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"unknown backend {cfg.backend!r}; valid: gloo, nccl")
+    if cfg.dtype not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"unsupported dtype {cfg.dtype!r}; valid: bfloat16, float32, float16")
+    if not (cfg.device == "cpu" or cfg.device.startswith("cuda")):
+        raise ValueError(f"unknown device {cfg.device!r}; valid: cpu, cuda")
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda but torch sees no CUDA device")
+    if cfg.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
+    if cfg.bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be > 0, got {cfg.bucket_mb}")
+
+
+def valid_strategy_names() -> list[str]:
+    from weightsync.registry import STRATEGIES
+
+    return [*STRATEGIES.names(), NAIVE]
+
+
+def _dtype(name: str) -> Any:
+    from weightsync.types import str_to_dtype
+
+    return str_to_dtype(name)
+
+
+def _logger(quiet: bool) -> Any:
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        if not quiet:
+            print(f"[bench {time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+# --------------------------------------------------------------------------------------------
+# table
+# --------------------------------------------------------------------------------------------
+
+_COLUMNS = [
+    ("strategy", "strategy", "{}"), ("backend", "backend", "{}"), ("device", "device", "{}"),
+    ("bytes", "bytes", "{:,}"), ("num_tensors", "tensors", "{}"), ("num_chunks", "chunks", "{}"),
+    ("seconds", "seconds", "{:.3f}"), ("gbps", "GB/s", "{:.2f}"),
+    ("reference", "reference", "{}"), ("reference_gbps", "ref GB/s", "{:.2f}"),
+    ("ratio", "ratio", "{:.2f}"), ("raw_broadcast_gbps", "raw bcast GB/s", "{:.2f}"),
+    ("first_seconds", "first s", "{:.3f}"), ("bit_exact", "bit_exact", "{}"),
+]
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    rows = [[h for _, h, _ in _COLUMNS]]
+    for r in records:
+        row = []
+        for key, _, fmt in _COLUMNS:
+            v = r.get(key)
+            row.append("-" if v is None or v != v else fmt.format(v))
+        if r.get("error"):
+            row[-1] = "ERROR"
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in
+                       enumerate(zip(row, widths, strict=True))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    errors = [f"{r['strategy']}: {r['error']}" for r in records if r.get("error")]
+    return "\n".join(lines + ([""] + errors if errors else []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``weightsync bench`` (argument parsing lives in ``weightsync.cli``)."""
+    from weightsync.cli import main as cli_main
+
+    return cli_main(["bench", *(argv or [])])
+
+
+def config_summary(cfg: BenchConfig) -> dict[str, Any]:
+    return asdict(cfg)

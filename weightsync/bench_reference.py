@@ -1,0 +1,115 @@
+"""Reference bandwidths for ``weightsync bench``, measured in the same run as the strategies.
+
+- ``memcpy_gbps``: one ``copy_`` of a flat buffer of the same bytes (CPU: host memcpy; CUDA: a
+  device-to-device copy). What a transfer that copies each byte once could reach.
+- ``raw_broadcast_gbps``: one flat buffer broadcast from this process to a spawned peer over a
+  private 2-rank group (gloo or NCCL), each broadcast acknowledged by a 1-int all_reduce (as a
+  strategy's chunk is acknowledged by the engine). What the collective itself can do, without
+  weightsync's control plane, packing or loading.
+
+Both return the median GB/s (1e9 bytes/s) over ``repeats`` after one warm-up.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+
+def memcpy_gbps(nbytes: int, device: str = "cpu", repeats: int = 3) -> float:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src.fill_(7)
+    dst = torch.empty_like(src)
+    dst.fill_(0)
+    times = []
+    for i in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        if i:  # first copy is a warm-up
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    return nbytes / statistics.median(times) / 1e9
+
+
+def raw_broadcast_gbps(
+    nbytes: int,
+    backend: str = "gloo",
+    device: str = "cpu",
+    repeats: int = 3,
+    *,
+    peer_device: str | None = None,
+    timeout_s: float = 300.0,
+) -> float:
+    """Broadcast ``nbytes`` to a spawned peer process; median GB/s."""
+    import multiprocessing as mp
+
+    from weightsync.strategies._process_group import build_group, make_master_store
+    from weightsync.types import TorchDistributedWeightSyncInfo
+
+    store = make_master_store(0, 2, timeout_s)
+    info = TorchDistributedWeightSyncInfo(
+        master_addr="127.0.0.1", master_port=int(store.port), world_size=2,
+        group_name="bench-reference", backend=backend, timeout_s=timeout_s,
+    )
+    ctx = mp.get_context("spawn")
+    peer = ctx.Process(
+        target=_peer_main,
+        args=(info.to_dict(), nbytes, repeats, peer_device or device),
+        daemon=True,
+    )
+    peer.start()
+    try:
+        group = build_group(info, 0, store=store, device=device if backend == "nccl" else None)
+        import torch
+
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        buf.fill_(3)
+        times = []
+        for i in range(repeats + 1):
+            _sync(device)
+            t0 = time.perf_counter()
+            group.broadcast(buf, src=0)
+            group.all_reduce_min(1)
+            _sync(device)
+            if i:
+                times.append(time.perf_counter() - t0)
+        group.close()
+        peer.join(timeout=timeout_s)
+    finally:
+        if peer.is_alive():
+            peer.kill()
+            peer.join(5)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _peer_main(info_dict: dict[str, Any], nbytes: int, repeats: int, device: str) -> None:
+    import os
+
+    import torch
+
+    from weightsync.strategies._process_group import build_group
+    from weightsync.types import TorchDistributedWeightSyncInfo
+
+    info = TorchDistributedWeightSyncInfo.from_dict(info_dict)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    group = build_group(info, 1, device=device if info.backend == "nccl" else None)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for _ in range(repeats + 1):
+        group.broadcast(buf, src=0)
+        group.all_reduce_min(1)
+    _sync(device)
+    group.close()
+    os._exit(0)  # a process holding a gloo group may hang in interpreter teardown
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
