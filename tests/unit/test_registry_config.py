@@ -1,0 +1,240 @@
+"""Registries (weightsync/registry.py) and config building (weightsync/config.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+import weightsync as ws
+from weightsync.config import CONFIG_DIR, WeightSyncConfig, make_config
+from weightsync.interfaces import WeightTransferStrategy
+from weightsync.registry import EXTRACTORS, LOADERS, STRATEGIES, Registry
+
+
+@pytest.fixture
+def fresh_name() -> Iterator[str]:
+    """A unique registry name, removed from every registry afterwards (registries are global)."""
+    name = f"test_{uuid.uuid4().hex[:8]}"
+    yield name
+    for reg in (STRATEGIES, EXTRACTORS, LOADERS):
+        reg._entries.pop(name, None)
+
+
+# -- registry ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "build,kind,some",
+    [
+        (ws.build_strategy, "strategy", ["broadcast", "cuda_ipc", "packed_cuda_ipc"]),
+        (ws.build_extractor, "extractor", ["deepspeed", "fsdp", "hf", "hf_head", "lora_merge"]),
+        (ws.build_loader, "loader", ["torch_module", "vllm"]),
+    ],
+)
+def test_unknown_type_lists_registered_names(build, kind, some):
+    with pytest.raises(ValueError) as e:
+        build({"type": "nope"})
+    msg = str(e.value)
+    assert f"unknown {kind} type 'nope'" in msg
+    for name in some:
+        assert name in msg
+
+
+def test_builtins_are_lazy_strings_until_used():
+    reg = Registry("thing", {"x": "weightsync.extractors.hf:HFWeightExtractor"})
+    assert reg.names() == ["x"] and "x" in reg and "y" not in reg
+    assert isinstance(reg._entries["x"], str)
+    cls = reg.get("x")
+    assert cls.__name__ == "HFWeightExtractor" and reg._entries["x"] is cls
+
+
+def test_duplicate_registration_refused(fresh_name):
+    @ws.register_extractor(fresh_name)
+    class A(ws.WeightExtractor):
+        def _extract_raw_weights(self, model, generator_dtype):
+            yield from ()
+
+    assert ws.register_extractor(fresh_name)(A) is A  # the same class again is fine
+
+    class B(A):
+        pass
+
+    with pytest.raises(ValueError, match=f"extractor '{fresh_name}' is already registered"):
+        ws.register_extractor(fresh_name)(B)
+    with pytest.raises(ValueError, match="extractor 'hf' is already registered"):
+        ws.register_extractor("hf")(B)  # a built-in cannot be shadowed either
+    assert EXTRACTORS.get(fresh_name) is A
+
+
+@dataclasses.dataclass(kw_only=True)
+class CarrierConfig(ws.StrategyConfig):
+    type: str = "carrier"
+    birds: int = 1
+
+
+class CarrierStrategy(WeightTransferStrategy):
+    """Third-party strategy: only the factory plumbing is exercised here."""
+
+    config_cls = CarrierConfig
+
+    async def create_sync_info(self, cfg, inference_client):
+        return ws.EmptyWeightSyncInfo()
+
+    async def create_sender(self, cfg, inference_client, sync_info):
+        raise NotImplementedError
+
+    async def create_receiver(self, cfg, sync_info, rank_offset):
+        raise NotImplementedError
+
+    @classmethod
+    def get_request_type(cls):
+        return ws.WeightUpdateRequest
+
+
+def test_third_party_strategy_through_build_strategy(fresh_name, tmp_path):
+    ws.register_strategy(fresh_name)(CarrierStrategy)
+    s = ws.build_strategy({"type": fresh_name, "birds": 3, "timeout_s": 5})
+    assert isinstance(s, CarrierStrategy)
+    assert s.cfg == CarrierConfig(type=fresh_name, birds=3, timeout_s=5)
+    assert s.config_dict()["birds"] == 3
+    with pytest.raises(ValueError) as e:
+        ws.build_strategy({"type": fresh_name, "bird": 3})
+    assert "unknown field(s) ['bird']" in str(e.value)
+    assert "birds" in str(e.value) and "timeout_s" in str(e.value)
+    path = tmp_path / "carrier.yaml"
+    path.write_text(f"strategy:\n  type: {fresh_name}\n  birds: 9\nextractor:\n  type: hf\n")
+    assert ws.build_strategy(str(path)).cfg.birds == 9
+    assert ws.load_config(path).strategy == {"type": fresh_name, "birds": 9}
+
+
+def test_class_without_dataclass_config_gets_the_plain_dict(fresh_name):
+    @ws.register_loader(fresh_name)
+    class DictLoader(ws.WeightLoader):
+        def __init__(self, cfg, *, target):
+            self.cfg, self.target = cfg, target
+
+        async def load_weights(self, named_tensors):
+            self.target.update(named_tensors)
+
+    target: dict = {}
+    loader = ws.build_loader({"type": fresh_name, "anything": 1}, target=target)
+    assert isinstance(loader, DictLoader)
+    assert loader.cfg == {"type": fresh_name, "anything": 1} and loader.target is target
+
+
+# -- config: the forms a config may take --------------------------------------------------------
+
+
+def _forms(tmp_path) -> dict[str, object]:
+    from omegaconf import OmegaConf
+
+    data = {"type": "hf_head", "bucket_size_mb": 8, "head_name_patterns": ["v_head."]}
+    path = tmp_path / "ex.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
+    return {
+        "dict": data,
+        "omegaconf": OmegaConf.create(data),
+        "dataclass": ws.HeadExtractorConfig(bucket_size_mb=8, head_name_patterns=["v_head."]),
+        "yaml_path": str(path),
+        "pathlike": path,
+        "whole_preset": {"strategy": {"type": "broadcast"}, "extractor": data},
+        "whole_preset_omegaconf": OmegaConf.create({"extractor": data, "loader": {"type": "vllm"}}),
+        "preset_dataclass": WeightSyncConfig(extractor=data),
+    }
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["dict", "omegaconf", "dataclass", "yaml_path", "pathlike", "whole_preset",
+     "whole_preset_omegaconf", "preset_dataclass"],
+)
+def test_build_extractor_from_every_form(form, tmp_path):
+    ex = ws.build_extractor(_forms(tmp_path)[form])
+    assert type(ex).__name__ == "HFHeadWeightExtractor"
+    assert isinstance(ex.cfg, ws.HeadExtractorConfig)
+    assert ex.cfg.bucket_size_mb == 8 and ex.cfg.head_name_patterns == ["v_head."]
+
+
+def test_defaults_when_type_or_config_missing():
+    assert type(ws.build_extractor()).__name__ == "HFWeightExtractor"
+    assert type(ws.build_extractor({"bucket_size_mb": 2})).__name__ == "HFWeightExtractor"
+
+
+def test_omegaconf_interpolation_is_resolved():
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create({"size": 16, "extractor": {"type": "hf", "bucket_size_mb": "${size}"}})
+    assert ws.build_extractor(node).cfg.bucket_size_mb == 16
+
+
+def test_unknown_field_lists_valid_ones():
+    with pytest.raises(ValueError) as e:
+        ws.build_extractor({"type": "hf", "bucket_mb": 1})
+    msg = str(e.value)
+    assert "extractor 'hf'" in msg and "['bucket_mb']" in msg
+    for valid in ("bucket_size_mb", "group_by_module", "is_sender", "type"):
+        assert valid in msg
+
+
+def test_make_config_names_missing_required_field():
+    @dataclasses.dataclass(kw_only=True)
+    class Needs:
+        port: int
+
+    with pytest.raises(ValueError, match="thing: .*port"):
+        make_config(Needs, {}, what="thing")
+
+
+def test_config_of_wrong_kind_is_a_type_error():
+    with pytest.raises(TypeError, match="mapping, OmegaConf node, dataclass or YAML path, got int"):
+        ws.build_extractor(42)
+
+
+# -- presets ---------------------------------------------------------------------------------------
+
+_SECTIONS = {f.name for f in dataclasses.fields(WeightSyncConfig)}
+
+
+def _sync_presets() -> list[str]:
+    """Presets in configs/ shaped as a WeightSyncConfig (others, e.g. demo.yaml, have their own)."""
+    from omegaconf import OmegaConf
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(CONFIG_DIR, "*.yaml"))):
+        data = OmegaConf.to_container(OmegaConf.load(path))
+        if isinstance(data, dict) and set(data) <= _SECTIONS and {"strategy", "extractor"} & set(data):
+            out.append(os.path.basename(path)[: -len(".yaml")])
+    return out
+
+
+def test_my_presets_are_found():
+    assert {"extractor_hf", "extractor_hf_head"} <= set(_sync_presets())
+
+
+@pytest.mark.parametrize("preset", _sync_presets())
+def test_preset_loads_and_every_section_is_valid(preset):
+    cfg = ws.load_config(preset)  # a bare name is looked up in configs/
+    assert isinstance(cfg, WeightSyncConfig)
+    for section, reg in (("strategy", STRATEGIES), ("extractor", EXTRACTORS), ("loader", LOADERS)):
+        data = getattr(cfg, section)
+        cls = reg.get(data["type"])  # registered and importable
+        config_cls = getattr(cls, "config_cls", None)
+        if config_cls is not None and dataclasses.is_dataclass(config_cls):
+            make_config(config_cls, data, what=f"{preset}.{section}")  # fields all known
+
+
+def test_load_config_missing_preset_says_where_it_looked():
+    with pytest.raises(FileNotFoundError, match="no config at 'no_such_preset'.*configs"):
+        ws.load_config("no_such_preset")
+
+
+def test_load_config_unknown_section(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("strategy:\n  type: broadcast\nextractors:\n  type: hf\n")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['extractors'\].*extractor"):
+        ws.load_config(path)
