@@ -1,0 +1,447 @@
+"""The engine-side state machine (weightsync/engine.py), in one process.
+
+Test doubles, for the transport only: ``WireReceiver`` takes a chunk's tensors from an in-memory
+dict (``WIRE``) instead of a real data plane, and ``WireSender``/``DirectClient`` put them there
+and call the endpoint directly instead of over a control plane. Everything else is real: the
+endpoint, request (de)serialisation through plain dicts, the base sender pipeline, the ``hf``
+extractor and the ``torch_module`` loader copying into a real module. Real transports are tested
+in tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from typing import ClassVar
+
+import pytest
+import torch
+
+import weightsync as ws
+from weightsync.engine import WeightUpdateEndpoint
+from weightsync.errors import UpdateIncompleteError, WeightMismatchError, WeightSyncError
+from weightsync.interfaces import (
+    InferenceEngineClient,
+    WeightTransferReceiver,
+    WeightTransferSender,
+    WeightTransferStrategy,
+)
+from weightsync.loaders.torch_module import TorchModuleWeightLoader
+from weightsync.registry import STRATEGIES
+from weightsync.types import WeightChunk, WeightUpdateRequest
+
+WIRE: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+STRATEGY = f"test_wire_{uuid.uuid4().hex[:6]}"
+
+
+@dataclasses.dataclass(kw_only=True)
+class WireRequest(WeightUpdateRequest):
+    TYPE: ClassVar[str] = STRATEGY
+
+
+class WireReceiver(WeightTransferReceiver):
+    """Test double of a data plane: the bytes of chunk (update_id, i) are read from ``WIRE``."""
+
+    request_cls = WireRequest
+
+    def __init__(self, rank_offset: int) -> None:
+        self.rank_offset = rank_offset
+        self.closed = False
+
+    async def receive_and_load_weights(self, request, loader) -> None:
+        loader.validate(request.metas())  # the receiver contract: validate before any byte
+        tensors = WIRE[(request.update_id, request.chunk_index)]  # KeyError = lost bytes
+        await loader.load_weights(tensors)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclasses.dataclass(kw_only=True)
+class WireConfig(ws.StrategyConfig):
+    type: str = STRATEGY
+
+
+class WireStrategy(WeightTransferStrategy):
+    config_cls = WireConfig
+
+    async def create_sync_info(self, cfg, inference_client):
+        return ws.EmptyWeightSyncInfo()
+
+    async def create_sender(self, cfg, inference_client, sync_info):
+        return WireSender()
+
+    async def create_receiver(self, cfg, sync_info, rank_offset):
+        return WireReceiver(rank_offset)
+
+    @classmethod
+    def get_request_type(cls):
+        return WireRequest
+
+
+class WireSender(WeightTransferSender):
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.released = 0
+
+    def create_request(self, chunk: WeightChunk) -> WeightUpdateRequest:
+        return WireRequest(names=chunk.names, dtypes=chunk.dtypes, shapes=chunk.shapes)
+
+    async def _transfer(self, chunk, request, inference_client) -> None:
+        if request.chunk_index == self.fail_at:
+            raise ConnectionError("link dropped")
+        WIRE[(request.update_id, request.chunk_index)] = {
+            n: t.clone() for n, t in zip(chunk.names, chunk.tensors, strict=True)
+        }
+        await inference_client.update_named_weights(request.to_dict())
+
+    def _release(self, request) -> None:
+        self.released += 1
+
+
+class DirectClient(InferenceEngineClient):
+    """Test double of the control plane: plain dicts (through JSON) straight to endpoints."""
+
+    def __init__(self, endpoints: list[WeightUpdateEndpoint]) -> None:
+        self.endpoints = endpoints
+
+    async def get_world_sizes(self):
+        return [1] * len(self.endpoints)
+
+    async def init_weight_transfer(self, strategy_cfg, sync_info):
+        for ep, off in zip(self.endpoints, self.rank_offsets(await self.get_world_sizes()), strict=True):
+            await ep.init_weight_transfer(_j(strategy_cfg), _j(sync_info), off)
+
+    async def start_weight_update(self, start):
+        for ep in self.endpoints:
+            await ep.start_weight_update(_j(start))
+
+    async def update_named_weights(self, request):
+        for ep in self.endpoints:
+            await ep.update_named_weights(_j(request))
+
+    async def finish_weight_update(self, finish):
+        return [await ep.finish_weight_update(_j(finish)) for ep in self.endpoints]
+
+
+def _j(d: dict) -> dict:
+    return json.loads(json.dumps(d))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _wire_strategy():
+    ws.register_strategy(STRATEGY)(WireStrategy)
+    yield
+    STRATEGIES._entries.pop(STRATEGY, None)
+
+
+@pytest.fixture(autouse=True)
+def _clear_wire():
+    WIRE.clear()
+    yield
+    WIRE.clear()
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+class Engine:
+    """An endpoint + torch_module loader on a real module, and helpers to drive one update."""
+
+    def __init__(self) -> None:
+        self.module = _model(0)
+        self.ep = WeightUpdateEndpoint(TorchModuleWeightLoader(module=self.module), name="eng0")
+        _run(self.ep.init_weight_transfer({"type": STRATEGY}, ws.EmptyWeightSyncInfo().to_dict(), 1))
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.module.state_dict().items()}
+
+    def start(self, update_id: str, version: int | None, manifest=None) -> None:
+        d = ws.WeightUpdateStart(update_id=update_id, version=version, manifest=manifest).to_dict()
+        _run(self.ep.start_weight_update(_j(d)))
+
+    def chunk(self, update_id: str, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        WIRE[(update_id, index)] = tensors
+        req = WireRequest(
+            names=list(tensors), dtypes=[ws.types.dtype_to_str(t.dtype) for t in tensors.values()],
+            shapes=[list(t.shape) for t in tensors.values()], update_id=update_id,
+            chunk_index=index,
+        )
+        _run(self.ep.update_named_weights(_j(req.to_dict())))
+
+    def finish(self, update_id: str, version: int | None, num_chunks: int, ok: bool = True):
+        d = ws.WeightUpdateFinish(update_id=update_id, version=version, num_chunks=num_chunks,
+                                  ok=ok, error="" if ok else "sender died").to_dict()
+        return _run(self.ep.finish_weight_update(_j(d)))
+
+
+def _new_weights(seed: int = 1) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in _model(seed).state_dict().items()}
+
+
+def _assert_weights(module, expected):
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
+def _split(w):
+    names = list(w)
+    return {n: w[n] for n in names[:2]}, {n: w[n] for n in names[2:]}
+
+
+# -- the happy path ---------------------------------------------------------------------------------
+
+
+def test_complete_update_publishes_version_and_weights():
+    e = Engine()
+    new = _new_weights()
+    manifest = [ws.TensorMeta(n, "float32", list(t.shape)) for n, t in new.items()]
+    e.start("u1", 5, manifest)
+    assert e.ep.state == "updating"
+    a, b = _split(new)
+    e.chunk("u1", 0, a)
+    e.chunk("u1", 1, b)
+    assert e.finish("u1", 5, 2) == 5
+    assert (e.ep.version, e.ep.state) == (5, "ready")
+    _assert_weights(e.module, new)
+    e.ep.check_serving()
+
+
+def test_version_defaults_to_previous_plus_one():
+    e = Engine()
+    for expected in (1, 2):
+        uid = f"u{expected}"
+        e.start(uid, None)
+        e.chunk(uid, 0, _new_weights(expected))
+        assert e.finish(uid, None, 1) == expected
+
+
+def test_versions_must_increase():
+    e = Engine()
+    e.start("u1", 3)
+    e.chunk("u1", 0, _new_weights())
+    e.finish("u1", 3, 1)
+    before = e.snapshot()
+    for stale in (3, 2):
+        with pytest.raises(WeightSyncError, match=f"update version {stale} is not newer than the served version 3"):
+            e.start(f"s{stale}", stale)
+    assert (e.ep.version, e.ep.state) == (3, "ready")
+    _assert_weights(e.module, before)
+
+
+# -- bad input changes nothing ---------------------------------------------------------------------
+
+
+def test_start_with_bad_manifest_leaves_version_and_weights_untouched():
+    e = Engine()
+    before = e.snapshot()
+    manifest = [
+        ws.TensorMeta("0.weight", "float32", [8, 4]),
+        ws.TensorMeta("0.wieght", "float32", [8, 4]),  # unknown
+        ws.TensorMeta("2.weight", "float32", [3, 8]),  # wrong shape
+        ws.TensorMeta("2.bias", "float16", [2]),  # wrong dtype
+    ]
+    with pytest.raises(WeightMismatchError) as err:
+        e.start("bad", 1, manifest)
+    assert len(err.value.offenders) == 3
+    assert "0.wieght" in str(err.value) and "2.weight: shape [3, 8]" in str(err.value)
+    assert (e.ep.version, e.ep.state) == (0, "ready")
+    _assert_weights(e.module, before)
+    e.ep.check_serving()
+    with pytest.raises(WeightSyncError, match="without a matching start_weight_update"):
+        e.chunk("bad", 0, {"0.weight": torch.zeros(8, 4)})
+    _assert_weights(e.module, before)
+
+
+def test_first_chunk_rejected_by_validation_is_not_torn():
+    e = Engine()
+    before = e.snapshot()
+    e.start("u", 1)  # no manifest: each chunk is validated on arrival
+    with pytest.raises(WeightMismatchError, match="2.bias: shape"):
+        e.chunk("u", 0, {"0.weight": torch.ones(8, 4), "2.bias": torch.ones(5)})
+    _assert_weights(e.module, before)  # nothing of the chunk was loaded
+    e.finish("u", 1, 1, ok=False)
+    assert (e.ep.version, e.ep.state) == (0, "ready")
+    e.ep.check_serving()
+
+
+def test_out_of_order_and_foreign_chunks_refused():
+    e = Engine()
+    e.start("u", 1)
+    a, b = _split(_new_weights())
+    with pytest.raises(WeightSyncError, match="expected chunk 0, got 1"):
+        e.chunk("u", 1, b)
+    with pytest.raises(WeightSyncError, match="update 'other'"):
+        e.chunk("other", 0, a)
+    with pytest.raises(WeightSyncError, match="finish for unknown update 'other'"):
+        e.finish("other", 1, 1)
+
+
+def test_request_of_another_strategy_refused():
+    e = Engine()
+    e.start("u", 1)
+    req = ws.BroadcastWeightUpdateRequest(names=["2.bias"], dtypes=["float32"], shapes=[[2]],
+                                          update_id="u")
+    with pytest.raises(ValueError, match=f"expects a '{STRATEGY}' request, got 'broadcast'"):
+        _run(e.ep.update_named_weights(req.to_dict()))
+
+
+def test_update_before_init_refused():
+    ep = WeightUpdateEndpoint(TorchModuleWeightLoader(module=_model()), name="cold")
+    with pytest.raises(WeightSyncError, match="cold: no receiver; call init_weight_transfer"):
+        _run(ep.update_named_weights({"names": [], "dtypes": [], "shapes": []}))
+
+
+# -- torn updates ---------------------------------------------------------------------------------
+
+
+def test_finish_with_missing_chunks_is_torn_until_a_complete_update():
+    e = Engine()
+    new = _new_weights()
+    a, b = _split(new)
+    e.start("u1", 1)
+    e.chunk("u1", 0, a)  # chunk 1 never arrives
+    with pytest.raises(WeightSyncError, match="incomplete update: 1 of 2 chunks landed"):
+        e.finish("u1", 1, 2)
+    assert (e.ep.version, e.ep.state) == (0, "torn")
+    with pytest.raises(UpdateIncompleteError, match="last complete version 0"):
+        e.ep.check_serving()
+
+    newer = _new_weights(2)
+    a2, b2 = _split(newer)
+    e.start("u2", 2)
+    assert e.ep.state == "torn"  # still torn while the repairing update is in flight
+    with pytest.raises(UpdateIncompleteError):
+        e.ep.check_serving()
+    e.chunk("u2", 0, a2)
+    e.chunk("u2", 1, b2)
+    assert e.finish("u2", 2, 2) == 2
+    assert (e.ep.version, e.ep.state) == (2, "ready")
+    e.ep.check_serving()
+    _assert_weights(e.module, newer)
+
+
+def test_sender_abort_after_a_chunk_is_torn_and_keeps_version():
+    e = Engine()
+    a, _ = _split(_new_weights())
+    e.start("u", 1)
+    e.chunk("u", 0, a)
+    assert e.finish("u", 1, 2, ok=False) == 0  # ok=False: no raise, the old version is reported
+    assert e.ep.state == "torn" and "sender died" in e.ep.last_error
+    with pytest.raises(UpdateIncompleteError, match="sender died"):
+        e.ep.check_serving()
+
+
+def test_transport_failure_mid_chunk_is_torn():
+    e = Engine()
+    a, _ = _split(_new_weights())
+    e.start("u", 1)
+    req = WireRequest(names=list(a), dtypes=["float32"] * 2,
+                              shapes=[list(t.shape) for t in a.values()], update_id="u")
+    with pytest.raises(KeyError):  # the bytes never arrived on the wire
+        _run(e.ep.update_named_weights(req.to_dict()))
+    assert e.ep.state == "torn" and "chunk 0 failed" in e.ep.last_error
+
+
+def test_new_start_over_a_half_applied_update_is_torn():
+    e = Engine()
+    a, _ = _split(_new_weights())
+    e.start("u1", 1)
+    e.chunk("u1", 0, a)
+    e.start("u2", 2)  # u1 was abandoned after loading a chunk
+    assert e.ep.state == "torn"
+    e.chunk("u2", 0, _new_weights(3))
+    assert e.finish("u2", 2, 1) == 2 and e.ep.state == "ready"
+
+
+def test_abort_before_any_chunk_stays_ready():
+    e = Engine()
+    e.start("u", 1)
+    assert e.finish("u", 1, 3, ok=False) == 0
+    assert (e.ep.version, e.ep.state) == (0, "ready")
+
+
+# -- dispatch -----------------------------------------------------------------------------------------
+
+
+def test_call_dispatch():
+    e = Engine()
+    start = ws.WeightUpdateStart(update_id="u", version=1).to_dict()
+    _run(e.ep.call("start_weight_update", {"start": start}))
+    assert e.ep.state == "updating"
+    with pytest.raises(WeightSyncError, match="unknown endpoint method 'check_serving'"):
+        _run(e.ep.call("check_serving", {}))
+    receiver = e.ep.receiver
+    _run(e.ep.call("close_weight_transfer", {}))
+    assert e.ep.receiver is None and receiver.closed
+
+
+# -- through the real sender pipeline ---------------------------------------------------------------
+
+
+def _send(sender, model, client, version, bucket_mb=0.0002):
+    async def go():
+        ex = ws.build_extractor({"type": "hf", "bucket_size_mb": bucket_mb})
+        manifest = ex.metadata(model)
+        return await sender.send_chunks(
+            ex.extract_weights(model), client, version=version, manifest=manifest
+        )
+
+    return _run(go())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_sender_pipeline_into_two_endpoints(overlap):
+    engines = [Engine(), Engine()]
+    client = DirectClient([e.ep for e in engines])
+    strategy = ws.build_strategy({"type": STRATEGY})
+    info = _run(strategy.create_sync_info(strategy.cfg, client))
+    _run(client.init_weight_transfer(strategy.config_dict(), info.to_dict()))
+    assert [e.ep.receiver.rank_offset for e in engines] == [1, 2]  # rank 0 is the sender
+    sender = _run(strategy.create_sender(strategy.cfg, client, info))
+    sender.overlap = overlap
+    src = _model(7)
+    stats = _send(sender, src, client, version=1)
+    assert stats.num_chunks == 2 and stats.num_tensors == 4 and sender.released == 2
+    assert stats.versions == [1, 1]
+    assert stats.total_bytes == sum(t.numel() * 4 for t in src.state_dict().values())
+    for e in engines:
+        _assert_weights(e.module, src.state_dict())
+
+
+def test_sender_failure_mid_update_leaves_engines_torn_and_raises():
+    e = Engine()
+    client = DirectClient([e.ep])
+    sender = WireSender(fail_at=1)
+    with pytest.raises(ConnectionError, match="link dropped"):
+        _send(sender, _model(7), client, version=1)
+    assert e.ep.state == "torn" and e.ep.version == 0
+    assert "ConnectionError: link dropped" in e.ep.last_error
+    assert sender.released == 2  # the failed chunk's buffers were released too
+    with pytest.raises(UpdateIncompleteError):
+        e.ep.check_serving()
+    WIRE.clear()
+    stats = _send(WireSender(), _model(8), client, version=2)
+    assert stats.versions == [2] and e.ep.state == "ready"
+    _assert_weights(e.module, _model(8).state_dict())
+
+
+def test_sender_with_bad_manifest_moves_nothing():
+    e = Engine()
+    before = e.snapshot()
+    client = DirectClient([e.ep])
+    sender = WireSender()
+    wrong = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    with pytest.raises(WeightMismatchError, match="2.weight: shape \\[3, 8\\] but target has \\[2, 8\\]"):
+        _send(sender, wrong, client, version=1)
+    assert sender.released == 0 and not WIRE  # no chunk was even prepared for the wire
+    assert (e.ep.version, e.ep.state) == (0, "ready")
+    _assert_weights(e.module, before)
