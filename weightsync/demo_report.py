@@ -35,9 +35,9 @@ def _cell(v: Any) -> str:
     if isinstance(v, float):
         if v == 0.0:
             return "0"
-        if abs(v) < 1e-3 or abs(v) >= 1e6:
+        if abs(v) < 1e-3 or abs(v) >= 1e7:
             return f"{v:.3e}"
-        return f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
+        return f"{v:.1f}" if abs(v) >= 1000 else f"{v:.4g}"
     return str(v)
 
 

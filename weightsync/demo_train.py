@@ -39,7 +39,8 @@ class TrainResult:
 
 
 def load_reward_model(model_dir: str, *, device: str = "cpu") -> tuple[Any, Any]:
-    """-> (model, tokenizer) for ``model_dir``: fp32, eval mode, right padding, pad token set."""
+    """-> (model, tokenizer) for ``model_dir``: fp32, eval mode, all parameters frozen, right
+    padding, pad token set."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -58,6 +59,7 @@ def load_reward_model(model_dir: str, *, device: str = "cpu") -> tuple[Any, Any]
             f"{model_dir}: expected a linear head named {HEAD_NAME!r} "
             f"(a *ForSequenceClassification model), got {type(head).__name__}"
         )
+    model.requires_grad_(False)  # frozen; train_head / train_full enable what they train
     return model.to(device).eval(), tok
 
 
