@@ -446,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         print("weightsync demo: interrupted", file=sys.stderr)
         result.failures.append("interrupted")
         code = 130
+    except SystemExit as e:  # SIGTERM / SIGHUP (see _sigterm_raises); the server is down
+        code = e.code if isinstance(e.code, int) and e.code else 1
+        print(f"weightsync demo: terminated (exit {code})", file=sys.stderr)
+        result.failures.append(f"terminated by a signal (exit {code})")
     except Exception as e:  # a broken run: say what broke, no traceback wall for users
         print(f"weightsync demo: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
         result.failures.append(f"run broke: {type(e).__name__}: {e}"[:2000])

@@ -1,0 +1,116 @@
+"""`weightsync demo` end to end: real reward server (vLLM CPU) subprocess, real HTTP, real
+strategies. Each run takes about a minute here, so they are marked slow.
+
+Runs the demo as a subprocess (as a user would: ``python -m weightsync.demo``) so its signal
+handlers, threads and exit code are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _run_demo(args: list[str], tmp_path, timeout: int = 300) -> tuple[int, str, dict]:
+    out_json = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync.demo", "--json", str(out_json),
+         "--workdir", str(tmp_path / "work"), *args],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    output = proc.stdout + proc.stderr
+    record = json.loads(out_json.read_text()) if out_json.exists() else {}
+    return proc.returncode, output, record
+
+
+def _server_pid(output: str) -> int:
+    m = re.search(r"reward server starting \(pid (\d+)", output)
+    assert m, output
+    return int(m.group(1))
+
+
+def _gone(pid: int, wait_s: float = 10.0) -> bool:
+    """True when neither the process nor its process group exists any more."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _tensor_bytes(model_dir, names=None) -> int:
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    return sum(
+        t.numel() * t.element_size() for n, t in tensors.items() if names is None or n in names
+    )
+
+
+def test_demo_head_only_gloo_broadcast(tmp_path):
+    code, output, r = _run_demo([], tmp_path)
+    assert code == 0, output
+    assert r["strategy"] == "broadcast/gloo" and r["mode"] == "head_only"
+    assert r["accuracy_after"] > r["accuracy_before"], r
+    assert r["accuracy_after"] >= 0.9, r
+    assert r["version_after"] == r["version_before"] + 1, r
+    assert r["max_abs_err_vs_hf"] <= 1e-4, r
+    assert r["max_abs_err_before"] <= 1e-4, r
+    # only the head travelled: hidden 64 x 1 label x fp32, as stored in the checkpoint
+    head_bytes = _tensor_bytes(tmp_path / "work" / "tiny-reward-model", {"score.weight"})
+    assert head_bytes == 64 * 4
+    assert r["bytes_synced"] == head_bytes and r["num_tensors_synced"] == 1, r
+    assert r["sync_seconds"] > 0 and r["passed"] is True
+    # progress lines while it ran and the summary table at the end
+    assert "reward server healthy" in output and "PASS" in output
+    assert _gone(_server_pid(output)), "reward server still running after the demo"
+
+
+def test_demo_full_mode_through_shared_memory(tmp_path):
+    code, output, r = _run_demo(["--strategy", "packed_cuda_ipc", "--mode", "full"], tmp_path)
+    assert code == 0, output
+    assert r["strategy"] == "packed_cuda_ipc" and r["mode"] == "full"
+    assert r["accuracy_after"] > r["accuracy_before"], r
+    assert r["version_after"] == r["version_before"] + 1, r
+    assert r["max_abs_err_vs_hf"] <= 1e-4, r
+    assert r["bytes_synced"] == _tensor_bytes(tmp_path / "work" / "tiny-reward-model"), r
+    assert _gone(_server_pid(output))
+
+
+def test_demo_sigterm_takes_the_server_down(tmp_path):
+    """SIGTERM to the demo mid-start-up: it exits non-zero and the server group is gone."""
+    out_json = tmp_path / "demo.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.demo", "--json", str(out_json),
+         "--workdir", str(tmp_path / "work")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "reward server starting" in line:
+                break
+        pid = _server_pid("".join(lines))
+        time.sleep(2.0)  # let it get into vLLM start-up
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, "".join(lines) + rest
+    assert _gone(pid, wait_s=20), "reward server survived SIGTERM to the demo"
+    record = json.loads(out_json.read_text())
+    assert record["passed"] is False and record["failures"], record
