@@ -1,1 +1,12 @@
-"""See DESIGN.md section 2."""
+"""Transfer strategies (DESIGN.md section 3), registered by name in ``weightsync.registry``.
+
+- ``broadcast.py``      ``broadcast``: private torch.distributed group (gloo / NCCL), packed per
+                        dtype, go/no-go vote before the bulk bytes.
+- ``cuda_ipc.py``       ``cuda_ipc``: one shared buffer per tensor (CUDA IPC / POSIX shm).
+- ``packed_cuda_ipc.py`` ``packed_cuda_ipc``: one shared buffer per chunk from a reusable pool.
+
+Shared helpers: ``_layout`` (packing offsets/alignment), ``_shm`` (segments, receiver cache),
+``_pool`` (the packed sender's buffer pool), ``_cuda_handles`` (CUDA IPC handles as plain fields),
+``_process_group`` (the private group), ``_threads`` (blocking calls off the event loop).
+Nothing here is imported by ``import weightsync``.
+"""

@@ -1,0 +1,317 @@
+"""``LocalEngineProcess``: an engine (a torch module behind a ``WeightUpdateEndpoint``) in its own
+process on this machine, without Ray.
+
+The parent (training side, tests, benchmarks) spawns the child with ``spawn()`` and talks to it
+with ``await call(method, **kwargs)`` over a ``multiprocessing`` connection that carries JSON
+bytes only. One call at a time per worker; a reply for an earlier, abandoned call (timed out or
+cancelled) is recognised by its id and dropped. A dead child is seen at once (EOF) and reported
+as ``WeightSyncError`` naming the engine; a silent one as ``WeightSyncTimeout`` after the
+call's timeout.
+
+``world_size > 1`` starts that many worker processes, each with its own copy of the module (the
+shape of a tensor-parallel engine, unsharded): calls fan out to every worker, worker ``i`` joins
+data planes at ``rank_offset + i``, and the first worker's answer is returned (``worker=k`` asks
+one worker only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection
+from typing import Any
+
+from weightsync.errors import WeightSyncError, WeightSyncTimeout
+from weightsync.local import _wire
+from weightsync.strategies._threads import in_thread
+
+
+class _Worker:
+    """One child process and its connection (parent side)."""
+
+    def __init__(self, engine: str, index: int, proc: Any, conn: Any) -> None:
+        self.engine = engine
+        self.index = index
+        self.proc = proc
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1)
+        self.dead: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.engine if self.index == 0 else f"{self.engine}/worker{self.index}"
+
+    def request(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> Any:
+        """Blocking round trip (run in a thread by ``LocalEngineProcess.call``)."""
+        deadline = time.monotonic() + timeout_s
+        if not self.lock.acquire(timeout=timeout_s):
+            raise WeightSyncTimeout(
+                f"engine {self.label!r}: {method} waited {timeout_s:g}s for an earlier call"
+            )
+        try:
+            self._check_alive(method)
+            mid = next(self.ids)
+            try:
+                self.conn.send_bytes(_wire.dumps({"id": mid, "method": method, "kwargs": kwargs}))
+            except (OSError, EOFError, ValueError) as e:
+                raise self._died(method, e) from None
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    ready = left > 0 and self.conn.poll(left)
+                except (OSError, EOFError, ValueError) as e:
+                    raise self._died(method, e) from None
+                if not ready:
+                    raise WeightSyncTimeout(
+                        f"engine {self.label!r} (pid {self.proc.pid}) did not answer {method} "
+                        f"within {timeout_s:g}s"
+                    )
+                try:
+                    msg = _wire.loads(self.conn.recv_bytes())
+                except (OSError, EOFError) as e:
+                    raise self._died(method, e) from None
+                if msg.get("id") != mid:
+                    continue  # the answer to an abandoned earlier call
+                if "error_type" in msg:
+                    raise _wire.rebuild_error(msg, self.label)
+                return msg.get("result")
+        finally:
+            self.lock.release()
+
+    def _check_alive(self, method: str) -> None:
+        if self.dead:
+            raise WeightSyncError(f"engine {self.label!r} is gone ({self.dead}); cannot {method}")
+
+    def _died(self, method: str, e: BaseException) -> WeightSyncError:
+        code = _join(self.proc, 0.5)
+        how = f"exit code {code}" if code is not None else f"{type(e).__name__}"
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                how = f"killed by {signal.Signals(-code).name}"
+        self.dead = how
+        return WeightSyncError(
+            f"engine {self.label!r} (pid {self.proc.pid}) died during {method} ({how})"
+        )
+
+
+class LocalEngineProcess:
+    """Handle to an engine running in child process(es) of this one."""
+
+    def __init__(self, name: str, workers: list[_Worker], *, timeout_s: float = 600.0) -> None:
+        self.name = name
+        self.workers = workers
+        self.timeout_s = timeout_s
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @classmethod
+    def spawn(
+        cls,
+        module_factory: str,
+        factory_kwargs: dict | None = None,
+        *,
+        name: str = "engine0",
+        world_size: int = 1,
+        start_timeout_s: float = 120.0,
+        timeout_s: float = 600.0,
+        num_threads: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> LocalEngineProcess:
+        """Start the engine and wait until its module is built (``start_timeout_s``).
+
+        ``module_factory``: ``"pkg.mod:fn"`` importable in the child; ``factory_kwargs`` must be
+        JSON-safe. ``env``: extra environment variables for the child(ren), e.g.
+        ``CUDA_VISIBLE_DEVICES``.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        mod, sep, attr = module_factory.partition(":")
+        if not (mod and sep and attr):
+            raise ValueError(f"module_factory must look like 'pkg.mod:fn', got {module_factory!r}")
+        _wire.dumps(factory_kwargs or {})  # must be JSON-safe: raises TypeError now
+        workers: list[_Worker] = []
+        try:
+            for i in range(world_size):
+                spec = {
+                    "name": name if world_size == 1 else f"{name}/worker{i}",
+                    "module_factory": module_factory, "factory_kwargs": factory_kwargs or {},
+                    "world_size": world_size, "num_threads": num_threads,
+                }
+                workers.append(_start_worker(name, i, spec, env))
+            for w in workers:
+                _wait_ready(w, start_timeout_s)
+        except BaseException:
+            for w in workers:
+                _hard_kill(w)
+            raise
+        _LIVE.update(workers)
+        return cls(name, workers, timeout_s=timeout_s)
+
+    async def call(
+        self, method: str, *, worker: int | None = None, timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Call ``method`` on the engine (every worker, or ``worker``); returns worker 0's (or
+        that worker's) result. Errors are re-raised as weightsync errors naming the engine."""
+        timeout = float(timeout_s if timeout_s is not None else self.timeout_s)
+        targets = self.workers if worker is None else [self.workers[worker]]
+
+        def kw_for(w: _Worker) -> dict[str, Any]:
+            if method == "init_weight_transfer" and "rank_offset" in kwargs:
+                return {**kwargs, "rank_offset": int(kwargs["rank_offset"]) + w.index}
+            return kwargs
+
+        if len(targets) == 1:
+            w = targets[0]
+            return await in_thread(w.request, method, kw_for(w), timeout, name=f"ws-{w.label}")
+        results = await first_error_gather(
+            [in_thread(w.request, method, kw_for(w), timeout, name=f"ws-{w.label}") for w in targets]
+        )
+        return results[0]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers]
+
+    def is_alive(self) -> bool:
+        return all(w.proc.poll() is None for w in self.workers)
+
+    def kill(self) -> None:
+        """SIGKILL every worker now (for fault tests); no clean-up runs in the child."""
+        for w in self.workers:
+            _hard_kill(w)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask every worker to close its receiver and exit; kill what does not exit in time."""
+        for w in self.workers:
+            if w.proc.poll() is None and not w.dead:
+                with contextlib.suppress(Exception):
+                    w.request("stop", {}, timeout_s)
+        for w in self.workers:
+            _join(w.proc, timeout_s)
+            if w.proc.poll() is None:
+                _hard_kill(w)
+            w.dead = w.dead or "stopped"
+            _LIVE.discard(w)
+            with contextlib.suppress(Exception):
+                w.conn.close()
+
+    def __enter__(self) -> LocalEngineProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"LocalEngineProcess({self.name!r}, pids={self.pids})"
+
+
+async def first_error_gather(aws: list[Any], *, grace_s: float = 2.0) -> list[Any]:
+    """Like ``asyncio.gather`` but a failure is raised as soon as it happens (after a short
+    grace for the others, so that the most telling error wins: a ``WeightMismatchError`` beats
+    the "another engine rejected" errors it causes). Nothing is left un-retrieved."""
+    from weightsync.errors import WeightMismatchError
+
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+        if not failed:
+            return [t.result() for t in tasks]
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
+        errs = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+        best = next((e for e in errs if isinstance(e, WeightMismatchError)), errs[0])
+        raise best  # type: ignore[misc]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.add_done_callback(_consume)
+            else:
+                _consume(t)
+
+
+def _consume(t: asyncio.Future) -> None:
+    if not t.cancelled():
+        t.exception()
+
+
+def _start_worker(engine: str, index: int, spec: dict[str, Any], env: dict[str, str] | None) -> _Worker:
+    """Start ``python -m weightsync.local.worker`` with one end of a socket pair.
+
+    A fresh interpreter (not ``multiprocessing`` spawn) so the caller's ``__main__`` is never
+    re-imported in the child and nothing but JSON crosses: the spec goes in argv, messages over
+    the socket with ``Connection``'s length-prefixed framing.
+    """
+    parent_sock, child_sock = socket.socketpair()
+    child_env = dict(os.environ)
+    child_env.update({k: str(v) for k, v in (env or {}).items()})
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "weightsync.local.worker", str(child_sock.fileno()),
+             _wire.dumps(spec).decode()],
+            pass_fds=(child_sock.fileno(),), env=child_env, close_fds=True,
+        )
+    finally:
+        child_sock.close()
+    conn = Connection(parent_sock.detach())
+    return _Worker(engine, index, proc, conn)
+
+
+def _wait_ready(w: _Worker, timeout_s: float) -> None:
+    if not w.conn.poll(timeout_s):
+        raise WeightSyncTimeout(
+            f"engine {w.label!r} did not start within {timeout_s:g}s (building its module?)"
+        )
+    try:
+        msg = _wire.loads(w.conn.recv_bytes())
+    except (EOFError, OSError):
+        code = _join(w.proc, 5)
+        raise WeightSyncError(
+            f"engine {w.label!r} died while starting (exit code {code}; see its stderr)"
+        ) from None
+    if not msg.get("ready"):
+        err = _wire.rebuild_error(msg, w.label)
+        raise WeightSyncError(f"engine {w.label!r} failed to start: {err}") from err
+
+
+def _hard_kill(w: _Worker) -> None:
+    if w.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            w.proc.kill()
+        _join(w.proc, 5)
+    w.dead = w.dead or "killed"
+    _LIVE.discard(w)
+
+
+def _join(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=timeout_s)
+    return proc.returncode
+
+
+_LIVE: weakref.WeakSet[_Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """Children still running when this interpreter exits are killed, never orphaned."""
+    for w in list(_LIVE):
+        with contextlib.suppress(Exception):
+            _hard_kill(w)
+
+

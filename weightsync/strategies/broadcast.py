@@ -1,0 +1,444 @@
+"""``broadcast``: weights travel as torch.distributed broadcasts over a private group.
+
+Processes: the sender is rank 0 (the training process that holds the gathered weights); every
+engine worker is a receiver at ``rank_offset + local rank``. The group (gloo on CPU, NCCL on GPU)
+is built by ``create_sender`` on the trainer *concurrently* with the engines' receivers (through
+``inference_client.init_weight_transfer``), so one call on the trainer wires everything.
+
+Per chunk (one ``BroadcastWeightUpdateRequest`` on the control plane):
+1. every receiver checks the request against its loader (``loader.validate``);
+2. all ranks ``all_reduce(MIN)`` a go/no-go flag: if any receiver said no, no rank moves the bulk
+   bytes; the rejecting receiver raises ``WeightMismatchError`` (its engine's error reaches the
+   sender through ``update_named_weights``) and the sender raises too;
+3. bulk bytes: ``packed`` (default) sends one broadcast per dtype group of a flat buffer laid
+   out by ``_layout.plan_layout``; otherwise one broadcast per tensor. Receivers keep one
+   receive buffer, grown only when a chunk is bigger, so they allocate at most the bucket.
+
+The sender runs its collectives in a thread concurrently with
+``inference_client.update_named_weights``; whichever side fails first decides the error. A
+failure in the middle of the bulk data leaves the group unusable (peers disagree on what comes
+next): the sender then refuses further syncs and says to re-create it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from weightsync.config import BroadcastConfig
+from weightsync.errors import WeightMismatchError, WeightSyncError, WeightSyncTimeout
+from weightsync.interfaces import (
+    InferenceEngineClient,
+    WeightLoader,
+    WeightTransferReceiver,
+    WeightTransferSender,
+    WeightTransferStrategy,
+)
+from weightsync.strategies._layout import (
+    DEFAULT_ALIGN,
+    PackedLayout,
+    as_bytes,
+    pack_into,
+    plan_layout,
+)
+from weightsync.strategies._process_group import (
+    Group,
+    build_group,
+    default_master_addr,
+    make_master_store,
+)
+from weightsync.strategies._threads import in_thread
+from weightsync.types import (
+    BroadcastWeightUpdateRequest,
+    TorchDistributedWeightSyncInfo,
+    WeightChunk,
+    WeightSyncInfo,
+    WeightUpdateRequest,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+log = logging.getLogger(__name__)
+
+# Grace period for the engines' answer once the data plane failed: their error names the engine.
+_ENGINE_ERROR_GRACE_S = 5.0
+
+
+class BroadcastStrategy(WeightTransferStrategy):
+    name = "broadcast"
+    config_cls = BroadcastConfig
+
+    def __init__(self, cfg: BroadcastConfig | None = None) -> None:
+        super().__init__(cfg)
+        if self.cfg.backend not in ("gloo", "nccl"):
+            raise ValueError(f"broadcast backend must be 'gloo' or 'nccl', got {self.cfg.backend!r}")
+        self._stores: dict[tuple[str, int], Any] = {}  # master stores made by create_sync_info
+
+    @classmethod
+    def get_request_type(cls) -> type[WeightUpdateRequest]:
+        return BroadcastWeightUpdateRequest
+
+    async def create_sync_info(
+        self, cfg: BroadcastConfig | None, inference_client: InferenceEngineClient
+    ) -> TorchDistributedWeightSyncInfo:
+        """Trainer side: world size from the engines, address from Ray/cfg, a fresh port."""
+        cfg = cfg or self.cfg
+        world_sizes = await inference_client.get_world_sizes()
+        if not world_sizes or any(int(w) < 1 for w in world_sizes):
+            raise WeightSyncError(f"engines reported world sizes {world_sizes}; need >= 1 each")
+        world_size = 1 + sum(int(w) for w in world_sizes)
+        addr = cfg.master_addr or default_master_addr()
+        store = make_master_store(int(cfg.master_port or 0), world_size, cfg.timeout_s)
+        port = int(store.port)
+        self._stores[(addr, port)] = store
+        return TorchDistributedWeightSyncInfo(
+            master_addr=addr, master_port=port, world_size=world_size,
+            group_name=cfg.group_name, backend=cfg.backend, timeout_s=float(cfg.timeout_s),
+        )
+
+    async def create_sender(
+        self,
+        cfg: BroadcastConfig | None,
+        inference_client: InferenceEngineClient,
+        sync_info: WeightSyncInfo,
+    ) -> BroadcastSender:
+        """Trainer side: join as rank 0 while every engine joins through the client."""
+        cfg = cfg or self.cfg
+        info = _as_info(sync_info)
+        store = self._stores.pop((info.master_addr, info.master_port), None)
+        if store is None:  # sync info made elsewhere: host the store here if nobody does
+            with contextlib.suppress(WeightSyncError):
+                store = make_master_store(info.master_port, info.world_size, info.timeout_s)
+        device = None
+        if info.backend == "nccl":
+            import torch
+
+            device = torch.device("cuda", torch.cuda.current_device())
+
+        own = asyncio.ensure_future(
+            in_thread(lambda: build_group(info, 0, store=store, device=device))
+        )
+        engines = asyncio.ensure_future(
+            inference_client.init_weight_transfer(self.config_dict(), info.to_dict())
+        )
+        group = await _first_failure(own, engines, info.timeout_s, "joining the weight-sync group")
+        return BroadcastSender(cfg, group, info)
+
+    async def create_receiver(
+        self, cfg: BroadcastConfig | None, sync_info: WeightSyncInfo, rank_offset: int
+    ) -> BroadcastReceiver:
+        """Engine side: join the group as ``rank_offset``."""
+        cfg = cfg or self.cfg
+        info = _as_info(sync_info)
+        device = None
+        if info.backend == "nccl":
+            import torch
+
+            device = torch.device("cuda", torch.cuda.current_device())
+        group = await in_thread(lambda: build_group(info, rank_offset, device=device))
+        return BroadcastReceiver(cfg, group)
+
+
+# --------------------------------------------------------------------------------------------
+# sender
+# --------------------------------------------------------------------------------------------
+
+
+class BroadcastSender(WeightTransferSender):
+    """Rank 0. ``create_request`` packs a chunk into one of two reusable buffers (in a worker
+    thread, overlapping the previous chunk's transfer); ``_transfer`` runs the go/no-go vote and
+    the broadcasts in a thread while the engines receive."""
+
+    def __init__(self, cfg: BroadcastConfig, group: Group, info: TorchDistributedWeightSyncInfo):
+        self.cfg = cfg
+        self.group = group
+        self.info = info
+        self.packed = bool(cfg.packed)
+        self.align_bytes = DEFAULT_ALIGN
+        self.overlap = True
+        self._broken: str | None = None
+        self._buffers = _PackBuffers(2, timeout_s=cfg.timeout_s)
+        self._inflight: dict[int, tuple[int | None, torch.Tensor | None, PackedLayout | None]] = {}
+        self._lock = threading.Lock()
+
+    # -- per chunk ---------------------------------------------------------------------------
+    def create_request(self, chunk: WeightChunk) -> BroadcastWeightUpdateRequest:
+        req = BroadcastWeightUpdateRequest(
+            names=list(chunk.names), dtypes=chunk.dtypes, shapes=chunk.shapes,
+            src_rank=0, packed=self.packed, align_bytes=self.align_bytes,
+        )
+        slot = buf = layout = None
+        if self.packed:
+            self._reclaim_stale()
+            layout = plan_layout(req.metas(), self.align_bytes)
+            device = self._device_for(chunk)
+            slot, buf = self._buffers.acquire(layout.total_nbytes, device)
+            pack_into(layout, chunk.tensors, layout.split(buf))
+            if buf.is_cuda:
+                import torch
+
+                torch.cuda.current_stream(buf.device).synchronize()
+        with self._lock:
+            self._inflight[id(req)] = (slot, buf, layout)
+        return req
+
+    async def _transfer(
+        self,
+        chunk: WeightChunk,
+        request: WeightUpdateRequest,
+        inference_client: InferenceEngineClient,
+    ) -> None:
+        if self._broken:
+            raise WeightSyncError(
+                f"the broadcast group is unusable after an earlier failure ({self._broken}); "
+                f"create a new sender (strategy.create_sender) and re-initialise the engines"
+            )
+        with self._lock:
+            _, buf, layout = self._inflight.get(id(request), (None, None, None))
+        data = asyncio.ensure_future(in_thread(self._send_data, chunk, buf, layout))
+        engines = asyncio.ensure_future(inference_client.update_named_weights(request.to_dict()))
+        try:
+            go = await _first_failure(
+                data, engines, self.cfg.timeout_s, f"chunk {request.chunk_index}"
+            )
+        except WeightMismatchError:
+            raise
+        except BaseException as e:
+            if not data.done() or data.cancelled() or data.exception() is not None:
+                self._broken = f"{type(e).__name__}: {e}"[:300]
+            raise
+        if go is False:  # pragma: no cover - engines answered OK but someone voted no
+            raise WeightSyncError(
+                f"an engine rejected chunk {request.chunk_index} but reported no error"
+            )
+
+    def _send_data(
+        self, chunk: WeightChunk, buf: torch.Tensor | None, layout: PackedLayout | None
+    ) -> bool:
+        """Blocking: vote, then broadcast the bytes. Returns False if a receiver voted no."""
+        import torch
+
+        dev = self.group.device
+        ctx = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            if self.group.all_reduce_min(1) == 0:
+                return False
+            if buf is not None and layout is not None:
+                for part in layout.split(buf):
+                    if part.numel():
+                        self.group.broadcast(part, src=0)
+            else:
+                for t in chunk.tensors:
+                    b = as_bytes(t)
+                    if b.numel():
+                        self.group.broadcast(self._on_group_device(b), src=0)
+        return True
+
+    def _on_group_device(self, b: torch.Tensor) -> torch.Tensor:
+        dev = self.group.device
+        if dev is not None and b.device != dev:
+            return b.to(dev)
+        return b
+
+    def _device_for(self, chunk: WeightChunk) -> Any:
+        import torch
+
+        if self.group.backend_name == "nccl":
+            return self.group.device
+        return torch.device("cpu")
+
+    def _release(self, request: WeightUpdateRequest) -> None:
+        with self._lock:
+            slot, _, _ = self._inflight.pop(id(request), (None, None, None))
+        if slot is not None:
+            self._buffers.release(slot)
+
+    def _reclaim_stale(self) -> None:
+        """A request whose transfer never started (the update failed in between) still holds a
+        buffer. At most one transfer can be in flight while a new request is made, so every
+        entry but the newest is stale."""
+        with self._lock:
+            keys = list(self._inflight)[:-1]
+            stale = [self._inflight.pop(k) for k in keys]
+        for slot, _, _ in stale:
+            if slot is not None:
+                self._buffers.release(slot)
+
+    async def close(self) -> None:
+        self._buffers.close()
+        self.group.close()
+
+
+class _PackBuffers:
+    """``n`` reusable uint8 pack buffers (sender side), grown on demand, one chunk each."""
+
+    def __init__(self, n: int, *, timeout_s: float) -> None:
+        self._bufs: list[Any] = [None] * n
+        self._free = list(range(n))
+        self._cond = threading.Condition()
+        self.timeout_s = timeout_s
+
+    def acquire(self, nbytes: int, device: Any) -> tuple[int, torch.Tensor]:
+        import torch
+
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout=self.timeout_s):
+                raise WeightSyncTimeout(
+                    f"no free pack buffer within {self.timeout_s:g}s (earlier chunks not released)"
+                )
+            slot = self._free.pop(0)
+        buf = self._bufs[slot]
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            self._bufs[slot] = buf
+        return slot, buf[:nbytes]
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            if slot not in self._free:
+                self._free.append(slot)
+                self._cond.notify()
+
+    def close(self) -> None:
+        self._bufs = [None] * len(self._bufs)
+
+
+# --------------------------------------------------------------------------------------------
+# receiver
+# --------------------------------------------------------------------------------------------
+
+
+class BroadcastReceiver(WeightTransferReceiver):
+    """Engine worker at rank ``group.rank``. One receive buffer, reused across chunks."""
+
+    request_cls = BroadcastWeightUpdateRequest
+
+    def __init__(self, cfg: BroadcastConfig, group: Group) -> None:
+        self.cfg = cfg
+        self.group = group
+        self._buf: torch.Tensor | None = None
+
+    async def receive_and_load_weights(
+        self, request: WeightUpdateRequest, loader: WeightLoader
+    ) -> None:
+        if not isinstance(request, BroadcastWeightUpdateRequest):
+            raise ValueError(
+                f"broadcast receiver got a {type(request).__name__}: sender and engine use "
+                f"different strategies"
+            )
+        metas = request.metas()
+        rejection: WeightMismatchError | None = None
+        try:
+            loader.validate(metas)
+        except WeightMismatchError as e:
+            rejection = e
+        tensors = await in_thread(self._recv_data, request, rejection is None)
+        if tensors is None:
+            if rejection is not None:
+                raise rejection
+            raise WeightSyncError(
+                f"chunk {request.chunk_index} was rejected by another engine; nothing was "
+                f"moved (this engine's weights are unchanged)"
+            )
+        await loader.load_weights(tensors)
+
+    def _recv_data(
+        self, request: BroadcastWeightUpdateRequest, ok: bool
+    ) -> dict[str, torch.Tensor] | None:
+        import torch
+
+        dev = self.group.device
+        ctx = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            if self.group.all_reduce_min(1 if ok else 0) == 0:
+                return None
+            layout = plan_layout(request.metas(), request.align_bytes)
+            buf = self._buffer(layout.total_nbytes)
+            parts = layout.split(buf)
+            if request.packed:
+                for part in parts:
+                    if part.numel():
+                        self.group.broadcast(part, src=request.src_rank)
+            else:
+                for i, m in enumerate(layout.metas):
+                    if m.nbytes:
+                        g, off = layout.group_of[i], layout.offsets[i]
+                        self.group.broadcast(parts[g][off : off + m.nbytes], src=request.src_rank)
+            return layout.tensor_views(parts)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._buf = None  # free the old one before allocating the bigger one
+            self._buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.group.device)
+        return self._buf[:nbytes]
+
+    def close(self) -> None:
+        self._buf = None
+        self.group.close()
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _as_info(sync_info: Any) -> TorchDistributedWeightSyncInfo:
+    info = sync_info if isinstance(sync_info, WeightSyncInfo) else WeightSyncInfo.from_dict(sync_info)
+    if not isinstance(info, TorchDistributedWeightSyncInfo):
+        raise ValueError(
+            f"broadcast needs a torch_distributed sync info, got {type(info).__name__}"
+        )
+    return info
+
+
+async def _first_failure(
+    data: asyncio.Future, engines: asyncio.Future, timeout_s: float, what: str
+) -> Any:
+    """Await both; the first failure wins (engine errors preferred: they name the engine).
+
+    Returns ``data``'s result. A data-plane failure waits a short grace for the engines' error.
+    Nothing is left un-retrieved: a future still running when we raise gets a callback that
+    consumes its outcome.
+    """
+    try:
+        done, _ = await asyncio.wait(
+            {data, engines}, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION
+        )
+        if engines in done and engines.exception() is not None:
+            raise engines.exception()  # type: ignore[misc]
+        if data in done and data.exception() is not None:
+            with contextlib.suppress(asyncio.TimeoutError, Exception):
+                await asyncio.wait_for(asyncio.shield(engines), _ENGINE_ERROR_GRACE_S)
+            if engines.done() and not engines.cancelled() and engines.exception() is not None:
+                raise engines.exception()  # type: ignore[misc]
+            raise data.exception()  # type: ignore[misc]
+        if data in done and data.result() is False:
+            # a receiver voted no: its engine's WeightMismatchError is on the way
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(engines), timeout_s)
+            if engines.done() and engines.exception() is not None:
+                raise engines.exception()  # type: ignore[misc]
+            return False
+        if len(done) < 2:
+            late = "the engines" if engines not in done else "the data plane"
+            raise WeightSyncTimeout(
+                f"{what}: no answer from {late} within {timeout_s:g}s (an engine died or hangs?)"
+            )
+        return data.result()
+    finally:
+        for f in (data, engines):
+            if not f.done():
+                f.add_done_callback(_consume)
+            else:
+                _consume(f)
+
+
+def _consume(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()

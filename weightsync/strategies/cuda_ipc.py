@@ -1,0 +1,225 @@
+"""``cuda_ipc``: one shared buffer per tensor, for engines on the same node as the trainer.
+
+- CUDA tensors: zero copy. The request carries the CUDA IPC handle of the allocation that holds
+  each tensor (``_cuda_handles.encode``); the engine opens it once (cached) and reads a view.
+- CPU tensors: POSIX shared memory. The sender copies each tensor into a segment taken from a
+  size-keyed pool (``_shm.SizedSegmentPool``: layers repeat shapes, so segments are reused across
+  chunks and syncs and their pages are touched once); the engine maps it by name (cached) and
+  builds a dtype/shape view with ``torch.frombuffer``, no copy.
+
+Processes: ``create_sender`` / the sender run in the training process; receivers in the engine
+workers. There is no data-plane rendezvous (``EmptyWeightSyncInfo``); the engine only has to
+see the same GPUs / the same ``/dev/shm``. Every request's bytes stay valid until the engines'
+``update_named_weights`` returned: the loader copies out of the views before that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import TYPE_CHECKING, Any
+
+from weightsync.config import IpcConfig
+from weightsync.errors import WeightSyncError, WeightSyncTimeout
+from weightsync.interfaces import (
+    InferenceEngineClient,
+    WeightLoader,
+    WeightTransferReceiver,
+    WeightTransferSender,
+    WeightTransferStrategy,
+)
+from weightsync.strategies._layout import as_bytes, view_as
+from weightsync.strategies._shm import AttachedSegments, SizedSegmentPool
+from weightsync.types import (
+    CudaIpcWeightUpdateRequest,
+    EmptyWeightSyncInfo,
+    IpcBufferHandle,
+    WeightChunk,
+    WeightSyncInfo,
+    WeightUpdateRequest,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+def bucket_bytes(cfg: Any) -> int:
+    return int(float(cfg.bucket_size_mb) * (1 << 20))
+
+
+async def call_engines(
+    inference_client: InferenceEngineClient, request: WeightUpdateRequest, timeout_s: float
+) -> None:
+    """``update_named_weights`` with the strategy's timeout (a dead engine never hangs us)."""
+    try:
+        await asyncio.wait_for(
+            inference_client.update_named_weights(request.to_dict()), timeout_s
+        )
+    except TimeoutError:
+        raise WeightSyncTimeout(
+            f"chunk {request.chunk_index}: the engines did not load it within {timeout_s:g}s "
+            f"(an engine died or hangs?)"
+        ) from None
+
+
+class CudaIpcStrategy(WeightTransferStrategy):
+    name = "cuda_ipc"
+    config_cls = IpcConfig
+
+    @classmethod
+    def get_request_type(cls) -> type[WeightUpdateRequest]:
+        return CudaIpcWeightUpdateRequest
+
+    async def create_sync_info(
+        self, cfg: Any, inference_client: InferenceEngineClient
+    ) -> WeightSyncInfo:
+        return EmptyWeightSyncInfo()
+
+    async def create_sender(
+        self, cfg: Any, inference_client: InferenceEngineClient, sync_info: WeightSyncInfo
+    ) -> CudaIpcSender:
+        cfg = cfg or self.cfg
+        await self._init_engines(cfg, inference_client, sync_info)
+        return CudaIpcSender(cfg)
+
+    async def _init_engines(
+        self, cfg: Any, inference_client: InferenceEngineClient, sync_info: WeightSyncInfo
+    ) -> None:
+        """Have every engine build its receiver (nothing to join on our side)."""
+        try:
+            await asyncio.wait_for(
+                inference_client.init_weight_transfer(self.config_dict(), _info_dict(sync_info)),
+                cfg.timeout_s,
+            )
+        except TimeoutError:
+            raise WeightSyncTimeout(
+                f"the engines did not set up their {self.name} receivers within {cfg.timeout_s:g}s"
+            ) from None
+
+    async def create_receiver(
+        self, cfg: Any, sync_info: WeightSyncInfo, rank_offset: int
+    ) -> CudaIpcReceiver:
+        return CudaIpcReceiver(cfg or self.cfg)
+
+
+class CudaIpcSender(WeightTransferSender):
+    """Makes one handle per tensor; CPU tensors are copied into pooled shm segments."""
+
+    overlap = True
+
+    def __init__(self, cfg: IpcConfig) -> None:
+        self.cfg = cfg
+        self.pool = SizedSegmentPool(max_free_bytes=2 * bucket_bytes(cfg))
+        self._held: dict[int, list[Any]] = {}  # id(request) -> segments / tensors kept alive
+        self._lock = threading.Lock()
+
+    def create_request(self, chunk: WeightChunk) -> CudaIpcWeightUpdateRequest:
+        from weightsync.strategies import _cuda_handles
+
+        handles: list[IpcBufferHandle] = []
+        held: list[Any] = []
+        try:
+            for t in chunk.tensors:
+                if t.is_cuda:
+                    t = t.detach().contiguous()
+                    held.append(t)
+                    handles.append(_cuda_handles.encode(t))
+                else:
+                    src = as_bytes(t)
+                    seg = self.pool.acquire(src.numel())
+                    held.append(seg)
+                    if src.numel():
+                        seg.tensor[: src.numel()].copy_(src)
+                    handles.append(
+                        IpcBufferHandle(kind="shm", nbytes=src.numel(), name=seg.name,
+                                        alloc_nbytes=seg.capacity)
+                    )
+        except BaseException:
+            self._give_back(held)
+            raise
+        if any(t.is_cuda for t in chunk.tensors):
+            import torch
+
+            torch.cuda.synchronize()  # .contiguous() copies must land before the engine reads
+        req = CudaIpcWeightUpdateRequest(
+            names=list(chunk.names), dtypes=chunk.dtypes, shapes=chunk.shapes, handles=handles
+        )
+        with self._lock:
+            self._held[id(req)] = held
+        return req
+
+    async def _transfer(
+        self,
+        chunk: WeightChunk,
+        request: WeightUpdateRequest,
+        inference_client: InferenceEngineClient,
+    ) -> None:
+        await call_engines(inference_client, request, self.cfg.timeout_s)
+
+    def _release(self, request: WeightUpdateRequest) -> None:
+        with self._lock:
+            held = self._held.pop(id(request), [])
+        self._give_back(held)
+
+    def _give_back(self, held: list[Any]) -> None:
+        for h in held:
+            if hasattr(h, "shm"):
+                self.pool.release(h)
+
+    async def close(self) -> None:
+        with self._lock:
+            pending = list(self._held.values())
+            self._held.clear()
+        for held in pending:
+            self._give_back(held)
+        self.pool.close()
+
+
+class CudaIpcReceiver(WeightTransferReceiver):
+    """Opens handles (cached) and hands dtype/shape views to the loader; no copy."""
+
+    request_cls = CudaIpcWeightUpdateRequest
+
+    def __init__(self, cfg: IpcConfig) -> None:
+        self.cfg = cfg
+        self.segments = AttachedSegments(max_bytes=4 * bucket_bytes(cfg))
+        self._cuda: Any = None
+
+    async def receive_and_load_weights(
+        self, request: WeightUpdateRequest, loader: WeightLoader
+    ) -> None:
+        if not isinstance(request, CudaIpcWeightUpdateRequest):
+            raise ValueError(
+                f"cuda_ipc receiver got a {type(request).__name__}: sender and engine use "
+                f"different strategies"
+            )
+        metas = request.metas()
+        loader.validate(metas)  # before any byte is touched
+        tensors: dict[str, torch.Tensor] = {}
+        for m, h in zip(metas, request.handles, strict=True):
+            if h.nbytes != m.nbytes:
+                raise WeightSyncError(
+                    f"{m.name}: handle has {h.nbytes} bytes but {m.dtype}{m.shape} needs {m.nbytes}"
+                )
+            raw = self._open(h)
+            tensors[m.name] = view_as(raw, 0, m)
+        await loader.load_weights(tensors)
+
+    def _open(self, h: IpcBufferHandle) -> torch.Tensor:
+        if h.kind == "shm":
+            whole = self.segments.get(h.name, h.offset + h.nbytes)
+            return whole[h.offset : h.offset + h.nbytes]
+        if self._cuda is None:
+            from weightsync.strategies._cuda_handles import CudaHandleCache
+
+            self._cuda = CudaHandleCache()
+        return self._cuda.view(h)
+
+    def close(self) -> None:
+        self.segments.close()
+        if self._cuda is not None:
+            self._cuda.close()
+
+
+def _info_dict(sync_info: Any) -> dict:
+    return sync_info.to_dict() if hasattr(sync_info, "to_dict") else dict(sync_info)

@@ -1,0 +1,190 @@
+"""``packed_cuda_ipc``: one contiguous shared buffer per chunk, one handle per dtype group.
+
+The sender packs each chunk into one of ``num_buffers`` (default 2) reusable buffers (a POSIX
+shm segment for CPU tensors, a CUDA allocation for CUDA tensors), laid out by
+``_layout.plan_layout`` (per dtype group, aligned offsets). The request carries one
+``IpcBufferHandle`` per dtype group (the slot's segment / allocation, with the group's byte
+offset and size), plus each tensor's group index and offset. Engines map each slot once
+(cached) and hand the loader dtype/shape views: no copy besides the loader's own.
+
+Memory is bounded by ``num_buffers`` x the largest chunk (about the bucket size), and the pages
+of a slot are touched once, not per sync. Slot ``k`` is handed out again only after the chunk
+that used it finished its transfer (``_release``), so with overlap on (default) the sender packs
+chunk i+1 into one slot while the engines read chunk i from the other.
+
+``cfg.device``: ``"auto"`` puts the buffer where the chunk's tensors are (CUDA if any tensor is
+on a GPU), ``"cpu"`` always uses shared memory, ``"cuda"`` always a GPU buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from weightsync.config import PackedIpcConfig
+from weightsync.errors import WeightSyncError
+from weightsync.interfaces import (
+    InferenceEngineClient,
+    WeightLoader,
+    WeightTransferReceiver,
+    WeightTransferSender,
+)
+from weightsync.strategies._layout import DEFAULT_ALIGN, pack_into, plan_layout, view_as
+from weightsync.strategies._pool import BufferPool
+from weightsync.strategies._shm import AttachedSegments
+from weightsync.strategies.cuda_ipc import CudaIpcStrategy, bucket_bytes, call_engines
+from weightsync.types import (
+    IpcBufferHandle,
+    PackedCudaIpcWeightUpdateRequest,
+    WeightChunk,
+    WeightSyncInfo,
+    WeightUpdateRequest,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+class PackedCudaIpcStrategy(CudaIpcStrategy):
+    name = "packed_cuda_ipc"
+    config_cls = PackedIpcConfig
+
+    @classmethod
+    def get_request_type(cls) -> type[WeightUpdateRequest]:
+        return PackedCudaIpcWeightUpdateRequest
+
+    async def create_sender(
+        self, cfg: Any, inference_client: InferenceEngineClient, sync_info: WeightSyncInfo
+    ) -> PackedCudaIpcSender:
+        cfg = cfg or self.cfg
+        await self._init_engines(cfg, inference_client, sync_info)
+        return PackedCudaIpcSender(cfg)
+
+    async def create_receiver(
+        self, cfg: Any, sync_info: WeightSyncInfo, rank_offset: int
+    ) -> PackedCudaIpcReceiver:
+        return PackedCudaIpcReceiver(cfg or self.cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# sender / receiver
+# --------------------------------------------------------------------------------------------
+
+
+class PackedCudaIpcSender(WeightTransferSender):
+    overlap = True
+
+    def __init__(self, cfg: PackedIpcConfig) -> None:
+        self.cfg = cfg
+        self.align_bytes = DEFAULT_ALIGN
+        self.pool = BufferPool(int(cfg.num_buffers), timeout_s=cfg.timeout_s)
+        self._slot_of: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def create_request(self, chunk: WeightChunk) -> PackedCudaIpcWeightUpdateRequest:
+        import torch
+
+        metas = chunk.metas()
+        layout = plan_layout(metas, self.align_bytes)
+        device = self._device_for(chunk)
+        self._reclaim_stale()
+        k, slot = self.pool.acquire(layout.total_nbytes, device)
+        try:
+            whole = slot.tensor[: layout.total_nbytes]
+            pack_into(layout, chunk.tensors, layout.split(whole))
+            if whole.is_cuda:
+                torch.cuda.current_stream(whole.device).synchronize()
+        except BaseException:
+            self.pool.release(k)
+            raise
+        req = PackedCudaIpcWeightUpdateRequest(
+            names=list(chunk.names), dtypes=chunk.dtypes, shapes=chunk.shapes,
+            buffers=[slot.describe(g.start, g.nbytes) for g in layout.groups],
+            buffer_index=list(layout.group_of), offsets=list(layout.offsets),
+        )
+        with self._lock:
+            self._slot_of[id(req)] = k
+        return req
+
+    def _device_for(self, chunk: WeightChunk) -> Any:
+        import torch
+
+        mode = str(getattr(self.cfg, "device", "auto"))
+        if mode == "cpu":
+            return torch.device("cpu")
+        cuda = next((t.device for t in chunk.tensors if t.is_cuda), None)
+        if mode == "cuda":
+            return cuda or torch.device("cuda", torch.cuda.current_device())
+        return cuda or torch.device("cpu")
+
+    async def _transfer(
+        self,
+        chunk: WeightChunk,
+        request: WeightUpdateRequest,
+        inference_client: InferenceEngineClient,
+    ) -> None:
+        await call_engines(inference_client, request, self.cfg.timeout_s)
+
+    def _release(self, request: WeightUpdateRequest) -> None:
+        with self._lock:
+            k = self._slot_of.pop(id(request), None)
+        if k is not None:
+            self.pool.release(k)
+
+    def _reclaim_stale(self) -> None:
+        """Requests made but never transferred (an update failed in between) still hold a slot;
+        at most one transfer is in flight while a request is made, so all but the newest are
+        stale."""
+        with self._lock:
+            keys = list(self._slot_of)[:-1]
+            stale = [self._slot_of.pop(key) for key in keys]
+        for k in stale:
+            self.pool.release(k)
+
+    async def close(self) -> None:
+        self.pool.close()
+
+
+class PackedCudaIpcReceiver(WeightTransferReceiver):
+    request_cls = PackedCudaIpcWeightUpdateRequest
+
+    def __init__(self, cfg: PackedIpcConfig) -> None:
+        self.cfg = cfg
+        n = max(int(getattr(cfg, "num_buffers", 2)), 1)
+        # room for every slot of the sender's pool plus one regrown slot
+        self.segments = AttachedSegments(max_bytes=(n + 1) * max(bucket_bytes(cfg), 1 << 20))
+        self._cuda: Any = None
+
+    async def receive_and_load_weights(
+        self, request: WeightUpdateRequest, loader: WeightLoader
+    ) -> None:
+        if not isinstance(request, PackedCudaIpcWeightUpdateRequest):
+            raise ValueError(
+                f"packed_cuda_ipc receiver got a {type(request).__name__}: sender and engine use "
+                f"different strategies"
+            )
+        metas = request.metas()
+        loader.validate(metas)  # before any byte is touched
+        raws = [self._open(h) for h in request.buffers]
+        tensors: dict[str, torch.Tensor] = {}
+        for m, bi, off in zip(metas, request.buffer_index, request.offsets, strict=True):
+            try:
+                tensors[m.name] = view_as(raws[bi], off, m)
+            except ValueError as e:
+                raise WeightSyncError(f"packed_cuda_ipc request: {e}") from None
+        await loader.load_weights(tensors)
+
+    def _open(self, h: IpcBufferHandle) -> torch.Tensor:
+        if h.kind == "shm":
+            whole = self.segments.get(h.name, h.offset + h.nbytes)
+            return whole[h.offset : h.offset + h.nbytes]
+        if self._cuda is None:
+            from weightsync.strategies._cuda_handles import CudaHandleCache
+
+            self._cuda = CudaHandleCache(max_handles=4 * max(int(self.cfg.num_buffers), 1))
+        return self._cuda.view(h)
+
+    def close(self) -> None:
+        self.segments.close()
+        if self._cuda is not None:
+            self._cuda.close()
