@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import weightsync as ws
 from weightsync.config import CONFIG_DIR
@@ -265,3 +267,70 @@ def test_presets_build(preset, cls):
 def test_unknown_field_lists_valid_ones():
     with pytest.raises(ValueError, match="unknown field.*'head_patterns'.*head_name_patterns"):
         ws.build_extractor({"type": "hf_head", "head_patterns": ["x"]})
+
+
+# -- base class machinery (WeightExtractor in interfaces.py) -------------------------------------
+
+_group = ws.WeightExtractor._group_by_module
+_batch = ws.WeightExtractor._batch_by_threshold
+
+
+def _named(spec: list[tuple[str, int]]) -> list[tuple[str, torch.Tensor]]:
+    return [(n, torch.zeros(k, dtype=torch.float32)) for n, k in spec]
+
+
+def test_group_by_module_groups_consecutive_names_of_one_module():
+    named = _named([("a.w", 1), ("a.b", 1), ("b.w", 1), ("top", 1), ("a.x", 1)])
+    groups = [(m, [n for n, _ in items]) for m, items in _group(named)]
+    assert groups == [("a", ["a.w", "a.b"]), ("b", ["b.w"]), ("", ["top"]), ("a", ["a.x"])]
+    assert list(_group([])) == []
+
+
+def test_batch_by_threshold_bounds():
+    groups = [("m1", _named([("m1.w", 10), ("m1.b", 2)])),  # 48 bytes
+              ("m2", _named([("m2.w", 5)])),  # 20
+              ("big", _named([("big.w", 100)])),  # 400 > threshold: a chunk of its own
+              ("m3", _named([("m3.w", 3)]))]  # 12
+    chunks = list(_batch(groups, 64))
+    assert [c.names for c in chunks] == [["m1.w", "m1.b"], ["m2.w"], ["big.w"], ["m3.w"]]
+    assert [c.module_name for c in chunks] == ["m1", "m2", "big", "m3"]
+    chunks = list(_batch(groups[:2], 68))  # exactly at the bound: still one chunk
+    assert [c.names for c in chunks] == [["m1.w", "m1.b", "m2.w"]]
+    assert chunks[0].module_name == "m1..m2"
+    assert list(_batch([], 64)) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=4), max_size=12),
+    threshold=st.integers(1, 200),
+)
+def test_batching_properties(sizes, threshold):
+    groups = [
+        (f"m{i}", _named([(f"m{i}.p{j}", k) for j, k in enumerate(g)])) for i, g in enumerate(sizes)
+    ]
+    chunks = list(_batch(groups, threshold))
+    flat = [n for c in chunks for n in c.names]
+    assert flat == [n for _, items in groups for n, _ in items]  # order preserved, nothing lost
+    owner = {}
+    for i, c in enumerate(chunks):
+        for n in c.names:
+            owner.setdefault(n.split(".")[0], set()).add(i)
+        n_groups = len({n.split(".")[0] for n in c.names})
+        assert c.total_size_bytes <= threshold or n_groups == 1  # only a lone group may exceed
+    assert all(len(v) == 1 for v in owner.values())  # a group is never split
+
+
+def test_cast_rules():
+    f32, i64 = torch.ones(2), torch.ones(2, dtype=torch.int64)
+    cast = ws.WeightExtractor._cast
+    assert cast(f32, None) is f32 and cast(f32, torch.float32) is f32  # no copy when not needed
+    assert cast(f32, torch.bfloat16).dtype == torch.bfloat16
+    assert cast(i64, torch.bfloat16) is i64  # integer tensors are never cast
+
+
+def test_group_by_module_off_sends_tensors_singly():
+    ex = HFWeightExtractor(ws.ExtractorConfig(group_by_module=False, bucket_size_mb=1e-5))
+    chunks = _collect(ex, WithBuffers())
+    assert all(len(c) == 1 for c in chunks)
+    assert [c.names[0] for c in chunks] == list(WithBuffers().state_dict())
