@@ -31,6 +31,6 @@ def test_import_weightsync_imports_no_heavy_dependency():
 
 
 def test_probe_detects_a_heavy_import():
-    """The check can fail: building an extractor does pull in torch."""
-    code = _PROBE.replace("print(", "weightsync.build_extractor({'type': 'hf'})\nprint(", 1)
+    """The check can fail: resolving a dtype does pull in torch."""
+    code = _PROBE.replace("print(", "weightsync.types.str_to_dtype('bfloat16')\nprint(", 1)
     assert "torch" in _loaded_after(code)
