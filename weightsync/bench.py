@@ -60,9 +60,24 @@ class BenchConfig:
 def module_digest(module: Any) -> dict[str, dict[str, Any]]:
     """``{name: {"digest", "dtype", "shape"}}`` over ``module.state_dict()``, in the same form
     as a ``LocalEngineProcess``'s ``state_digest``."""
-    from weightsync.local import state_digest
+    import hashlib
 
-    return state_digest(module)
+    from weightsync.types import dtype_to_str
+
+    out = {}
+    for name, t in module.state_dict().items():
+        data = t.detach().contiguous().cpu().reshape(-1).view(torch_uint8())
+        out[name] = {
+            "digest": hashlib.blake2b(data.numpy().tobytes()).hexdigest(),
+            "dtype": dtype_to_str(t.dtype), "shape": list(t.shape),
+        }
+    return out
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
 
 
 def compare_digests(

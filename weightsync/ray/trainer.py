@@ -19,6 +19,7 @@ the extractor's collectives in ``sync_weights`` (all ranks must call it together
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
         WeightTransferStrategy,
     )
     from weightsync.ray.client import RayEngineClient
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,7 +136,8 @@ class WeightSyncTrainerMixin:
         return out
 
     async def close_weight_sync(self) -> None:
-        """Tear down sender and engine receivers (safe to call twice)."""
+        """Tear down sender and engine receivers, best effort: an engine that died or does not
+        answer is logged, not raised (safe to call twice)."""
         state, self._weightsync = self._weightsync, None
         if state is None or state.sender is None:
             return
@@ -141,7 +145,10 @@ class WeightSyncTrainerMixin:
             await state.sender.close()
         finally:
             if state.client is not None:
-                await state.client.close_weight_transfer()
+                try:
+                    await state.client.close_weight_transfer()
+                except Exception as e:
+                    log.warning("closing the previous weight-sync group: %s", e)
 
 
 def _with_sender_flag(extractor_cfg: Any, is_sender: bool) -> Any:
