@@ -7,8 +7,8 @@ without shipping offsets (``broadcast``) or check the offsets they were sent
 (``packed_cuda_ipc``).
 
 Rules: tensors are grouped by dtype in order of first appearance; inside a group they keep
-request order; every tensor starts at a multiple of ``align_bytes`` from its group's start; every
-group starts at a multiple of ``align_bytes`` inside the whole chunk buffer. Zero-size tensors
+request order; every tensor starts at a multiple of ``max(align_bytes, itemsize)`` from its
+group's start; every group starts at such a multiple inside the whole chunk buffer. Zero-size tensors
 take no bytes.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from weightsync.types import TensorMeta
+from weightsync.types import TensorMeta, dtype_itemsize
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -80,16 +80,18 @@ def plan_layout(metas: Sequence[TensorMeta], align_bytes: int = DEFAULT_ALIGN) -
     offsets = [0] * len(metas)
     groups = []
     start = 0
-    for g, (dtype, members) in enumerate(order.items()):
+    for dtype, members in order.items():
+        align = max(align_bytes, dtype_itemsize(dtype))  # a view needs itemsize alignment
+        g = len(groups)
         pos = 0
         for i in members:
             n = metas[i].nbytes
             if n:
-                pos = align_up(pos, align_bytes)
+                pos = align_up(pos, align)
             group_of[i] = g
             offsets[i] = pos
             pos += n
-        start = align_up(start, align_bytes)
+        start = align_up(start, align)
         groups.append(DtypeGroup(dtype, start, pos, tuple(members)))
         start += pos
     return PackedLayout(

@@ -5,9 +5,9 @@ Sender side (the training process) creates segments, copies tensors in and sends
 with ``torch.frombuffer`` (no copy). Nothing is pickled.
 
 Ownership: the creating process owns a segment and unlinks it (``close``); Python's
-``resource_tracker`` also unlinks it if that process dies. An attaching process must not let
-its resource tracker unlink (or warn about) segments it does not own, so ``attach_segment``
-maps it directly (``AttachedSegment``) without the tracker.
+``resource_tracker`` also unlinks it if that process dies. An attaching process never unlinks
+and never registers. Mappings are ``mmap`` objects that are never closed explicitly: they go
+when the last tensor viewing them does (``Mapping``), so a late view can never dangle.
 
 - ``SizedSegmentPool``: segments reused by size across chunks and syncs (``cuda_ipc``), free
   bytes bounded.
@@ -22,7 +22,6 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from multiprocessing import shared_memory
 from typing import TYPE_CHECKING
 
 from weightsync.errors import WeightSyncError
@@ -33,95 +32,112 @@ if TYPE_CHECKING:  # pragma: no cover
 _PREFIX = "ws"
 
 
-def new_segment(nbytes: int) -> shared_memory.SharedMemory:
-    """Create a segment of at least one byte with a unique name (owned by this process)."""
-    name = f"{_PREFIX}_{os.getpid()}_{uuid.uuid4().hex[:12]}"
-    try:
-        return shared_memory.SharedMemory(name=name, create=True, size=max(int(nbytes), 1))
-    except OSError as e:
-        raise WeightSyncError(
-            f"could not create a {nbytes}-byte shared-memory segment ({e}); /dev/shm may be too "
-            f"small: lower bucket_size_mb or enlarge /dev/shm (docker: --shm-size)"
-        ) from e
+class Mapping:
+    """A ``mmap`` of a POSIX shm segment and a uint8 tensor over it (no copy).
 
-
-class AttachedSegment:
-    """A mapping of a segment another process created; never unlinks, never tracked.
-
-    Opened with ``shm_open`` + ``mmap`` directly: ``multiprocessing.shared_memory`` (before
-    Python 3.13) registers attached segments with the resource tracker, which a spawned child
-    shares with its parent, so unregistering there would also drop the owner's registration.
+    Memory safety: ``torch.frombuffer`` does not pin the buffer export, so an explicit
+    ``mmap.close()`` while a tensor view is alive would leave that view dangling. We never
+    close the map explicitly: ``release()`` drops our references, and the map is unmapped when
+    the last tensor viewing it is garbage-collected.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, create_nbytes: int | None = None) -> None:
         import _posixshmem
 
-        try:
-            fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
-        except FileNotFoundError:
-            raise WeightSyncError(
-                f"shared-memory segment {name!r} does not exist: the sender released it or died"
-            ) from None
+        path = "/" + name.lstrip("/")
+        self.name = name.lstrip("/")
+        if create_nbytes is not None:
+            flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
+            try:
+                fd = _posixshmem.shm_open(path, flags, mode=0o600)
+            except OSError as e:
+                raise WeightSyncError(f"could not create shared-memory segment {name!r}: {e}") from e
+            try:
+                os.ftruncate(fd, max(int(create_nbytes), 1))
+            except OSError as e:
+                os.close(fd)
+                _posixshmem.shm_unlink(path)
+                raise WeightSyncError(
+                    f"could not size a {create_nbytes}-byte shared-memory segment ({e}); "
+                    f"/dev/shm may be too small: lower bucket_size_mb or enlarge /dev/shm "
+                    f"(docker: --shm-size)"
+                ) from e
+        else:
+            try:
+                fd = _posixshmem.shm_open(path, os.O_RDWR, mode=0o600)
+            except FileNotFoundError:
+                raise WeightSyncError(
+                    f"shared-memory segment {name!r} does not exist: the sender released it or died"
+                ) from None
         try:
             self.size = os.fstat(fd).st_size
-            self._mmap = mmap.mmap(fd, self.size) if self.size else None
+            mm = mmap.mmap(fd, self.size) if self.size else None
         finally:
             os.close(fd)
-        self.name = name
-        self.buf = memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
+        self.tensor: torch.Tensor | None = _tensor_over(mm, self.size)
 
-    def close(self) -> None:
-        self.buf.release()
-        if self._mmap is not None:
-            self._mmap.close()
+    def release(self) -> None:
+        """Drop our view; the map goes away with the last tensor that views it."""
+        self.tensor = None
 
 
-def attach_segment(name: str) -> AttachedSegment:
-    """Map an existing segment (created by another process) for reading and writing."""
-    return AttachedSegment(name)
-
-
-def as_tensor(shm: shared_memory.SharedMemory | AttachedSegment, nbytes: int | None = None) -> torch.Tensor:
-    """A uint8 tensor over the mapping (shares memory; no copy)."""
+def _tensor_over(mm: mmap.mmap | None, n: int) -> torch.Tensor:
     import torch
 
-    n = shm.size if nbytes is None else nbytes
-    if n == 0:
+    if mm is None or n == 0:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(shm.buf, dtype=torch.uint8, count=n)
+    # the tensor keeps ``mm`` alive (frombuffer holds a reference to the buffer object)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=n)
 
 
-def close_segment(shm: shared_memory.SharedMemory | AttachedSegment, *, unlink: bool) -> None:
-    """Unmap (and unlink, for the owner). A lingering tensor view keeps the mapping alive: the
-    segment is then unlinked now and unmapped when the view dies."""
-    try:
-        shm.close()
-    except BufferError:
-        pass  # a torch view still exports the buffer; the mmap goes when it is collected
-    if unlink:
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
+def attach_segment(name: str) -> Mapping:
+    """Map an existing segment (created by another process) for reading and writing.
+
+    Not registered with Python's resource tracker (only the owner unlinks)."""
+    return Mapping(name)
 
 
 class _Segment:
-    """A created segment with its uint8 tensor view."""
+    """A segment this process created and owns: registered with the resource tracker (so it is
+    unlinked even if this process dies), unlinked by ``close``."""
 
-    __slots__ = ("shm", "tensor", "capacity")
+    __slots__ = ("mapping", "capacity", "_closed")
 
     def __init__(self, nbytes: int) -> None:
-        self.shm = new_segment(nbytes)
+        from multiprocessing import resource_tracker
+
+        name = f"{_PREFIX}_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+        self.mapping = Mapping(name, create_nbytes=max(int(nbytes), 1))
         self.capacity = int(nbytes)
-        self.tensor = as_tensor(self.shm, self.capacity)
+        self._closed = False
+        resource_tracker.register("/" + name, "shared_memory")
 
     @property
     def name(self) -> str:
-        return self.shm.name
+        return self.mapping.name
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        t = self.mapping.tensor
+        assert t is not None, "segment already closed"
+        return t[: self.capacity]
 
     def close(self) -> None:
-        self.tensor = None  # type: ignore[assignment]
-        close_segment(self.shm, unlink=True)
+        if self._closed:
+            return
+        self._closed = True
+        import _posixshmem
+        from multiprocessing import resource_tracker
+
+        self.mapping.release()
+        try:
+            _posixshmem.shm_unlink("/" + self.name)
+        except FileNotFoundError:
+            pass
+        try:
+            resource_tracker.unregister("/" + self.name, "shared_memory")
+        except Exception:  # pragma: no cover - tracker gone at interpreter exit
+            pass
 
 
 class SizedSegmentPool:
@@ -179,45 +195,43 @@ class SizedSegmentPool:
 class AttachedSegments:
     """Receiver-side cache: segment name -> uint8 tensor over its mapping.
 
-    Bounded by ``max_bytes`` (least recently used mappings are closed first, never the one just
-    asked for). A segment the sender replaced (new name) ages out; its pages are freed once both
-    sides have let go.
+    Bounded by ``max_bytes``: least recently used mappings are dropped first (their memory is
+    unmapped once no tensor views it any more, see ``Mapping``). A segment the sender replaced
+    (new name) ages out; its pages are freed once both sides have let go.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = int(max_bytes)
-        self._open: OrderedDict[str, tuple[AttachedSegment, torch.Tensor]] = OrderedDict()
+        self._open: OrderedDict[str, Mapping] = OrderedDict()
         self._bytes = 0
         self.attached = 0  # attach calls so far (tests check caching)
 
     def get(self, name: str, min_nbytes: int) -> torch.Tensor:
         hit = self._open.get(name)
-        if hit is not None and hit[0].size >= min_nbytes:
+        if hit is not None and hit.size >= min_nbytes:
             self._open.move_to_end(name)
-            return hit[1]
+            return hit.tensor  # type: ignore[return-value]
         if hit is not None:
             self._drop(name)
-        shm = attach_segment(name)
-        if shm.size < min_nbytes:
-            close_segment(shm, unlink=False)
+        m = attach_segment(name)
+        if m.size < min_nbytes:
+            m.release()
             raise WeightSyncError(
-                f"shared-memory segment {name!r} has {shm.size} bytes, the request needs "
+                f"shared-memory segment {name!r} has {m.size} bytes, the request needs "
                 f"{min_nbytes}"
             )
-        t = as_tensor(shm)
-        self._open[name] = (shm, t)
-        self._bytes += shm.size
+        self._open[name] = m
+        self._bytes += m.size
         self.attached += 1
+        t = m.tensor
         while self._bytes > self.max_bytes and len(self._open) > 1:
-            oldest = next(iter(self._open))
-            self._drop(oldest)
-        return t
+            self._drop(next(iter(self._open)))
+        return t  # type: ignore[return-value]
 
     def _drop(self, name: str) -> None:
-        shm, t = self._open.pop(name)
-        del t  # drop our view first so the mapping can close now
-        self._bytes -= shm.size
-        close_segment(shm, unlink=False)
+        m = self._open.pop(name)
+        self._bytes -= m.size
+        m.release()
 
     def __len__(self) -> int:
         return len(self._open)

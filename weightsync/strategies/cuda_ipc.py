@@ -29,7 +29,7 @@ from weightsync.interfaces import (
     WeightTransferStrategy,
 )
 from weightsync.strategies._layout import as_bytes, view_as
-from weightsync.strategies._shm import AttachedSegments, SizedSegmentPool
+from weightsync.strategies._shm import AttachedSegments, SizedSegmentPool, _Segment
 from weightsync.types import (
     CudaIpcWeightUpdateRequest,
     EmptyWeightSyncInfo,
@@ -163,7 +163,7 @@ class CudaIpcSender(WeightTransferSender):
 
     def _give_back(self, held: list[Any]) -> None:
         for h in held:
-            if hasattr(h, "shm"):
+            if isinstance(h, _Segment):
                 self.pool.release(h)
 
     async def close(self) -> None:
