@@ -68,8 +68,11 @@ def corpus(n: int = 600, *, seed: int = 0) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int = 512, *, seed: int = 0) -> Any:
-    """-> a ``PreTrainedTokenizerFast`` (byte-level BPE, pad/eos/bos special tokens)."""
+def build_tokenizer(vocab_size: int = 512) -> Any:
+    """-> a ``PreTrainedTokenizerFast`` (byte-level BPE, pad/eos/bos special tokens).
+
+    Deterministic and independent of the model seed: models built with different seeds share
+    one tokenizer, so weights of one can be synced into an engine serving another."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -87,7 +90,7 @@ def build_tokenizer(vocab_size: int = 512, *, seed: int = 0) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(seed=seed) * 4, trainer=trainer)
+    tok.train_from_iterator(corpus(seed=0) * 4, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD_TOKEN,
@@ -183,7 +186,7 @@ def build_tiny_reward_model(
 
     if num_labels < 1:
         raise ValueError(f"num_labels must be >= 1, got {num_labels}")
-    tokenizer = build_tokenizer(vocab_size, seed=seed)
+    tokenizer = build_tokenizer(vocab_size)
     cfg = _config(
         family, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
@@ -217,7 +220,7 @@ def build_tiny_causal_lm(
     import torch
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
-    tokenizer = build_tokenizer(vocab_size, seed=seed)
+    tokenizer = build_tokenizer(vocab_size)
     cfg = _config(
         family, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,

@@ -60,3 +60,11 @@ def test_bad_shapes_refused(tmp_path):
         build_tiny_reward_model(tmp_path / "x", num_labels=0)
     with pytest.raises(ValueError, match="vocab_size"):
         build_tokenizer(100)
+
+
+def test_tokenizer_shared_across_seeds(tmp_path):
+    """Models of different seeds share one tokenizer (their weights are interchangeable)."""
+    a = build_tiny_reward_model(tmp_path / "a", seed=0)
+    b = build_tiny_reward_model(tmp_path / "b", seed=7)
+    with open(os.path.join(a, "tokenizer.json")) as fa, open(os.path.join(b, "tokenizer.json")) as fb:
+        assert fa.read() == fb.read()

