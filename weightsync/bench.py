@@ -11,8 +11,10 @@ received and loaded, finish). After the last sync the receiver's state digest mu
 sender's (``bit_exact``).
 
 References (``weightsync.bench_reference``): on CPU a memcpy of the same bytes; on CUDA a raw
-device copy (IPC strategies) or a raw broadcast of one flat buffer (``broadcast``). Broadcast
-rows also report the raw broadcast of one flat buffer over the same backend.
+device copy (IPC strategies) or a raw broadcast of one flat buffer (``broadcast``). The copy is
+timed right before every timed sync and its median is the row's reference, so a busy machine
+slows both alike. Broadcast rows also report the raw broadcast of one flat buffer over the same
+backend (``raw_broadcast_gbps``, measured once).
 
 ``naive`` is the per-tensor way many RL stacks start with: broadcast, one request and one
 broadcast per tensor, no bucketing, no packing.
@@ -59,25 +61,14 @@ class BenchConfig:
 
 def module_digest(module: Any) -> dict[str, dict[str, Any]]:
     """``{name: {"digest", "dtype", "shape"}}`` over ``module.state_dict()``, in the same form
-    as a ``LocalEngineProcess``'s ``state_digest``."""
-    import hashlib
-
+    (and with the same hash) as a ``LocalEngineProcess``'s ``state_digest``."""
+    from weightsync.local.worker import tensor_digest
     from weightsync.types import dtype_to_str
 
-    out = {}
-    for name, t in module.state_dict().items():
-        data = t.detach().contiguous().cpu().reshape(-1).view(torch_uint8())
-        out[name] = {
-            "digest": hashlib.blake2b(data.numpy().tobytes()).hexdigest(),
-            "dtype": dtype_to_str(t.dtype), "shape": list(t.shape),
-        }
-    return out
-
-
-def torch_uint8() -> Any:
-    import torch
-
-    return torch.uint8
+    return {
+        name: {"digest": tensor_digest(t), "dtype": dtype_to_str(t.dtype), "shape": list(t.shape)}
+        for name, t in module.state_dict().items()
+    }
 
 
 def compare_digests(
@@ -129,8 +120,13 @@ def receiver_device(name: str, cfg: BenchConfig) -> str:
     return cfg.device
 
 
-async def bench_strategy(name: str, module: Any, cfg: BenchConfig, log: Any) -> dict[str, Any]:
-    """Run one row; returns its record (``error`` set and ``bit_exact`` False on failure)."""
+async def bench_strategy(
+    name: str, module: Any, cfg: BenchConfig, log: Any, probe: Any = None
+) -> dict[str, Any]:
+    """Run one row; returns its record (``error`` set and ``bit_exact`` False on failure).
+
+    ``probe`` (a ``MemcpyProbe``) is timed right before each timed sync; its median lands in
+    ``memcpy_gbps``."""
     import torch
 
     from weightsync.config import build_extractor, build_strategy
@@ -157,9 +153,11 @@ async def bench_strategy(name: str, module: Any, cfg: BenchConfig, log: Any) -> 
         sync_info = await strategy.create_sync_info(strategy.cfg, client)
         sender = await strategy.create_sender(strategy.cfg, client, sync_info)
         manifest = extractor.metadata(module)
-        times = []
+        times, ref_times = [], []
         for i in range(cfg.repeats + 1):
             _negate_(module)  # every sync moves values the receiver does not hold yet
+            if probe is not None and i > 0:
+                ref_times.append(probe.once())
             t0 = time.perf_counter()
             stats = await sender.send_chunks(
                 extractor.extract_weights(module), client, version=i + 1, manifest=manifest
@@ -178,11 +176,15 @@ async def bench_strategy(name: str, module: Any, cfg: BenchConfig, log: Any) -> 
             gbps=stats.total_bytes / statistics.median(times) / 1e9,
             version=stats.versions[0] if stats.versions else None,
         )
+        if probe is not None:
+            rec["memcpy_gbps"] = probe.gbps(ref_times)
         log(f"{name}: checking digests")
         if cfg.device.startswith("cuda"):
             torch.cuda.synchronize()
-        received = await engine.call("state_digest")
-        bad = compare_digests(module_digest(module), received)
+        received, sent = await asyncio.gather(
+            engine.call("state_digest"), asyncio.to_thread(module_digest, module)
+        )
+        bad = compare_digests(sent, received)
         rec["bit_exact"] = not bad
         rec["mismatched"] = bad[:10]
         if bad:
@@ -225,7 +227,7 @@ async def _quietly(aw: Any) -> None:
 
 
 async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
-    from weightsync.bench_reference import memcpy_gbps, raw_broadcast_gbps
+    from weightsync.bench_reference import MemcpyProbe, raw_broadcast_gbps
     from weightsync.bench_shapes import build_module, shape_numel, shape_specs
 
     log = _logger(cfg.quiet)
@@ -239,9 +241,9 @@ async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
     log("building sender model")
     module = build_module(shape=cfg.shape, dtype=cfg.dtype, seed=0, device=cfg.device)
 
-    log("measuring memcpy reference")
-    ref_copy = memcpy_gbps(nbytes, cfg.device, cfg.repeats)
-    log(f"memcpy: {ref_copy:.2f} GB/s")
+    copy_name = "device copy" if cfg.device.startswith("cuda") else "memcpy"
+    log(f"allocating the {copy_name} reference (timed before every timed sync)")
+    probe = MemcpyProbe(nbytes, cfg.device)
     raw_bcast: float | None = None
 
     records = []
@@ -262,21 +264,23 @@ async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
             except Exception as e:
                 log(f"raw broadcast reference failed: {type(e).__name__}: {e}")
                 raw_bcast = float("nan")
-        rec = await bench_strategy(name, module, cfg, log)
+        rec = await bench_strategy(name, module, cfg, log, probe)
         on_gpu_bcast = is_bcast and cfg.device.startswith("cuda")
-        rec["reference"] = f"raw {cfg.resolved_backend()} broadcast" if on_gpu_bcast else (
-            "device copy" if cfg.device.startswith("cuda") else "memcpy"
-        )
-        rec["reference_gbps"] = raw_bcast if on_gpu_bcast else ref_copy
-        rec["memcpy_gbps"] = ref_copy
+        rec["reference"] = f"raw {cfg.resolved_backend()} broadcast" if on_gpu_bcast else copy_name
+        rec["reference_gbps"] = raw_bcast if on_gpu_bcast else rec.get("memcpy_gbps")
+        rec["reference_bytes"] = nbytes if on_gpu_bcast else probe.nbytes
         if is_bcast:
             rec["raw_broadcast_gbps"] = raw_bcast
-        gbps = rec.get("gbps")
-        rec["ratio"] = gbps / rec["reference_gbps"] if gbps and rec["reference_gbps"] else None
+        gbps, ref = rec.get("gbps"), rec["reference_gbps"]
+        rec["ratio"] = gbps / ref if gbps and ref and ref == ref else None
         rec.setdefault("bytes", nbytes)
         rec.setdefault("seconds", None)
         rec.setdefault("gbps", None)
+        if rec.get("gbps"):
+            log(f"{name}: {rec['gbps']:.2f} GB/s, {copy_name} {rec.get('memcpy_gbps', 0):.2f} "
+                f"GB/s, ratio {rec['ratio']:.2f}, bit_exact {rec['bit_exact']}")
         records.append(rec)
+    probe.close()
     if cfg.json_path:
         with open(cfg.json_path, "w") as f:
             json.dump(records, f, indent=2)

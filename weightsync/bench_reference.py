@@ -1,7 +1,8 @@
 """Reference bandwidths for ``weightsync bench``, measured in the same run as the strategies.
 
-- ``memcpy_gbps``: one ``copy_`` of a flat buffer of the same bytes (CPU: host memcpy; CUDA: a
-  device-to-device copy). What a transfer that copies each byte once could reach.
+- ``MemcpyProbe`` / ``memcpy_gbps``: one ``copy_`` of a flat buffer of the same bytes (CPU: host
+  memcpy; CUDA: a device-to-device copy; capped at 2 GiB, GB/s does not depend on size beyond
+  caches). What a transfer that copies each byte once could reach.
 - ``raw_broadcast_gbps``: one flat buffer broadcast from this process to a spawned peer over a
   private 2-rank group (gloo or NCCL), each broadcast acknowledged by a 1-int all_reduce (as a
   strategy's chunk is acknowledged by the engine). What the collective itself can do, without
@@ -17,23 +18,44 @@ import time
 from typing import Any
 
 
-def memcpy_gbps(nbytes: int, device: str = "cpu", repeats: int = 3) -> float:
-    import torch
+class MemcpyProbe:
+    """Holds two flat buffers of ``min(nbytes, cap_bytes)`` and times one ``copy_`` between
+    them (host memcpy on CPU, device copy on CUDA). The bench calls ``once()`` right before each
+    timed sync, so the reference and the strategy see the same machine load."""
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    src.fill_(7)
-    dst = torch.empty_like(src)
-    dst.fill_(0)
-    times = []
-    for i in range(repeats + 1):
-        _sync(device)
+    def __init__(self, nbytes: int, device: str = "cpu", cap_bytes: int = 2 << 30) -> None:
+        import torch
+
+        self.nbytes = int(min(nbytes, cap_bytes))
+        self.device = device
+        self.src = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.src.fill_(7)
+        self.dst = torch.empty_like(self.src)
+        self.dst.fill_(0)
+        self.once()  # warm-up: pages touched, caches and threads up
+
+    def once(self) -> float:
+        """Seconds for one copy of ``self.nbytes``."""
+        _sync(self.device)
         t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        if i:  # first copy is a warm-up
-            times.append(time.perf_counter() - t0)
-    del src, dst
-    return nbytes / statistics.median(times) / 1e9
+        self.dst.copy_(self.src)
+        _sync(self.device)
+        return time.perf_counter() - t0
+
+    def gbps(self, seconds: list[float]) -> float:
+        return self.nbytes / statistics.median(seconds) / 1e9
+
+    def close(self) -> None:
+        self.src = self.dst = None  # type: ignore[assignment]
+
+
+def memcpy_gbps(nbytes: int, device: str = "cpu", repeats: int = 3) -> float:
+    """Median GB/s of ``repeats`` copies of ``nbytes`` (after one warm-up)."""
+    probe = MemcpyProbe(nbytes, device, cap_bytes=nbytes)
+    try:
+        return probe.gbps([probe.once() for _ in range(repeats)])
+    finally:
+        probe.close()
 
 
 def raw_broadcast_gbps(
