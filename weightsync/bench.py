@@ -309,6 +309,8 @@ def validate_config(cfg: BenchConfig) -> None:
         raise ValueError(f"unsupported dtype {cfg.dtype!r}; valid: bfloat16, float32, float16")
     if not (cfg.device == "cpu" or cfg.device.startswith("cuda")):
         raise ValueError(f"unknown device {cfg.device!r}; valid: cpu, cuda")
+    if cfg.backend == "nccl" and not cfg.device.startswith("cuda"):
+        raise ValueError("backend nccl moves CUDA tensors: use it with --device cuda (or gloo)")
     if cfg.device.startswith("cuda"):
         import torch
 

@@ -1,0 +1,101 @@
+"""``weightsync`` CLI: argument errors name the argument and list the valid values; ``demo`` and
+``serve-reward`` hand their arguments to the other modules' ``main(argv)``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from weightsync import cli
+from weightsync.bench import DEFAULT_STRATEGIES
+
+
+def _error(capsys, argv):
+    with pytest.raises(SystemExit) as ei:
+        cli.main(argv)
+    assert ei.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_unknown_shape_lists_valid_shapes(capsys):
+    err = _error(capsys, ["bench", "--shape", "gpt5"])
+    assert "argument --shape: unknown shape 'gpt5'" in err
+    for name in ("tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "llama3-8b", "many-small"):
+        assert name in err
+
+
+def test_unknown_strategy_lists_valid_strategies(capsys):
+    err = _error(capsys, ["bench", "--strategy", "broadcast,telepathy"])
+    assert "argument --strategy: unknown strategy telepathy" in err
+    assert "valid: all, broadcast, cuda_ipc, packed_cuda_ipc, naive" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--backend", "mpi"], "argument --backend: unknown backend 'mpi'; valid: gloo, nccl"),
+        (["--dtype", "int8"], "argument --dtype: unsupported dtype 'int8'"),
+        (["--device", "tpu"], "argument --device: unknown device 'tpu'; valid: cpu, cuda"),
+        (["--repeats", "0"], "argument --repeats: repeats must be >= 1"),
+        (["--bucket-mb", "0"], "argument --bucket-mb: bucket_mb must be > 0"),
+        (["--repeats", "two"], "argument --repeats: invalid int value: 'two'"),
+        (["--backend", "nccl"], "argument --backend: backend nccl moves CUDA tensors"),
+    ],
+)
+def test_bad_bench_arguments(capsys, argv, expected):
+    assert expected in _error(capsys, ["bench", *argv])
+
+
+def test_strategy_all_and_lists_parse():
+    cfg = cli.parse_bench_args(["--shape", "tiny"])
+    assert cfg.strategies == DEFAULT_STRATEGIES and cfg.shape == "tiny"
+    cfg = cli.parse_bench_args(
+        ["--strategy", "packed_cuda_ipc, cuda_ipc", "--bucket-mb", "64", "--dtype", "float32",
+         "--repeats", "5", "--json", "out.json", "--backend", "gloo"]
+    )
+    assert cfg.strategies == ["packed_cuda_ipc", "cuda_ipc"]
+    assert (cfg.bucket_mb, cfg.dtype, cfg.repeats, cfg.json_path, cfg.backend) == (
+        64.0, "float32", 5, "out.json", "gloo"
+    )
+
+
+def test_unknown_command_lists_commands(capsys):
+    err = _error(capsys, ["benchmark"])
+    assert "unknown command 'benchmark'; valid commands: bench, demo, serve-reward" in err
+
+
+def test_no_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "bench" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["demo", "serve-reward"])
+def test_subcommands_hand_argv_to_their_main(monkeypatch, command):
+    """The real ``weightsync.demo`` / ``weightsync.reward.server`` start vLLM; a stand-in module
+    records what the dispatcher passes (this tests the dispatch only)."""
+    seen = []
+    fake = types.ModuleType("weightsync_test_fake_entry")
+    fake.main = lambda argv: seen.append(argv) or 7
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setitem(cli._SUBCOMMANDS, command, (fake.__name__, "main", "x"))
+    assert cli.main([command, "--port", "8001", "--json", "x.json"]) == 7
+    assert seen == [["--port", "8001", "--json", "x.json"]]
+
+
+def test_missing_subcommand_module_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(cli._SUBCOMMANDS, "demo", ("weightsync.no_such_module", "main", "x"))
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["demo"])
+    assert "weightsync demo: module weightsync.no_such_module is missing" in str(ei.value.code)
+
+
+def test_console_script_reports_bad_shape():
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "bench", "--shape", "nope"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "unknown shape 'nope'; valid shapes: tiny" in proc.stderr
