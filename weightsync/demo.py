@@ -261,13 +261,14 @@ def _run(cfg: DemoConfig, result: DemoResult, progress: Progress, wd: str) -> An
     )
 
     server = RewardServerProcess(
-        model_dir, scratch_dir=wd, host=cfg.server.host, extra_args=cfg.server.extra_args
+        model_dir, scratch_dir=wd, host=cfg.server.host,
+        extra_args=["--max-model-len", str(cfg.server.max_model_len), *cfg.server.extra_args],
     ).start()
     progress(f"reward server starting (pid {server.pid}, {server.url}, log {server.log_path})")
     try:
         _trainer_and_sync(cfg, result, progress, server, model_dir, demo_data, demo_train)
-    except BaseException:
-        if not server.health():
+    except BaseException as e:
+        if "last log lines" not in str(e) and not server.health():
             progress(f"reward server log tail:\n{server.log_tail(2000)}")
         raise
     return server
@@ -338,10 +339,14 @@ async def _serve_side(cfg, result, progress, server, params, mode, eval_texts, n
     from weightsync.demo_server import free_port
     from weightsync.reward.client import VLLMRewardClient
 
+    strategy = dict(cfg.strategy)
+    if strategy.get("type") == "broadcast":  # the trainer hosts the group, on the loopback here
+        strategy.setdefault("master_addr", server.host)
+        strategy.setdefault("master_port", free_port(server.host))
     client = VLLMRewardClient(
-        server.host, server.port, group_port=free_port(server.host),
+        server.host, server.port, group_port=strategy.get("master_port"),
         connection_timeout_s=cfg.server.startup_timeout_s, enable_weight_updates=True,
-        device=cfg.train.device, strategy=dict(cfg.strategy),
+        device=cfg.train.device, strategy=strategy,
     )
     try:
         result.version_before = int(await client.get_model_version())

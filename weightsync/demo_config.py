@@ -63,6 +63,7 @@ class TrainSection:
 class ServerSection:
     host: str = "127.0.0.1"
     startup_timeout_s: float = 300.0
+    max_model_len: int = 256
     extra_args: list[str] = field(default_factory=list)
 
 

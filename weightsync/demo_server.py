@@ -96,6 +96,14 @@ class RewardServerProcess:
         except OSError:
             return "(no log)"
 
+    def last_log_line(self, max_chars: int = 90) -> str:
+        """The server's latest non-empty log line, shortened (for progress messages)."""
+        lines = [ln.strip() for ln in self.log_tail(2000).splitlines() if ln.strip()]
+        if not lines:
+            return ""
+        line = lines[-1]
+        return line if len(line) <= max_chars else line[: max_chars - 3] + "..."
+
     def health(self, timeout_s: float = 2.0) -> dict | None:
         """The parsed ``/health`` answer, or None while the server is not answering."""
         try:
@@ -134,7 +142,11 @@ class RewardServerProcess:
                     f"last log lines:\n{self.log_tail()}"
                 )
             if progress is not None and now >= next_report:
-                progress(f"waiting for reward server at {self.url} ... {now - t0:.0f}s")
+                last = self.last_log_line()
+                progress(
+                    f"waiting for reward server ... {now - t0:.0f}s"
+                    + (f" (log: {last})" if last else "")
+                )
                 next_report = now + every_s
             time.sleep(0.25)
 
