@@ -111,18 +111,46 @@ class VLLMWeightLoader(WeightLoader):
     def expected_metadata(self) -> Mapping[str, TensorMeta] | None:
         return self._meta
 
-    def validate(self, metas) -> None:  # type: ignore[override]
-        from weightsync.validation import check_metadata
+    def set_update_policy(
+        self, training_mode: str | None, head_patterns: Sequence[str] | None = None
+    ) -> None:
+        """Training mode of the coming update (reward models): ``validate`` then refuses the
+        names that mode forbids (e.g. backbone weights in a ``head_only`` update)."""
+        if training_mode is not None:
+            from weightsync.reward.types import RewardModelTrainingMode
 
-        check_metadata(
-            metas, self._meta, check_dtype=self.cfg.strict_dtype,
-            target=f"vLLM model {self.model_name}",
-        )
+            training_mode = RewardModelTrainingMode.parse(training_mode).value
+        self.training_mode = training_mode
+        self.head_patterns = list(head_patterns) if head_patterns else None
+
+    training_mode: str | None = None
+    head_patterns: list[str] | None = None
+
+    def validate(self, metas, *, whole_update: bool = False) -> None:  # type: ignore[override]
+        from weightsync.validation import find_mismatches
+
+        metas = list(metas)
+        names = [m.name for m in metas]
+        offenders = [f"{n}: sent more than once in one update" for n in sorted(
+            {n for n in names if names.count(n) > 1})]
+        if self._meta is not None:
+            offenders += find_mismatches(metas, self._meta, check_dtype=self.cfg.strict_dtype)
+        if self.training_mode is not None:
+            from weightsync.reward.types import training_mode_offenders
+
+            offenders += training_mode_offenders(
+                names, self.training_mode, self.head_patterns, whole_update=whole_update
+            )
+        if offenders:
+            raise WeightMismatchError(offenders, target=f"vLLM model {self.model_name}")
 
     # -- update lifecycle ----------------------------------------------------------------------
     async def start_update(self, start: WeightUpdateStart) -> None:
         self._pending.clear()
-        if self.mode == "reload" and start.manifest is not None:
+        if start.manifest is None:
+            return
+        self.validate(start.manifest, whole_update=True)
+        if self.mode == "reload":
             offenders = self.incomplete_layers([m.name for m in start.manifest])
             if offenders:
                 raise WeightMismatchError(offenders, target=f"vLLM model {self.model_name}")
@@ -240,6 +268,11 @@ class WeightSyncWorkerExtension:
             if method == "init_weight_transfer":
                 rank, _ = compat.worker_rank_and_size(self)
                 kwargs["rank_offset"] = int(kwargs.get("rank_offset", 1)) + rank
+            elif method == "start_weight_update":
+                extras = (kwargs.get("start") or {}).get("extras") or {}
+                endpoint.loader.set_update_policy(
+                    extras.get("training_mode"), extras.get("head_name_patterns")
+                )
             result = self._ws_run(endpoint.call(method, kwargs))
             return {"ok": True, "result": result, "state": self.weightsync_state()}
         except BaseException as e:  # noqa: BLE001 - reported to the driver, never swallowed

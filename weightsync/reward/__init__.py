@@ -17,6 +17,7 @@ from weightsync.reward.types import (
     ScoringResponse,
     is_head_param,
     non_head_params,
+    training_mode_offenders,
 )
 
 _LAZY = {
@@ -36,5 +37,5 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DEFAULT_HEAD_NAME_PATTERNS", "HttpEngineClient", "PoolingType", "RewardModelClient",
     "RewardModelTrainingMode", "ScoringRequest", "ScoringResponse", "VLLMRewardClient",
-    "is_head_param", "non_head_params",
+    "is_head_param", "non_head_params", "training_mode_offenders",
 ]

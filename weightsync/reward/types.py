@@ -250,3 +250,55 @@ def _as_float(x: Any, what: str) -> float:
 def flatten_scores(scores: Sequence[Score], label: int = 0) -> list[float]:
     """One float per text: the score itself for one label, column ``label`` otherwise."""
     return [s[label] if isinstance(s, list) else s for s in scores]
+
+
+# --------------------------------------------------------------------------------------------
+# Training-mode policy: which names one update may carry (checked before any byte moves)
+# --------------------------------------------------------------------------------------------
+
+_LORA_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude")
+
+
+def _is_lora_name(name: str) -> bool:
+    try:
+        from weightsync.naming import is_lora_param
+    except ImportError:  # pragma: no cover - naming ships with the package
+        return any(f".{m}." in f".{name}." for m in _LORA_MARKERS)
+    return bool(is_lora_param(name))
+
+
+def training_mode_offenders(
+    names: Sequence[str],
+    mode: RewardModelTrainingMode | str,
+    head_patterns: Iterable[str] | None = None,
+    *,
+    whole_update: bool = False,
+) -> list[str]:
+    """One line per name the training mode forbids (empty: allowed).
+
+    HEAD_ONLY: only head parameters. LORA and FULL: no unmerged LoRA tensors. FULL with
+    ``whole_update`` (the manifest of a whole update): at least one backbone parameter.
+    Callers: engine-side loaders at ``validate`` / ``start_update``, the publisher, the client.
+    """
+    mode = RewardModelTrainingMode.parse(mode)
+    patterns = DEFAULT_HEAD_NAME_PATTERNS if head_patterns is None else tuple(head_patterns)
+    out = [
+        f"{n}: an unmerged LoRA tensor; merge the adapters (lora_merge extractor) and send "
+        f"engine weights"
+        for n in names if _is_lora_name(n)
+    ]
+    if mode is RewardModelTrainingMode.HEAD_ONLY:
+        out += [
+            f"{n}: not a head parameter (head patterns {list(patterns)}); a head_only update "
+            f"may carry only the reward head"
+            for n in non_head_params(names, patterns) if not _is_lora_name(n)
+        ]
+    elif (
+        mode is RewardModelTrainingMode.FULL and whole_update and names
+        and not non_head_params(names, patterns)
+    ):
+        out.append(
+            f"update carries only head parameters {sorted(names)[:5]}; full mode requires "
+            f"backbone weights (use head_only when only the head is trained)"
+        )
+    return out

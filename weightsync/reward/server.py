@@ -1,0 +1,259 @@
+"""The reward server: a vLLM pooling model behind HTTP, with weight-sync endpoints.
+
+    python -m weightsync.reward.server --model DIR --port 8001 [--api-key KEY]
+    weightsync serve-reward --model DIR --port 8001            (same thing)
+    weightsync serve-reward --config configs/reward_server.yaml --model DIR
+
+Runs in its own process: vLLM's ``AsyncLLM`` (pooling runner, ``WeightSyncWorkerExtension`` in
+every worker) and a FastAPI app served by uvicorn on one asyncio loop. The routes are listed in
+``weightsync.reward._server_app``; the scoring / update rules in ``weightsync.reward._service``.
+
+Defaults by device: on CPU ``dtype=float32``, eager mode, and a small fixed KV cache
+(``kv_cache_memory_bytes``; without it vLLM CPU asks for most of a NUMA node); on GPU the
+model's dtype and ``gpu_memory_utilization`` (default 0.3) so that a policy server and a reward
+server can share one GPU. Side by side: give each server its own ``--port`` and let each
+client use its own ``group_port`` (e.g. policy 8000 / 51216, reward 8001 / 51217).
+Binds 127.0.0.1 unless ``--host`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("weightsync.reward.server")
+
+WORKER_EXTENSION = "weightsync.loaders.vllm.WeightSyncWorkerExtension"
+
+
+@dataclass(kw_only=True)
+class RewardServerConfig:
+    """Everything the reward server takes; ``configs/reward_server*.yaml`` hold these fields."""
+
+    model: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8001
+    served_model_name: str | None = None
+    api_key: str | None = None
+    device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
+    dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype on GPU
+    max_model_len: int | None = None  # default: the model's (mind the KV cache size on CPU)
+    max_num_seqs: int | None = None
+    kv_cache_memory_bytes: int | None = None  # default on CPU: 256 MiB
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    enforce_eager: bool | None = None  # default: True on CPU (fast start), False on GPU
+    pooling_type: str | None = None  # LAST / MEAN / CLS; default: the model's
+    load_mode: str = "auto"  # VLLMWeightLoader: auto / direct / reload
+    head_name_patterns: list[str] | None = None  # for head_only updates; default score./...
+    score_wait_timeout_s: float = 60.0
+    update_timeout_s: float = 600.0
+    seed: int = 0
+    log_level: str = "info"
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_args(cfg: RewardServerConfig) -> Any:
+    """-> ``AsyncEngineArgs`` for the pooling engine the config describes."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    if not cfg.model:
+        raise ValueError("model: give the path (or hub id) of a *ForSequenceClassification model")
+    cpu = cfg.resolved_device() == "cpu"
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model,
+        runner="pooling",
+        dtype=("float32" if cpu else "auto") if cfg.dtype == "auto" else cfg.dtype,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cpu if cfg.enforce_eager is None else cfg.enforce_eager,
+        worker_extension_cls=WORKER_EXTENSION,
+        seed=cfg.seed,
+        disable_log_stats=True,
+    )
+    if cfg.served_model_name:
+        kwargs["served_model_name"] = cfg.served_model_name
+    if cfg.max_model_len:
+        kwargs["max_model_len"] = cfg.max_model_len
+    if cfg.max_num_seqs:
+        kwargs["max_num_seqs"] = cfg.max_num_seqs
+    if cpu:
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes or (256 << 20)
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+    if cfg.pooling_type:
+        from weightsync.reward.types import PoolingType
+
+        kwargs["pooler_config"] = _pooler_config(PoolingType.parse(cfg.pooling_type).value)
+    kwargs.update(cfg.extra_engine_args)
+    return AsyncEngineArgs(**kwargs)
+
+
+def _pooler_config(pooling_type: str) -> Any:
+    from vllm.config import PoolerConfig
+
+    names = {f.name for f in dataclasses.fields(PoolerConfig)}
+    if "seq_pooling_type" in names and pooling_type in ("LAST", "MEAN", "CLS"):
+        return PoolerConfig(seq_pooling_type=pooling_type)
+    return PoolerConfig(pooling_type=pooling_type)
+
+
+async def build_service(cfg: RewardServerConfig) -> Any:
+    """Start the engine (tens of seconds) and wrap it in a ``RewardService``."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from weightsync.reward._service import RewardService
+
+    engine = AsyncLLM.from_engine_args(engine_args(cfg))
+    model_config = engine.model_config
+    name = cfg.served_model_name or model_config.served_model_name or cfg.model
+    service = RewardService(
+        engine,
+        model_name=str(name),
+        num_labels=int(getattr(model_config.hf_config, "num_labels", 1) or 1),
+        score_wait_timeout_s=cfg.score_wait_timeout_s,
+        update_timeout_s=cfg.update_timeout_s,
+        head_name_patterns=cfg.head_name_patterns,
+    )
+    if cfg.load_mode != "auto":
+        await engine.collective_rpc("weightsync_setup", args=({"load_mode": cfg.load_mode},))
+    await service.refresh_state()
+    return service
+
+
+async def serve(
+    cfg: RewardServerConfig,
+    *,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run until ``stop`` is set (or the task is cancelled); always shuts the engine down.
+    Signals are the caller's business (``main`` maps SIGINT/SIGTERM to ``stop``)."""
+    import uvicorn
+
+    from weightsync.reward._server_app import create_app
+
+    service = await build_service(cfg)
+    try:
+        app = create_app(service, api_key=cfg.api_key)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+            lifespan="off",
+        ))
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        if stop is not None:
+            async def _watch() -> None:
+                await stop.wait()
+                server.should_exit = True
+
+            watcher = asyncio.ensure_future(_watch())
+        log.info("reward server for %s on http://%s:%d (%d labels, version %d)",
+                 service.model_name, cfg.host, cfg.port, service.num_labels, service.version)
+        if ready is not None:
+            ready.set()
+        try:
+            await server.serve()
+        finally:
+            if stop is not None:
+                watcher.cancel()
+        if not server.started:
+            raise OSError(f"could not serve on {cfg.host}:{cfg.port} (port in use?)")
+    finally:
+        try:
+            await asyncio.wait_for(service.engine.collective_rpc(
+                "weightsync_call", args=("close_weight_transfer", {})), 10)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        service.engine.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
+    p = argparse.ArgumentParser(
+        prog="weightsync serve-reward",
+        description="Serve a reward model on vLLM with weight-sync endpoints.",
+    )
+    p.add_argument("--config", help="YAML with RewardServerConfig fields (flags override it)")
+    p.add_argument("--model", help="model directory or hub id (*ForSequenceClassification)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8001)")
+    p.add_argument("--served-model-name")
+    p.add_argument("--api-key", help="token required by every weight/communicator endpoint "
+                                     "(default: $WEIGHTSYNC_API_KEY)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--kv-cache-memory-bytes", type=int)
+    p.add_argument("--gpu-memory-utilization", type=float)
+    p.add_argument("--tensor-parallel-size", type=int)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--pooling-type", help="LAST | MEAN | CLS (default: the model's)")
+    p.add_argument("--load-mode", choices=["auto", "direct", "reload"])
+    p.add_argument("--score-wait-timeout-s", type=float)
+    p.add_argument("--update-timeout-s", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--log-level")
+    ns = p.parse_args(argv)
+
+    data: dict[str, Any] = {}
+    if ns.config:
+        from weightsync.config import _to_plain, make_config
+
+        data = dict(_to_plain(ns.config))
+        make_config(RewardServerConfig, data, what=f"reward server config {ns.config}")
+    for f in dataclasses.fields(RewardServerConfig):
+        value = getattr(ns, f.name, None)
+        if value is not None:
+            data[f.name] = value
+    if "api_key" not in data and os.environ.get("WEIGHTSYNC_API_KEY"):
+        data["api_key"] = os.environ["WEIGHTSYNC_API_KEY"]
+    cfg = RewardServerConfig(**data)
+    if not cfg.model:
+        p.error("--model is required (or 'model:' in --config)")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+
+    async def _run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, stop=stop)
+
+    code = 0
+    try:
+        asyncio.run(_run())
+    except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
+        log.error("reward server failed: %s: %s", type(e).__name__, e)
+        code = 1
+    # a gloo group joined by the workers can keep interpreter exit waiting: leave at once
+    logging.shutdown()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
