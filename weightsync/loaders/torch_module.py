@@ -74,13 +74,14 @@ class TorchModuleWeightLoader(WeightLoader):
         """Validate then copy; nothing is copied if any tensor is rejected."""
         import torch
 
+        from weightsync.strategies._copy import copy_into
+
         self.validate(
             TensorMeta(n, dtype_to_str(t.dtype), list(t.shape)) for n, t in named_tensors.items()
         )
         with torch.no_grad():
             for name, src in named_tensors.items():
-                dst = self._targets[name]
-                dst.copy_(src, non_blocking=src.device != dst.device)
+                copy_into(self._targets[name], src)
             if any(t.is_cuda for t in named_tensors.values()):
                 torch.cuda.current_stream().synchronize()
         self.loads += 1

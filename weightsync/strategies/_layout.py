@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from weightsync.strategies._copy import copy_into
 from weightsync.types import TensorMeta, dtype_itemsize
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -126,7 +127,7 @@ def pack_into(
         if m.nbytes == 0:
             continue
         dst = view_as(group_buffers[layout.group_of[i]], layout.offsets[i], m)
-        dst.copy_(t, non_blocking=t.device != dst.device and dst.is_cuda)
+        copy_into(dst, t)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

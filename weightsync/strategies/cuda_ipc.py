@@ -28,6 +28,7 @@ from weightsync.interfaces import (
     WeightTransferSender,
     WeightTransferStrategy,
 )
+from weightsync.strategies._copy import copy_into
 from weightsync.strategies._layout import as_bytes, view_as
 from weightsync.strategies._shm import AttachedSegments, SizedSegmentPool, _Segment
 from weightsync.types import (
@@ -129,7 +130,7 @@ class CudaIpcSender(WeightTransferSender):
                     seg = self.pool.acquire(src.numel())
                     held.append(seg)
                     if src.numel():
-                        seg.tensor[: src.numel()].copy_(src)
+                        copy_into(seg.tensor[: src.numel()], src)
                     handles.append(
                         IpcBufferHandle(kind="shm", nbytes=src.numel(), name=seg.name,
                                         alloc_nbytes=seg.capacity)
