@@ -91,24 +91,21 @@ def bench_transformers(model_dir: str, texts: list[str], batch_sizes: list[int],
 
 def bench_server(model_dir: str, texts: list[str], batch_sizes: list[int], repeats: int,
                  ref: list[float], scratch: str, progress: Callable[[str], None]) -> list[dict]:
+    from weightsync.demo_server import RewardServerProcess
     from weightsync.reward.client import VLLMRewardClient
 
-    from weightsync.demo_server import RewardServerProcess
-
     recs = []
-    with RewardServerProcess(model_dir, scratch_dir=scratch) as server:
+    with RewardServerProcess(
+        model_dir, scratch_dir=scratch, extra_args=["--max-model-len", "256"]
+    ) as server:
         waited = server.wait_healthy(progress=progress)
         progress(f"reward server healthy after {waited:.1f}s")
 
         async def run_all() -> None:
-            client = VLLMRewardClient(
-                server.host, server.port, group_port=0, enable_weight_updates=False
-            )
+            client = VLLMRewardClient(server.host, server.port, enable_weight_updates=False)
 
-            def scores_of(res: Any) -> list[float]:
-                from weightsync.demo import _as_scores
-
-                return _as_scores(res)
+            def scores_of(res: list[float]) -> list[float]:
+                return [float(s) for s in res]
 
             async def sequential(bs: int) -> list[float]:
                 out: list[float] = []
@@ -137,11 +134,7 @@ def bench_server(model_dir: str, texts: list[str], batch_sizes: list[int], repea
                         recs.append(record(name, bs, len(texts), sec, scores, ref))
                         progress(f"{name:<24} batch {bs:>4}: {len(texts) / sec:9.1f} texts/s")
             finally:
-                close = getattr(client, "close", None)
-                if close is not None:
-                    ret = close()
-                    if asyncio.iscoroutine(ret):
-                        await ret
+                await client.close()
 
         asyncio.run(run_all())
     return recs
@@ -192,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     methods = set(args.methods.split(","))
     progress = Progress(stream=sys.stderr)
+    load_start = list(os.getloadavg())  # other work on the machine skews every figure
     texts = make_texts(args.num_texts)
     recs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-scoring-") as scratch:
@@ -224,9 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/bench_scoring.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "size": args.size, "model": SIZES[args.size], "num_texts": len(texts),
         "reference": "transformers forward, best batch size",
+        "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()),
+        "torch_threads": args.threads,
     }
     print(f"scoring throughput, {args.size} model {SIZES[args.size]}, {len(texts)} texts; "
-          f"ratio vs the best transformers batch ({best_hf:.1f} texts/s)")
+          f"ratio vs the best transformers batch ({best_hf:.1f} texts/s); load average "
+          f"{load_start[0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end")
     print(format_table(headers, rows))
     if args.markdown:
         print()
