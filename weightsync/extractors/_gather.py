@@ -59,6 +59,7 @@ class ShardedExtractorConfig(ExtractorConfig):
     backpressure_timeout_s: float = 60.0
     drain_on_abort: bool = True
     adapter_name: str = "default"
+    name_patterns: list[str] | None = None  # only engine names matching (e.g. the head); None: all
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,6 +160,7 @@ class GatheringExtractor(WeightExtractor):
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg if cfg is not None else self.config_cls())
         self.memory = GatherMeter()
+        self.runs_started = 0  # extract_weights iterations that began (see ``drain``)
 
     # -- subclasses implement -----------------------------------------------------------------
     def _global_shape(self, t: Any) -> list[int]:
@@ -206,13 +208,14 @@ class GatheringExtractor(WeightExtractor):
         mapping = engine_names(
             (n for _, n, _ in entries), adapter_name=self.cfg.adapter_name
         )
+        wanted = name_filter(self.cfg.name_patterns)
         seen: set[str] = set()
         groups: list[PlannedGroup] = []
         by_module: dict[str, PlannedGroup] = {}
         for module, full, t in entries:
             kept = aliases.get(full, full)
             name = mapping.get(kept)
-            if name is None or name in seen:
+            if name is None or name in seen or not wanted(name):
                 continue
             seen.add(name)
             src_dtype = self._source_dtype(t)
@@ -302,6 +305,7 @@ class GatheringExtractor(WeightExtractor):
         buckets = self.buckets(self.plan(model, generator_dtype))
         keep = self.is_sender
         self.memory.reset_peak()
+        self.runs_started += 1
         done = 0
         try:
             for index, bucket in enumerate(buckets):
@@ -322,6 +326,14 @@ class GatheringExtractor(WeightExtractor):
                 )
                 for bucket in buckets[done:]:
                     self._gather_bucket(bucket, -1, keep=False)
+
+    def drain(self, model: Any, generator_dtype: Any = None) -> None:
+        """Run every gather of one extraction and drop the results (every rank's part of the
+        collectives). For a sender whose ``extract_weights`` was never started because the
+        sync failed first (e.g. the engine refused the manifest), so that the other ranks,
+        which iterate regardless, are not left waiting in a collective."""
+        for bucket in self.buckets(self.plan(model, generator_dtype)):
+            self._gather_bucket(bucket, -1, keep=False)
 
     async def _wait_for_room(self, index: int) -> None:
         """Back-pressure: wait until at most ``max_live_chunks - 1`` earlier chunks are alive."""
@@ -349,6 +361,17 @@ class GatheringExtractor(WeightExtractor):
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+
+
+def name_filter(patterns: list[str] | None) -> Any:
+    """Predicate over engine names: everything, or names matching one of ``patterns``
+    (``compile_patterns``: substring, or ``re:<regex>``)."""
+    if not patterns:
+        return lambda name: True
+    from weightsync.interfaces import compile_patterns
+
+    compiled = compile_patterns(patterns)
+    return lambda name: any(p.search(name) for p in compiled)
 
 
 def _as_dtype(dtype: Any) -> torch.dtype | None:

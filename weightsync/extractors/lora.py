@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from weightsync.config import ExtractorConfig
+from weightsync.extractors._gather import name_filter
 from weightsync.interfaces import WeightExtractor
 from weightsync.naming import NamingError, engine_names, is_lora_param, tied_aliases
 from weightsync.types import TensorMeta, dtype_to_str, str_to_dtype
@@ -53,6 +54,7 @@ class LoraMergeExtractorConfig(ExtractorConfig):
     adapter_names: list[str] | None = None  # None: the model's active adapters
     include_buffers: bool = True  # persistent buffers too (state_dict semantics, like ``hf``)
     only_trained_modules: bool = False  # send LoRA-targeted layers and trainable params only
+    name_patterns: list[str] | None = None  # only engine names matching (e.g. the head); None: all
 
 
 @dataclass
@@ -132,13 +134,14 @@ class LoraMergeWeightExtractor(WeightExtractor):
         except NamingError as e:  # pragma: no cover - adapters are filtered above
             raise NamingError(f"lora_merge extractor: {e}") from None
         aliases = tied_aliases(plain)
+        wanted = name_filter(self.cfg.name_patterns)
         items: list[_Item] = []
         seen: set[str] = set()
         for full, t, owner in entries:
             if is_lora_param(full):
                 continue
             name = mapping.get(aliases.get(full, full))
-            if name is None or name in seen:
+            if name is None or name in seen or not wanted(name):
                 continue
             seen.add(name)
             lora = _owning_lora_layer(owner, layers)
