@@ -105,12 +105,15 @@ def module_from_metas(
 
 
 def qwen2_module(
-    size: str = "tiny", dtype: str = "bfloat16", *, seed: int | None = 0, fill: str = "random"
+    size: str = "tiny", dtype: str = "bfloat16", *, seed: int | None = 0, fill: str = "random",
+    device: str = "cpu",
 ) -> Any:
     """``module_from_metas(qwen2_metas(size, dtype))``: a LocalEngineProcess factory."""
-    return module_from_metas(qwen2_metas(size, dtype), seed=seed, fill=fill)
+    return module_from_metas(qwen2_metas(size, dtype), seed=seed, fill=fill, device=device)
 
 
-def metas_module(metas: list[Any], seed: int | None = 0, fill: str = "zeros") -> Any:
+def metas_module(
+    metas: list[Any], seed: int | None = 0, fill: str = "zeros", device: str = "cpu"
+) -> Any:
     """Factory form of ``module_from_metas`` (JSON-friendly kwargs: metas as dicts/lists)."""
-    return module_from_metas(metas, seed=seed, fill=fill)
+    return module_from_metas(metas, seed=seed, fill=fill, device=device)

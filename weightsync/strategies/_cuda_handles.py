@@ -107,6 +107,12 @@ def local_index_of(uuid: str) -> int:
     )
 
 
+def _bind(index: int) -> None:
+    """Make device ``index``'s primary context current on this thread (driver calls need it;
+    a fresh worker thread has none even when torch's current device is already ``index``)."""
+    _check(_cudart().cudaSetDevice(ctypes.c_int(index)), "cudaSetDevice")
+
+
 def _allocation_range(ptr: int) -> tuple[int, int]:
     """(base, size) of the cudaMalloc allocation that contains device pointer ``ptr``."""
     drv = _cuda_driver()
@@ -130,6 +136,7 @@ def encode(t: torch.Tensor) -> IpcBufferHandle:
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     nbytes = t.numel() * t.element_size()
     with torch.cuda.device(index):
+        _bind(index)
         ptr = t.data_ptr()
         base, alloc = _allocation_range(ptr)
         h = _IpcHandle()
@@ -141,7 +148,7 @@ def encode(t: torch.Tensor) -> IpcBufferHandle:
             )
             _check(rc, "cudaIpcGetMemHandle" + hint)
     return IpcBufferHandle(
-        kind="cuda", nbytes=nbytes, handle=base64.b64encode(bytes(h.reserved)).decode(),
+        kind="cuda", nbytes=nbytes, handle=base64.b64encode(ctypes.string_at(ctypes.addressof(h), _HANDLE_BYTES)).decode(),
         offset=ptr - base, alloc_nbytes=alloc, device_uuid=device_uuid(index),
     )
 
@@ -177,9 +184,10 @@ class CudaHandleCache:
             if len(raw) != _HANDLE_BYTES:
                 raise ValueError(f"CUDA IPC handle must be {_HANDLE_BYTES} bytes, got {len(raw)}")
             ih = _IpcHandle()
-            ctypes.memmove(ih.reserved, raw, _HANDLE_BYTES)
+            ctypes.memmove(ctypes.addressof(ih), raw, _HANDLE_BYTES)
             ptr = ctypes.c_void_p()
             with torch.cuda.device(index):
+                _bind(index)
                 _check(
                     _cudart().cudaIpcOpenMemHandle(
                         ctypes.byref(ptr), ih, ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS)
@@ -209,6 +217,7 @@ class CudaHandleCache:
         index, ptr, whole = self._open.pop(key)
         del whole
         with torch.cuda.device(index):
+            _bind(index)
             torch.cuda.current_stream().synchronize()
             _cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(ptr))
 

@@ -236,6 +236,8 @@ class BroadcastSender(WeightTransferSender):
                     b = as_bytes(t)
                     if b.numel():
                         self.group.broadcast(self._on_group_device(b), src=0)
+            if dev is not None and dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()  # buffers reusable after this
         return True
 
     def _on_group_device(self, b: torch.Tensor) -> torch.Tensor:
