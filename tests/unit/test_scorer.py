@@ -315,3 +315,19 @@ def test_bad_arguments(client1, kwargs, match):
 def test_client_without_score_batch():
     with pytest.raises(TypeError, match="async score_batch"):
         RewardModelScorer(object())
+
+
+def test_scores_feed_credit_assignment(client1):
+    from weightsync.reward.credit import RewardModelCreditAssigner
+
+    rollouts = _rollouts(9)  # 3 prompts x 3 responses
+    for i, r in enumerate(rollouts):
+        r["reward"] = float(i % 2)  # a verifier's pass/fail
+    _run(RewardModelScorer(client1, batch_size=4).score_rollouts(rollouts))
+    credit = RewardModelCreditAssigner("add", weight=0.5, group_normalize=True)
+    out = credit.assign_rollouts(rollouts, output_key="advantage")
+    for prompt in {r["prompt"] for r in rollouts}:
+        group = [o for o, r in zip(out, rollouts, strict=True) if r["prompt"] == prompt]
+        assert abs(sum(group)) < 1e-6
+    r0 = rollouts[0]
+    assert r0["metadata"]["advantage"] == out[0]

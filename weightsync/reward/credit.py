@@ -191,7 +191,7 @@ class RewardModelCreditAssigner:
             env = []
             for ro in rollouts:
                 v = _get(ro, env_reward_key)
-                if v is _MISSING:
+                if v is _MISSING or v is None:  # not on the rollout: look in its metadata
                     meta = _get(ro, "metadata")
                     v = meta.get(env_reward_key, None) if isinstance(meta, Mapping) else None
                 env.append(v)
