@@ -131,6 +131,25 @@ def test_dead_engine_is_named_and_fails_fast(actors):
     assert time.monotonic() - t0 < 30
 
 
+def test_two_trainer_ranks_only_rank0_sends(actors):
+    """Sharded training: every rank runs the extractor in lockstep, only rank 0 sends."""
+    from weightsync.ray import run_sync, spawn_trainer_actor, wire_sync_group
+
+    trainer, engines = actors
+    rank1 = spawn_trainer_actor(FACTORY, {**TINY, "seed": 0}, name="rank1")
+    try:
+        group = wire_sync_group([trainer, rank1], engines, {"type": "packed_cuda_ipc"})
+        assert group.sender is trainer and len(group.trainers) == 2
+        ray.get(trainer.train_step.remote(seed=4))
+        v0 = max(_versions(engines))
+        stats = run_sync(group)
+        assert stats["versions"] == [v0 + 1] * 2 and stats["num_tensors"] == 27
+        assert _digests(engines) == _digests([trainer]) * 2
+        assert ray.get(rank1.sync_weights.remote()) == {}  # a non-sending rank sends nothing
+    finally:
+        _kill([rank1])
+
+
 def test_unknown_strategy_lists_registered_ones(actors):
     from weightsync.ray import wire_sync_group
 

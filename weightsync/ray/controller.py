@@ -19,7 +19,6 @@ per training rank of a sharded model (the first sends; all run the extractor in 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,16 +137,6 @@ def run_sync(group: SyncGroup | Any, version: int | None = None) -> dict[str, An
 def close_sync_group(group: SyncGroup) -> None:
     """Blocking ``close_sync_group_async``."""
     _run(close_sync_group_async(group))
-
-
-def group_summary(group: SyncGroup) -> dict[str, Any]:
-    """A JSON-safe description of the group (for logs)."""
-    d = dataclasses.asdict(group)
-    d.pop("trainers")
-    d.pop("engines")
-    d["num_trainers"] = len(group.trainers)
-    d["num_engines"] = len(group.engines)
-    return d
 
 
 # --------------------------------------------------------------------------------------------
