@@ -15,9 +15,9 @@ from weightsync.config import CONFIG_DIR
 from weightsync.extractors.hf import (
     HFHeadWeightExtractor,
     HFWeightExtractor,
-    engine_name,
     unique_named_tensors,
 )
+from weightsync.naming import NamingError
 
 
 def _collect(extractor, model, dtype=None) -> list[ws.WeightChunk]:
@@ -124,10 +124,18 @@ class HeadFirst(torch.nn.Module):
         return self.embed
 
 
-@pytest.mark.parametrize("with_getter,expected", [(True, "embed.weight"), (False, "lm_head.weight")])
-def test_tied_name_prefers_input_embedding_else_first_registered(with_getter, expected):
+@pytest.mark.parametrize("with_getter", [True, False])
+def test_tied_name_is_the_embedding_even_when_the_head_comes_first(with_getter):
     names = [n for n, _ in unique_named_tensors(HeadFirst(with_getter))]
-    assert names == [expected]
+    assert names == ["embed.weight"]
+
+
+def test_other_ties_keep_the_first_registered_name():
+    m = torch.nn.Module()
+    m.b = torch.nn.Linear(3, 3)
+    m.a = torch.nn.Linear(3, 3)
+    m.a.weight = m.b.weight
+    assert [n for n, _ in unique_named_tensors(m)] == ["b.weight", "b.bias", "a.bias"]
 
 
 def test_tied_weight_round_trips_into_a_fresh_model_through_the_loader():
@@ -161,8 +169,8 @@ def test_tied_weight_round_trips_into_a_fresh_model_through_the_loader():
         ("score.weight", "score.weight"),
     ],
 )
-def test_engine_name_strips_wrappers(raw, expected):
-    assert engine_name(raw) == expected
+def test_wrapper_prefixes_stripped(raw, expected):
+    assert [m.name for m in HFWeightExtractor().metadata({raw: torch.zeros(2)})] == [expected]
 
 
 def test_compiled_and_ddp_style_wrappers_do_not_reach_the_engine():
@@ -176,8 +184,56 @@ def test_compiled_and_ddp_style_wrappers_do_not_reach_the_engine():
 
 def test_two_tensors_colliding_on_one_engine_name_is_an_error():
     sd = {"module.w": torch.zeros(2), "w": torch.ones(2)}
-    with pytest.raises(ValueError, match="engine name 'w'"):
+    with pytest.raises(ValueError, match="'module.w' and 'w' both map to the engine name 'w'"):
         HFWeightExtractor().metadata(sd)
+
+
+# -- PEFT models ------------------------------------------------------------------------------------
+
+
+def _peft_seqcls(**lora_kwargs):
+    from peft import LoraConfig, get_peft_model
+
+    base = _qwen2("Qwen2ForSequenceClassification")
+    cfg = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], modules_to_save=["score"],
+                     **lora_kwargs)
+    peft_model = get_peft_model(base, cfg)
+    with torch.no_grad():  # "train" the head copy so it differs from the frozen original
+        peft_model.base_model.model.score.modules_to_save["default"].weight.add_(1.0)
+    return peft_model
+
+
+def test_hf_refuses_unmerged_lora_tensors():
+    model = _peft_seqcls()
+    with pytest.raises(NamingError, match="unmerged adapter tensors .*lora_A.*'lora_merge'"):
+        HFWeightExtractor().metadata(model)
+    with pytest.raises(NamingError):
+        _collect(HFWeightExtractor(), model)
+
+
+def test_hf_head_on_a_peft_model_sends_the_trained_head_copy():
+    model = _peft_seqcls()
+    got = _flat(_collect(ws.build_extractor({"type": "hf_head"}), model))
+    assert list(got) == ["score.weight"]
+    trained = model.base_model.model.score.modules_to_save["default"].weight
+    assert torch.equal(got["score.weight"], trained)
+    assert not torch.equal(got["score.weight"], model.base_model.model.score.original_module.weight)
+
+
+def test_hf_head_refuses_an_adapter_on_the_head_itself():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_qwen2("Qwen2ForSequenceClassification"),
+                           LoraConfig(r=2, target_modules=["score"]))
+    with pytest.raises(NamingError, match="score.lora_A"):
+        ws.build_extractor({"type": "hf_head"}).metadata(model)
+
+
+def test_merged_peft_model_goes_through_hf():
+    model = _peft_seqcls()
+    merged = model.merge_and_unload()
+    names = [m.name for m in HFWeightExtractor().metadata(merged)]
+    assert "score.weight" in names and not any("lora" in n or "base_layer" in n for n in names)
 
 
 def test_bad_model_type_is_a_type_error():

@@ -10,9 +10,12 @@ holds (parameters and persistent buffers) under engine names, with three rules:
   ``lm_head.weight`` is ``model.embed_tokens.weight``) yield one tensor, under the input
   embedding's name for HF models (what the checkpoint and vLLM expect; vLLM skips
   ``lm_head.weight`` when embeddings are tied), otherwise under the first registered name.
-- **Wrapper prefixes never reach the engine**: ``module.`` (DDP), ``_orig_mod.``
-  (``torch.compile``), ``_checkpoint_wrapped_module.`` / ``_fsdp_wrapped_module.``. The mapping
-  lives in :func:`engine_name` (one place; ``weightsync.naming`` when present).
+- **Names are engine names**, mapped by ``weightsync.naming`` (the one place for it): wrapper
+  prefixes (``module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``, ...) never reach the
+  engine; PEFT's ``modules_to_save`` head is sent as ``score.weight`` and its frozen
+  ``original_module`` copy is skipped. Unmerged LoRA tensors are refused (``NamingError``):
+  sending base weights without them would be silently wrong; use ``lora_merge``. ``hf_head``
+  ignores adapters outside the head.
 - **Nothing is copied unless cast**: tensors are yielded detached, one at a time; the base class
   casts floating tensors to ``generator_dtype`` (a ``torch.dtype`` or a string such as
   ``"bfloat16"``) as they stream, so the model is never materialised twice.
@@ -33,38 +36,6 @@ from weightsync.types import TensorMeta, WeightChunk, dtype_to_str, str_to_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-_WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def engine_name(name: str) -> str:
-    """Training-side parameter name -> the name the engine expects.
-
-    Delegates to ``weightsync.naming.to_engine_name`` when that module exists (it knows the full
-    HF / PEFT / FSDP mapping); otherwise strips wrapper prefixes only.
-    """
-    mapper = _naming_mapper()
-    if mapper is not None:
-        return mapper(name)
-    changed = True
-    while changed:
-        changed = False
-        for p in _WRAPPER_PREFIXES:
-            if name.startswith(p):
-                name, changed = name[len(p):], True
-    for infix in _WRAPPER_INFIXES:
-        name = name.replace(infix, "")
-    return name
-
-
-def _naming_mapper() -> Any:
-    try:
-        from weightsync import naming  # optional: the full HF/PEFT/FSDP mapping
-    except ImportError:
-        return None
-    return getattr(naming, "to_engine_name", None)
-
 
 def _unwrap(model: Any) -> Any:
     """Peel DDP / DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
@@ -131,36 +102,69 @@ def _input_embedding_name(model: Any) -> str | None:
     return None
 
 
-def unique_named_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
-    """Engine-named tensors of ``model``, each tied group once (see module docstring).
+def _engine_entries(model: Any) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """``(engine-named tensors, each tied group once; adapter tensors that have no engine name)``.
 
-    Order is ``state_dict`` order; a tied group sits where its first alias appears.
+    Order is ``state_dict`` order; a tied group sits where its first alias appears. Names go
+    through ``weightsync.naming`` (wrappers stripped, PEFT's frozen ``original_module`` copies
+    skipped); unmerged LoRA tensors are returned apart so the caller decides whether they matter.
     """
+    from weightsync.naming import NamingError, alias_key, preferred_tied_name, to_engine_name
+
     model = _unwrap(model)
     entries = _state_entries(model)
-    preferred = _input_embedding_name(model)
-    aliases: dict[int, list[str]] = {}
-    order: list[tuple[int, torch.Tensor]] = []
+    embedding = _input_embedding_name(model)
+    aliases: dict[Any, list[str]] = {}
+    order: list[tuple[Any, torch.Tensor]] = []
     for name, t in entries:
-        key = id(t)
+        key = alias_key(t)
         if key not in aliases:
             aliases[key] = []
             order.append((key, t))
         aliases[key].append(name)
     out: list[tuple[str, torch.Tensor]] = []
+    adapters: list[str] = []
+    origin: dict[str, str] = {}
     for key, t in order:
         names = aliases[key]
-        chosen = preferred if preferred in names else names[0]
-        out.append((engine_name(chosen), t))
-    seen: dict[str, int] = {}
-    for i, (n, _) in enumerate(out):
-        if n in seen:
+        chosen = embedding if embedding in names else preferred_tied_name(names)
+        try:
+            dst = to_engine_name(chosen)
+        except NamingError:
+            adapters.append(chosen)
+            continue
+        if dst is None:  # e.g. PEFT's frozen copy of a modules_to_save head
+            continue
+        if dst in origin:
             raise ValueError(
-                f"two different tensors map to the engine name {n!r} after stripping wrapper "
-                f"prefixes (positions {seen[n]} and {i}); rename one of them"
+                f"{origin[dst]!r} and {chosen!r} both map to the engine name {dst!r} after "
+                f"normalisation; only one can be sent"
             )
-        seen[n] = i
-    return out
+        origin[dst] = chosen
+        out.append((dst, t))
+    return out, adapters
+
+
+def unique_named_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """Engine-named tensors of ``model``, each tied group once (see module docstring).
+
+    Raises ``NamingError`` if the model holds unmerged adapter (LoRA) tensors: sending its base
+    weights alone would silently drop the adapters (use the ``lora_merge`` extractor).
+    """
+    named, adapters = _engine_entries(model)
+    _refuse_adapters(adapters)
+    return named
+
+
+def _refuse_adapters(adapters: list[str]) -> None:
+    if adapters:
+        from weightsync.naming import NamingError
+
+        shown = ", ".join(adapters[:6]) + (f" ... ({len(adapters)} in all)" if len(adapters) > 6 else "")
+        raise NamingError(
+            f"the model holds unmerged adapter tensors ({shown}); the hf extractors would send "
+            f"the base weights without them. Use the 'lora_merge' extractor (or merge first)"
+        )
 
 
 def _as_dtype(dtype: Any) -> torch.dtype | None:
@@ -185,20 +189,26 @@ class HFWeightExtractor(WeightExtractor):
     name = "hf"
     config_cls = ExtractorConfig
 
-    def _select(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Hook for subclasses: which of the engine-named tensors to send."""
+    def _select(
+        self, named: list[tuple[str, torch.Tensor]], adapters: list[str]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Which engine-named tensors to send (subclasses narrow it); refuses adapter tensors."""
+        _refuse_adapters(adapters)
         return named
+
+    def _selected(self, model: Any) -> list[tuple[str, torch.Tensor]]:
+        return self._select(*_engine_entries(model))
 
     def _extract_raw_weights(
         self, model: Any, generator_dtype: torch.dtype | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in self._select(unique_named_tensors(model)):
+        for name, t in self._selected(model):
             yield name, _full(t).detach()
 
     def metadata(self, model: Any, generator_dtype: Any = None) -> list[TensorMeta]:
         dtype = _as_dtype(generator_dtype)
         out = []
-        for name, t in self._select(unique_named_tensors(model)):
+        for name, t in self._selected(model):
             d = dtype if dtype is not None and t.is_floating_point() else t.dtype
             out.append(TensorMeta(name, dtype_to_str(d), list(t.shape)))
         return out
@@ -234,7 +244,10 @@ class HFHeadWeightExtractor(HFWeightExtractor):
     def is_head(self, name: str) -> bool:
         return any(p.search(name) for p in self._compiled)
 
-    def _select(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    def _select(
+        self, named: list[tuple[str, torch.Tensor]], adapters: list[str]
+    ) -> list[tuple[str, torch.Tensor]]:
+        _refuse_adapters([n for n in adapters if self.is_head(n)])  # backbone adapters: not sent
         picked = [(n, t) for n, t in named if self.is_head(n)]
         if not picked:
             names = [n for n, _ in named]
