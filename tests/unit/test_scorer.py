@@ -331,3 +331,61 @@ def test_scores_feed_credit_assignment(client1):
         assert abs(sum(group)) < 1e-6
     r0 = rollouts[0]
     assert r0["metadata"]["advantage"] == out[0]
+
+
+class ProtocolClient:
+    """The full RewardModelClient shape over the real forward: ``score(ScoringRequest)`` returns
+    ``(ScoringResponse, info)`` with the version; ``score_batch`` must then not be used."""
+
+    def __init__(self, inner: HFForwardClient) -> None:
+        self.inner, self.version, self.requests = inner, 11, []
+
+    async def score(self, request):
+        from weightsync.reward.types import ScoringResponse
+
+        self.requests.append(request)
+        scores = await self.inner.score_batch(request.texts)
+        return ScoringResponse(scores=scores, version=self.version, prompt_tokens=1), {}
+
+    async def score_batch(self, texts):
+        raise AssertionError("the scorer should use score() for a RewardModelClient")
+
+    async def get_model_version(self):
+        return self.version
+
+    async def sync_weights(self, params, **kw):
+        raise NotImplementedError
+
+    def score_batch_sync(self, inputs):
+        raise NotImplementedError
+
+
+def test_reward_model_client_goes_through_score_with_versions(client1):
+    from weightsync.reward.client import RewardModelClient
+
+    proto = ProtocolClient(client1)
+    assert isinstance(proto, RewardModelClient)  # the shape VLLMRewardClient has
+    rollouts = _rollouts(5)
+    scorer = RewardModelScorer(proto, batch_size=2, use_activation=True)
+    assert scorer.use_score_api
+    scores = _run(scorer.score_rollouts(rollouts))
+    assert [len(r) for r in proto.requests] == [2, 2, 1]
+    assert all(r.use_activation for r in proto.requests)
+    assert [r["metadata"]["rm_score_version"] for r in rollouts] == [11] * 5
+    assert scores == pytest.approx(client1.forward([r["prompt"] + r["response"] for r in rollouts]), abs=1e-5)
+    with pytest.raises(ValueError, match="use_activation=True needs a client with score"):
+        RewardModelScorer(client1, use_activation=True)
+
+
+def test_failing_version_lookup_does_not_fail_scoring(client1):
+    class NoVersion:
+        async def score_batch(self, texts):
+            return await client1.score_batch(texts)
+
+        async def get_model_version(self):
+            raise ConnectionError("runtime_version unreachable")
+
+    rollouts = _rollouts(2)
+    _run(RewardModelScorer(NoVersion()).score_rollouts(rollouts))
+    assert [r["metadata"]["rm_score_version"] for r in rollouts] == [None, None]
+    assert all(isinstance(r["metadata"]["rm_score"], float) for r in rollouts)

@@ -11,12 +11,15 @@ to apply a chat template). The client is anything with
 
     async score_batch(texts: list[str]) -> list[float | list[float]]
 
-e.g. ``weightsync.reward.VLLMRewardClient``. ``score_batch`` may instead return the scores
-together with the weight version (a ``ScoringResponse``, an object or dict with ``scores`` and
-``version``, or a ``(scores, version)`` pair). When it returns bare scores and the client has
-``async get_model_version()``, the scorer reads the version before and after the run and records
-it only if it did not change (a reward model that was updated mid-run gives ``None`` and
-``ScoringStats.versions`` says so): scores are never silently attributed to the wrong weights.
+``score_batch`` may instead return the scores together with the weight version (a
+``ScoringResponse``, an object or dict with ``scores`` and ``version``, or a
+``(scores, version)`` pair). A full ``RewardModelClient`` (``score``, ``score_batch``,
+``get_model_version``, ``sync_weights``; e.g. ``weightsync.reward.VLLMRewardClient``) is called
+through ``score(ScoringRequest)`` instead (``use_score_api``, auto by default), so every batch
+carries the version that produced it. When the version does not come with the scores and the
+client has ``async get_model_version()``, the scorer reads it before and after the run and
+records it only if it did not change (a reward model updated mid-run gives ``None`` and
+``ScoringStats.version_changed``): scores are never silently attributed to the wrong weights.
 
 All-or-nothing: the texts are all built (and checked) before the first request, and metadata is
 written only after every batch succeeded; on failure the error names the batch and nothing is
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +40,7 @@ from typing import Any
 
 Score = float | list[float]
 
+log = logging.getLogger(__name__)
 
 class ScoringError(RuntimeError):
     """A scoring batch failed or returned unusable scores; no rollout metadata was written."""
@@ -62,6 +67,9 @@ class RewardModelScorer:
 
     ``metadata_key`` receives the score (a float, or a list for n_labels > 1) and
     ``f"{metadata_key}_version"`` the weight version (an int, or None when unknown).
+    ``use_activation`` (score API only) asks the server for activated scores instead of raw
+    logits. ``max_retries`` / ``retry_backoff_s`` (doubling) retry a failed batch;
+    ``timeout_s`` bounds each request.
     """
 
     def __init__(
@@ -75,6 +83,8 @@ class RewardModelScorer:
         max_retries: int = 0,
         retry_backoff_s: float = 0.5,
         timeout_s: float | None = None,
+        use_score_api: bool | None = None,
+        use_activation: bool = False,
     ) -> None:
         if not callable(getattr(client, "score_batch", None)):
             raise TypeError(
@@ -98,6 +108,18 @@ class RewardModelScorer:
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.timeout_s = timeout_s
+        if use_score_api is None:
+            use_score_api = all(
+                callable(getattr(client, m, None))
+                for m in ("score", "get_model_version", "sync_weights")
+            )
+        self.use_score_api = bool(use_score_api)
+        self.use_activation = bool(use_activation)
+        if self.use_activation and not self.use_score_api:
+            raise ValueError(
+                "use_activation=True needs a client with score(ScoringRequest) (use_score_api); "
+                "score_batch returns what the client returns"
+            )
         self.last_stats = ScoringStats()
 
     # -- public API ----------------------------------------------------------------------------
@@ -193,7 +215,7 @@ class RewardModelScorer:
         attempt = 0
         while True:
             try:
-                call = self.client.score_batch(batch)
+                call = self._request(batch)
                 raw = await (asyncio.wait_for(call, self.timeout_s) if self.timeout_s else call)
                 break
             except asyncio.CancelledError:
@@ -216,13 +238,25 @@ class RewardModelScorer:
             )
         return [_check_score(index * self.batch_size + i, s) for i, s in enumerate(scores)], version
 
+    async def _request(self, batch: list[str]) -> Any:
+        if not self.use_score_api:
+            return await self.client.score_batch(batch)
+        from weightsync.reward.types import ScoringRequest
+
+        result = await self.client.score(ScoringRequest(batch, self.use_activation))
+        return result[0] if isinstance(result, tuple) else result  # (response, info)
+
     async def _client_version(self) -> int | None:
         getter = getattr(self.client, "get_model_version", None)
         if not callable(getter):
             return None
-        v = getter()
-        if asyncio.iscoroutine(v) or isinstance(v, asyncio.Future):
-            v = await v
+        try:
+            v = getter()
+            if asyncio.iscoroutine(v) or isinstance(v, asyncio.Future):
+                v = await v
+        except Exception as e:  # the version is bookkeeping: unknown, not a failed scoring run
+            log.warning("get_model_version failed (%s: %s); recording no version", type(e).__name__, e)
+            return None
         return _as_version(v)
 
 
