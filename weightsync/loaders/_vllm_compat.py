@@ -234,3 +234,16 @@ def reset_prefix_cache(llm: Any) -> bool:
         return True
     result = fn()
     return True if result is None else bool(result)
+
+
+def request_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions by which vLLM rejects a request's input (-> HTTP 4xx). vLLM 0.32 raises
+    ``VLLMClientError`` subclasses (not ValueError); older versions raise ValueError."""
+    types: list[type[BaseException]] = [ValueError, TypeError]
+    try:
+        from vllm.exceptions import VLLMClientError
+
+        types.append(VLLMClientError)
+    except ImportError:  # pragma: no cover - older vLLM
+        pass
+    return tuple(types)

@@ -110,17 +110,17 @@ def create_app(service: RewardService, *, api_key: str | None = None) -> Any:
         rank_offset = _field(body, "rank_offset", int, required=False, default=1)
         if rank_offset < 1:
             raise ServiceError(400, f"rank_offset: must be >= 1 (rank 0 is the sender), got {rank_offset}")
-        await service.init_communicator(strategy, sync_info, rank_offset)
-        return {"ok": True, "world_size": await service.world_size()}
+        cid = await service.init_communicator(strategy, sync_info, rank_offset)
+        return {"ok": True, "world_size": await service.world_size(), "communicator_id": cid}
 
     @app.post("/update_param_batch")
     async def update_param_batch(request: Request) -> dict:
         check_key(request)
         body = await _json_body(request)
-        unknown = sorted(set(body) - {"metadata", "training_mode", "version"})
+        unknown = sorted(set(body) - {"metadata", "training_mode", "version", "communicator_id"})
         if unknown:
             raise ServiceError(400, f"unknown field(s) {unknown}; expected metadata, "
-                                    "training_mode, version")
+                                    "training_mode, version (and optionally communicator_id)")
         metadata = _field(body, "metadata", dict)
         if not isinstance(metadata.get("type"), str):
             raise ServiceError(400, "metadata.type: missing; 'start', 'finish' or a strategy's "
@@ -134,13 +134,19 @@ def create_app(service: RewardService, *, api_key: str | None = None) -> Any:
         version = _field(body, "version", int, required=False)
         if version is not None and version < 0:
             raise ServiceError(400, f"version: must be >= 0, got {version}")
-        return await service.update_param_batch(metadata, mode, version)
+        cid = _field(body, "communicator_id", int, required=False)
+        return await service.update_param_batch(metadata, mode, version, cid)
 
     @app.post("/close_communicator")
     async def close_communicator(request: Request) -> dict:
         check_key(request)
+        body = await _json_body(request)
+        cid = _field(body, "communicator_id", int, required=False)
+        if cid is not None and cid != service.communicator_id:
+            return {"ok": True, "closed": False,
+                    "reason": f"communicator {cid} was already replaced or closed"}
         await service.close_communicator()
-        return {"ok": True}
+        return {"ok": True, "closed": True}
 
     @app.post("/get_num_background_tasks")
     async def get_num_background_tasks(request: Request) -> dict:

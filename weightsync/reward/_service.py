@@ -84,6 +84,7 @@ class RewardService:
         self._control = asyncio.Lock()  # one control call at a time
         self._control_in_flight = 0
         self._world_size: int | None = None
+        self.communicator_id = 0  # bumped by every init_communicator; 0: none
 
     # -- worker calls ------------------------------------------------------------------------
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
@@ -164,12 +165,14 @@ class RewardService:
     async def _encode(self, index: int, text: str, use_activation: bool) -> tuple[Any, int]:
         from vllm import PoolingParams
 
+        from weightsync.loaders._vllm_compat import request_error_types
+
         params = PoolingParams(task="classify", use_activation=use_activation)
         final = None
         try:
             async for out in self.engine.encode(text, params, f"score-{uuid.uuid4().hex}"):
                 final = out
-        except (ValueError, TypeError) as e:  # vLLM's input validation (e.g. too long)
+        except request_error_types() as e:  # vLLM's input validation (e.g. too long)
             raise ServiceError(400, f"input[{index}]: {e}") from None
         if final is None:  # pragma: no cover
             raise ServiceError(500, f"input[{index}]: the engine returned no output")
@@ -179,25 +182,43 @@ class RewardService:
         return score, len(final.prompt_token_ids or [])
 
     # -- weight-update control plane -----------------------------------------------------------
-    async def init_communicator(self, strategy: dict, sync_info: dict, rank_offset: int) -> None:
+    async def init_communicator(self, strategy: dict, sync_info: dict, rank_offset: int) -> int:
+        """Build the workers' receivers; returns the new communicator id (older senders are
+        refused from now on: their data plane is gone)."""
         if self._active is not None:
             raise ServiceError(409, f"update {self._active.update_id} is in progress; finish it "
                                     "before re-initialising the communicator")
         async with self._guard():
+            self.communicator_id = 0
             await self._call(
                 "init_weight_transfer",
                 {"strategy_cfg": strategy, "sync_info": sync_info, "rank_offset": rank_offset},
             )
+            self._next_id = getattr(self, "_next_id", 0) + 1
+            self.communicator_id = self._next_id
+        return self.communicator_id
 
     async def close_communicator(self) -> None:
         if self._active is not None:
             await self._abort_active("the communicator was closed")
         async with self._guard():
+            self.communicator_id = 0
             await self._call("close_weight_transfer", {})
 
     async def update_param_batch(
-        self, metadata: dict, training_mode: RewardModelTrainingMode, version: int | None
+        self,
+        metadata: dict,
+        training_mode: RewardModelTrainingMode,
+        version: int | None,
+        communicator_id: int | None = None,
     ) -> dict:
+        if communicator_id is not None and communicator_id != self.communicator_id:
+            raise ServiceError(
+                409,
+                f"communicator_id: {communicator_id}, but the communicator was replaced (current "
+                f"id {self.communicator_id or 'none'}): another sender initialised it or it was "
+                f"closed; call /init_communicator again",
+            )
         kind = metadata.get("type")
         if kind == "start":
             return await self._start(metadata, training_mode, version)

@@ -22,7 +22,12 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from weightsync.errors import UpdateIncompleteError, WeightSyncError
-from weightsync.reward.http_engine_client import HttpEngineClient, _error_from_response
+from weightsync.reward.http_engine_client import (
+    CommunicatorReplacedError,
+    HttpEngineClient,
+    UpdateRefusedError,
+    _error_from_response,
+)
 from weightsync.reward.types import (
     RewardModelTrainingMode,
     ScoringRequest,
@@ -239,7 +244,12 @@ class VLLMRewardClient:
             self._sync_lock = asyncio.Lock()
         async with self._sync_lock:
             await self._ensure_server()
-            return await asyncio.wait_for(self._sync(named, mode, version), timeout_s)
+            try:
+                return await asyncio.wait_for(self._sync(named, mode, version), timeout_s)
+            except CommunicatorReplacedError:
+                # another sender took the server's receivers (refused at start, nothing moved):
+                # join again and retry once
+                return await asyncio.wait_for(self._sync(named, mode, version), timeout_s)
 
     async def _sync(
         self, named: list[tuple[str, torch.Tensor]], mode: RewardModelTrainingMode,
@@ -264,7 +274,10 @@ class VLLMRewardClient:
             return await sender.send_chunks(
                 chunks, self._engine_client, version=version, manifest=manifest, extras=extras
             )
-        except (WeightMismatchError, ValueError, UpdateIncompleteError):
+        except CommunicatorReplacedError:
+            await self._drop_sender()  # our group is gone on the server side
+            raise
+        except (WeightMismatchError, ValueError, UpdateIncompleteError, UpdateRefusedError):
             raise  # refused / torn: the data plane is still in step
         except BaseException:
             await self._drop_sender()  # a transport failure: rebuild the group next time

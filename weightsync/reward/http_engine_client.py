@@ -12,7 +12,8 @@ Lives in the sending (training) process. Maps the framework's calls onto the ser
 Several servers (replicas) fan out concurrently, each with its ``rank_offset``. A 4xx/5xx answer
 becomes the matching exception: 400 with offenders -> ``WeightMismatchError`` (the server
 refused before any byte moved), 503 -> ``UpdateIncompleteError``, 504 -> ``WeightSyncTimeout``,
-anything else -> ``WeightSyncError`` with the server's reason.
+409 -> ``UpdateRefusedError`` (``CommunicatorReplacedError`` when another sender took the
+receivers), anything else -> ``WeightSyncError`` with the server's reason.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ from weightsync.errors import (
 )
 from weightsync.interfaces import InferenceEngineClient
 from weightsync.reward.types import RewardModelTrainingMode
+
+
+class UpdateRefusedError(WeightSyncError):
+    """HTTP 409: the server refused a control call for its current state (an older version, a
+    chunk without its start, ...); the data plane did not move."""
+
+
+class CommunicatorReplacedError(UpdateRefusedError):
+    """The server's receivers now belong to another sender (or were closed); re-initialise."""
 
 
 class HttpEngineClient(InferenceEngineClient):
@@ -50,6 +60,7 @@ class HttpEngineClient(InferenceEngineClient):
         self.timeout_s = timeout_s
         self.training_mode = RewardModelTrainingMode.parse(training_mode)
         self._clients: dict[int, Any] = {}  # per event loop (httpx clients are loop-bound)
+        self.communicator_ids: list[int | None] = [None] * len(self.base_urls)
 
     # -- HTTP plumbing ------------------------------------------------------------------------
     def _http(self) -> Any:
@@ -86,11 +97,16 @@ class HttpEngineClient(InferenceEngineClient):
             *(self._request(u, method, path, b) for u, b in zip(self.base_urls, bodies, strict=True))
         ))
 
-    def _update_body(self, metadata: dict) -> dict:
-        body: dict[str, Any] = {"metadata": metadata, "training_mode": self.training_mode.value}
-        if metadata.get("type") == "start" and metadata.get("version") is not None:
-            body["version"] = metadata["version"]
-        return body
+    def _update_bodies(self, metadata: dict) -> list[dict]:
+        bodies = []
+        for cid in self.communicator_ids:
+            body: dict[str, Any] = {"metadata": metadata, "training_mode": self.training_mode.value}
+            if metadata.get("type") == "start" and metadata.get("version") is not None:
+                body["version"] = metadata["version"]
+            if cid is not None:
+                body["communicator_id"] = cid
+            bodies.append(body)
+        return bodies
 
     # -- InferenceEngineClient ----------------------------------------------------------------
     async def get_world_sizes(self) -> list[int]:
@@ -99,25 +115,26 @@ class HttpEngineClient(InferenceEngineClient):
 
     async def init_weight_transfer(self, strategy_cfg: dict, sync_info: dict) -> None:
         offsets = self.rank_offsets(await self.get_world_sizes())
-        await self._all("POST", "/init_communicator", [
+        answers = await self._all("POST", "/init_communicator", [
             {"strategy": strategy_cfg, "sync_info": sync_info, "rank_offset": o} for o in offsets
         ])
+        self.communicator_ids = [a.get("communicator_id") for a in answers]
 
     async def start_weight_update(self, start: dict) -> None:
-        body = self._update_body(start)
-        await self._all("POST", "/update_param_batch", [body] * len(self.base_urls))
+        await self._all("POST", "/update_param_batch", self._update_bodies(start))
 
     async def update_named_weights(self, request: dict) -> None:
-        body = self._update_body(request)
-        await self._all("POST", "/update_param_batch", [body] * len(self.base_urls))
+        await self._all("POST", "/update_param_batch", self._update_bodies(request))
 
     async def finish_weight_update(self, finish: dict) -> list[int | None]:
-        body = self._update_body(finish)
-        answers = await self._all("POST", "/update_param_batch", [body] * len(self.base_urls))
+        answers = await self._all("POST", "/update_param_batch", self._update_bodies(finish))
         return [a.get("version") for a in answers]
 
     async def close_weight_transfer(self) -> None:
-        await self._all("POST", "/close_communicator", [None] * len(self.base_urls))
+        await self._all("POST", "/close_communicator", [
+            {"communicator_id": cid} if cid is not None else None for cid in self.communicator_ids
+        ])
+        self.communicator_ids = [None] * len(self.base_urls)
 
     async def aclose(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
@@ -143,4 +160,8 @@ def _error_from_response(where: str, r: Any) -> Exception:
         return WeightSyncTimeout(f"{where}: {detail}")
     if r.status_code == 400:
         return ValueError(f"{where}: {detail}")
+    if r.status_code == 409:
+        if "communicator was replaced" in str(detail):
+            return CommunicatorReplacedError(f"{where}: {detail}")
+        return UpdateRefusedError(f"{where}: {detail}")
     return WeightSyncError(f"{where}: HTTP {r.status_code}: {detail}")

@@ -189,8 +189,10 @@ class RewardModelPublisher:
         heads = self.head_name_patterns if mode is RewardModelTrainingMode.HEAD_ONLY else None
         common: dict[str, Any] = {"bucket_size_mb": self.bucket_size_mb, "name_patterns": heads}
         if sharded:
+            # comm=None collects every chunk for sync_weights: no back-pressure to wait on
             return build_extractor({"type": sharded, "src_rank": self.src_rank,
-                                    "rank": self.rank, **common})
+                                    "rank": self.rank, **common,
+                                    "max_live_chunks": 2 if self.comm is not None else 0})
         has_lora = _has_active_lora(model)
         if mode is RewardModelTrainingMode.LORA and not has_lora:
             raise WeightMismatchError(

@@ -1,0 +1,154 @@
+"""Shared integration fixtures: ONE real reward server per test session (vLLM CPU, ~25 s, ~2.4 GB).
+
+``reward_server`` starts ``python -m weightsync.reward.server`` on a tiny 1-label Qwen2 reward
+model on 127.0.0.1 (a free port, an API key) and yields a ``RewardServerHandle``:
+
+* ``url``, ``port``, ``api_key``, ``model_dir`` (the base weights), ``proc``;
+* ``client(**kw)``: a ``VLLMRewardClient`` for it (close it, or use ``async with``);
+* ``restore()``: sync the base weights back (FULL) and return the new version.
+
+Rules for tests that share it: weights may have been changed by earlier tests (call
+``restore()`` before comparing against the base model); versions only rise, so compare relative
+to what you read; close your clients (a new client's ``init_communicator`` takes the server's
+receivers from an older one, which then re-joins on its next sync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+API_KEY = "test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RewardServerHandle:
+    url: str
+    port: int
+    api_key: str
+    model_dir: str
+    proc: subprocess.Popen | None  # None: a server started outside the tests (see below)
+    log_path: str
+    _clients: list[Any] = field(default_factory=list)
+
+    def client(self, **kwargs: Any) -> Any:
+        from weightsync.reward import VLLMRewardClient
+
+        kwargs.setdefault("api_key", self.api_key)
+        kwargs.setdefault("connection_timeout_s", 30.0)
+        return VLLMRewardClient(port=self.port, **kwargs)
+
+    def restore(self) -> int:
+        """Sync the base weights back into the server (FULL); returns the new version."""
+        from safetensors.torch import load_file
+
+        weights = load_file(os.path.join(self.model_dir, "model.safetensors"))
+
+        async def _go() -> int:
+            async with self.client() as c:
+                stats = await c.sync_weights(weights)
+                return int(stats.versions[0])
+
+        return asyncio.run(_go())
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+
+def start_reward_server(
+    model_dir: str, log_path: str, *, api_key: str | None = API_KEY, extra: list[str] | None = None,
+    timeout_s: float = 180.0,
+) -> RewardServerHandle:
+    """Start a reward server subprocess and wait until /health answers (or fail with its log)."""
+    import httpx
+
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "weightsync.reward.server", "--model", model_dir,
+        "--port", str(port), "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+        "--log-level", "warning",
+    ]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    cmd += extra or []
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    handle = RewardServerHandle(f"http://127.0.0.1:{port}", port, api_key or "", model_dir,
+                                proc, log_path)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"reward server exited ({proc.returncode}):\n{handle.log_tail()}")
+        try:
+            if httpx.get(handle.url + "/health", timeout=2).status_code == 200:
+                return handle
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop_reward_server(handle)
+            raise RuntimeError(f"reward server not up in {timeout_s:g}s:\n{handle.log_tail()}")
+        time.sleep(0.5)
+
+
+def stop_reward_server(handle: RewardServerHandle) -> None:
+    """SIGTERM the server's process group (it shuts vLLM down), SIGKILL if it lingers."""
+    proc = handle.proc
+    if proc is None:
+        return
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+    try:  # the engine core / worker children share the process group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from weightsync.tiny_models import build_tiny_reward_model
+
+    return build_tiny_reward_model(tmp_path_factory.mktemp("tiny-rm") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def reward_server(tiny_reward_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """The shared server. For quick local iteration, ``WEIGHTSYNC_TEST_REWARD_SERVER=PORT:DIR``
+    reuses a server you started yourself (``--api-key test-token`` on a model built by
+    ``build_tiny_reward_model(DIR, seed=0)``)."""
+    external = os.environ.get("WEIGHTSYNC_TEST_REWARD_SERVER")
+    if external:
+        port, _, model_dir = external.partition(":")
+        yield RewardServerHandle(f"http://127.0.0.1:{port}", int(port), API_KEY, model_dir,
+                                 None, "")
+        return
+    log_path = str(tmp_path_factory.mktemp("reward-server") / "server.log")
+    handle = start_reward_server(tiny_reward_model_dir, log_path)
+    try:
+        yield handle
+    finally:
+        stop_reward_server(handle)

@@ -1,0 +1,458 @@
+"""The reward server on real vLLM (CPU) over real HTTP, synced through real strategies.
+
+One server for the whole session (``reward_server`` in conftest). Reference scores come from a
+transformers forward of the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import threading
+
+import httpx
+import pytest
+import torch
+
+from weightsync.errors import UpdateIncompleteError, WeightMismatchError
+from weightsync.reward import RewardModelTrainingMode, ScoringRequest, VLLMRewardClient
+from weightsync.types import WeightChunk
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "The model is helpful today.",
+    "hi",
+    "A policy was rude according to the judge!",
+    "Question: what is 2 + 2? Answer: 4.",
+    "def add(a, b):\n    return a + b",
+]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf(reward_server):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(reward_server.model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_server.model_dir).eval()
+    return tok, model
+
+
+def hf_scores(tok, model, texts, *, batched=True) -> list[list[float]]:
+    with torch.no_grad():
+        if batched:
+            enc = tok(texts, padding=True, return_tensors="pt")
+            return model(**enc).logits.tolist()
+        return [model(**tok(t, return_tensors="pt")).logits[0].tolist() for t in texts]
+
+
+def flat(scores):
+    return [s if isinstance(s, float) else s[0] for s in scores]
+
+
+def max_err(served, ref) -> float:
+    return max(abs(a - b[0]) for a, b in zip(flat(served), ref, strict=True))
+
+
+def perturbed(model, seed: int, *, head_only: bool = False) -> dict[str, torch.Tensor]:
+    """New weights: every parameter (or only the head) moved by seeded noise, in place."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if head_only and not name.startswith("score."):
+                continue
+            p.add_(torch.randn(p.shape, generator=g) * (0.5 if name.startswith("score.") else 0.02))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def restored(reward_server):
+    reward_server.restore()
+    return reward_server
+
+
+# --------------------------------------------------------------------------------------------
+# scoring
+# --------------------------------------------------------------------------------------------
+
+
+def test_health_exact(reward_server):
+    r = httpx.get(reward_server.url + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "type": "reward_model"}
+
+
+def test_scores_equal_transformers_single_and_batched(restored, hf):
+    tok, model = hf
+    ref = hf_scores(tok, model, TEXTS, batched=False)
+    assert max_err([r[0] for r in ref], hf_scores(tok, model, TEXTS, batched=True)) <= 1e-5
+
+    r = httpx.post(restored.url + "/score", json={"input": TEXTS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"model", "data", "usage", "version"}
+    assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
+    assert all(isinstance(d["score"], float) for d in body["data"])  # one label: a float
+    assert max_err([d["score"] for d in body["data"]], ref) <= TOL
+    assert body["usage"]["prompt_tokens"] == sum(len(tok(t).input_ids) for t in TEXTS)
+
+    for i, text in enumerate(TEXTS[:2]):  # single string input
+        r = httpx.post(restored.url + "/score", json={"input": text})
+        assert r.status_code == 200
+        (d,) = r.json()["data"]
+        assert abs(d["score"] - ref[i][0]) <= TOL
+
+
+def test_raw_logits_by_default_activation_on_request(restored):
+    raw = httpx.post(restored.url + "/score", json={"input": TEXTS[:3]}).json()
+    act = httpx.post(restored.url + "/score", json={"input": TEXTS[:3], "use_activation": True}).json()
+    for a, b in zip(raw["data"], act["data"], strict=True):
+        assert b["score"] == pytest.approx(1 / (1 + math.exp(-a["score"])), abs=1e-5)
+        assert a["score"] != pytest.approx(b["score"], abs=1e-3)
+
+
+def test_client_score_and_batch(restored, hf):
+    tok, model = hf
+    ref = hf_scores(tok, model, TEXTS)
+
+    async def go():
+        async with restored.client(max_batch_size=2) as c:
+            resp, info = await c.score(ScoringRequest(TEXTS))
+            batch = await c.score_batch(TEXTS)
+            return resp, info, batch, await c.get_model_version()
+
+    resp, info, batch, version = run(go())
+    assert resp.version == version and info["status"] == 200 and info["latency_s"] > 0
+    assert max_err(resp.scores, ref) <= TOL and max_err(batch, ref) <= TOL
+
+    c = restored.client()
+    try:
+        assert max_err(c.score_batch_sync(TEXTS), ref) <= TOL
+    finally:
+        c.close_sync()
+
+
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        ({"input": []}, 400, "input: empty list"),
+        ({"input": ["ok", 3]}, 400, "items must be strings"),
+        ({"input": 7}, 400, "input: must be a string or a list"),
+        ({"input": "x", "use_activation": "yes"}, 400, "use_activation"),
+        ({"input": ["x", ""]}, 400, "empty strings"),
+        ({"inputz": ["x"]}, 400, "unknown field"),
+        ({"input": "x", "model": "someone-else"}, 404, "not served here"),
+        ({"input": "x " * 400}, 400, "input[0]"),  # longer than max_model_len
+    ],
+)
+def test_bad_score_input_is_4xx_and_changes_nothing(restored, body, status, needle):
+    before = httpx.get(restored.url + "/runtime_version").json()["version"]
+    r = httpx.post(restored.url + "/score", json=body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["detail"]
+    assert httpx.get(restored.url + "/runtime_version").json()["version"] == before
+    assert httpx.post(restored.url + "/score", json={"input": "still fine"}).status_code == 200
+
+
+def test_score_body_not_json(restored):
+    r = httpx.post(restored.url + "/score", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["detail"]
+
+
+# --------------------------------------------------------------------------------------------
+# auth
+# --------------------------------------------------------------------------------------------
+
+GUARDED = [
+    ("GET", "/get_world_size", None),
+    ("POST", "/init_communicator", {"strategy": {}, "sync_info": {}}),
+    ("POST", "/update_param_batch", {"metadata": {"type": "start", "update_id": "x"}}),
+    ("POST", "/close_communicator", {}),
+    ("POST", "/get_num_background_tasks", {}),
+    ("POST", "/reset_prefix_cache", {}),
+]
+
+
+@pytest.mark.parametrize("method, path, body", GUARDED)
+def test_control_endpoints_need_the_token(reward_server, method, path, body):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": "wrong"}):
+        r = httpx.request(method, reward_server.url + path, json=body, headers=headers)
+        assert r.status_code == 401, (path, headers, r.text)
+    assert httpx.get(reward_server.url + "/runtime_version").status_code == 200  # open
+
+
+def test_token_opens_the_harmless_endpoints(reward_server):
+    h = {"Authorization": f"Bearer {reward_server.api_key}"}
+    assert httpx.get(reward_server.url + "/get_world_size", headers=h).json() == {"world_size": 1}
+    r = httpx.post(reward_server.url + "/get_num_background_tasks", headers={"X-API-Key": reward_server.api_key})
+    assert r.status_code == 200 and r.json()["num_background_tasks"] >= 0
+    assert httpx.post(reward_server.url + "/reset_prefix_cache", headers=h).json()["ok"] is True
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"metadata": "start"}, "metadata: expected an object"),
+        ({"metadata": {"update_id": "x"}}, "metadata.type"),
+        ({"metadata": {"type": "start", "update_id": "x"}, "training_mode": "partial"}, "training_mode"),
+        ({"metadata": {"type": "start", "update_id": "x"}, "version": "3"}, "version: expected an integer"),
+        ({"metadata": {"type": "start", "update_id": "x"}, "extra": 1}, "unknown field"),
+        ({"metadata": {"type": "start", "update_id": "x", "manifest": [{"name": "score.weight"}]}},
+         "metadata"),
+        ({"metadata": {"type": "broadcast", "update_id": "nope", "names": [], "dtypes": [], "shapes": []}},
+         "without its start"),
+    ],
+)
+def test_bad_update_fields_are_4xx(restored, body, needle):
+    h = {"Authorization": f"Bearer {restored.api_key}"}
+    before = httpx.get(restored.url + "/runtime_version").json()
+    r = httpx.post(restored.url + "/update_param_batch", json=body, headers=h)
+    assert 400 <= r.status_code < 500, r.text
+    assert needle in r.json()["detail"], r.json()
+    assert httpx.get(restored.url + "/runtime_version").json() == before
+
+
+# --------------------------------------------------------------------------------------------
+# weight sync
+# --------------------------------------------------------------------------------------------
+
+
+def test_sync_full_then_head_only_matches_transformers(restored, hf):
+    from transformers import AutoModelForSequenceClassification
+
+    tok, _ = hf
+    model = AutoModelForSequenceClassification.from_pretrained(restored.model_dir).eval()
+
+    async def go():
+        async with restored.client() as c:
+            v0 = await c.get_model_version()
+            full = perturbed(model, seed=1)
+            stats = await c.sync_weights(full)  # FULL is the default
+            r1, _ = await c.score(ScoringRequest(TEXTS))
+            head = perturbed(model, seed=2, head_only=True)
+            stats2 = await c.sync_weights({"score.weight": head["score.weight"]},
+                                          training_mode=RewardModelTrainingMode.HEAD_ONLY)
+            r2, _ = await c.score(ScoringRequest(TEXTS))
+            return v0, stats, r1, stats2, r2
+
+    v0, stats, r1, stats2, r2 = run(go())
+    assert stats.versions == [v0 + 1] and r1.version == v0 + 1
+    assert stats2.versions == [v0 + 2] and r2.version == v0 + 2
+    assert stats.num_tensors == len(dict(model.named_parameters())) and stats2.num_tensors == 1
+    ref = hf_scores(tok, model, TEXTS)
+    assert max_err(r2.scores, ref) <= TOL
+    # the full sync already moved the scores away from the base model
+    assert max(abs(a - b) for a, b in zip(flat(r1.scores), flat(r2.scores), strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"type": "broadcast", "backend": "gloo", "bucket_size_mb": 0.01},
+        {"type": "cuda_ipc", "bucket_size_mb": 0.01},
+        {"type": "packed_cuda_ipc", "bucket_size_mb": 0.02},
+    ],
+    ids=["broadcast-gloo", "shm-ipc", "packed-shm-ipc"],
+)
+def test_every_strategy_small_buckets(restored, hf, strategy):
+    """Tiny buckets split q/k/v and gate/up across chunks: the loader keeps vLLM layers whole."""
+    from transformers import AutoModelForSequenceClassification
+
+    tok, _ = hf
+    model = AutoModelForSequenceClassification.from_pretrained(restored.model_dir).eval()
+    new = perturbed(model, seed=11)
+
+    async def go():
+        async with restored.client(strategy=strategy) as c:
+            stats = await c.sync_weights(new)
+            return stats, (await c.score(ScoringRequest(TEXTS)))[0]
+
+    stats, resp = run(go())
+    assert stats.num_chunks > 5
+    assert resp.version == stats.versions[0]
+    assert max_err(resp.scores, hf_scores(tok, model, TEXTS)) <= TOL
+
+
+BAD_UPDATES = [
+    ({"model.layers.0.mlp.up_proj.weightz": torch.zeros(128, 64)}, "full", "not a parameter"),
+    ({"model.norm.weight": torch.zeros(65)}, "full", "shape [65] but target has [64]"),
+    ({"model.norm.weight": torch.zeros(64, dtype=torch.float16)}, "full", "dtype float16"),
+    ({"model.norm.weight": torch.zeros(64)}, "head_only", "not a head parameter"),
+    ({"score.weight": torch.zeros(1, 64)}, "full", "full mode requires backbone"),
+    ({"model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.zeros(8, 64)}, "lora",
+     "unmerged LoRA"),
+    ({"model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 64)}, "full",
+     "loads a layer whole"),
+]
+
+
+@pytest.mark.parametrize("params, mode, needle", BAD_UPDATES)
+def test_bad_updates_refused_before_any_byte(restored, params, mode, needle):
+    """Refused by the server (the client-side mode check is bypassed) with the offender named;
+    model and version untouched."""
+    h = {"Authorization": f"Bearer {restored.api_key}"}
+    before_v = httpx.get(restored.url + "/runtime_version").json()["version"]
+    before = httpx.post(restored.url + "/score", json={"input": TEXTS}).json()["data"]
+    manifest = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                for n, t in params.items()]
+    r = httpx.post(restored.url + "/update_param_batch", headers=h, json={
+        "metadata": {"type": "start", "update_id": f"bad-{mode}", "manifest": manifest},
+        "training_mode": mode,
+    })
+    assert r.status_code == 400, r.text
+    assert any(needle in o for o in r.json()["offenders"]), r.json()
+
+    async def through_client():  # the same refusal through the framework (client check off)
+        async with restored.client() as c:
+            c.head_name_patterns = None
+            import weightsync.reward.client as client_mod
+
+            orig = client_mod.training_mode_offenders
+            client_mod.training_mode_offenders = lambda *a, **k: []  # server must refuse
+            try:
+                await c.sync_weights(params, training_mode=mode)
+            finally:
+                client_mod.training_mode_offenders = orig
+
+    with pytest.raises(WeightMismatchError) as ei:
+        run(through_client())
+    assert any(needle in o for o in ei.value.offenders)
+    assert httpx.get(restored.url + "/runtime_version").json()["version"] == before_v
+    assert httpx.post(restored.url + "/score", json={"input": TEXTS}).json()["data"] == before
+
+
+def test_client_refuses_mode_violations_locally(reward_server):
+    c = reward_server.client()
+    with pytest.raises(WeightMismatchError, match="not a head parameter"):
+        c.sync_weights_sync({"model.norm.weight": torch.zeros(64)}, training_mode="head_only")
+    with pytest.raises(ValueError, match="nothing to sync"):
+        c.sync_weights_sync({})
+    c.close_sync()
+    off = VLLMRewardClient(port=reward_server.port, enable_weight_updates=False)
+    with pytest.raises(Exception, match="disabled"):
+        asyncio.run(off.sync_weights({"score.weight": torch.zeros(1, 64)}))
+
+
+def test_torn_update_answers_503_until_a_complete_one_lands(restored, hf):
+    """A sender that dies after the first chunk landed: the server refuses to score (no silent
+    mix of old and new weights) and serves again after the next complete sync."""
+    from transformers import AutoModelForSequenceClassification
+
+    tok, _ = hf
+    model = AutoModelForSequenceClassification.from_pretrained(restored.model_dir).eval()
+    new = perturbed(model, seed=21)
+    names = list(new)
+
+    async def dying_chunks():
+        yield WeightChunk(names[:3], [new[n] for n in names[:3]])
+        yield WeightChunk(names[3:6], [new[n] for n in names[3:6]])
+        await asyncio.sleep(2)  # the pipeline prefetches: let the first chunk land first
+        raise RuntimeError("trainer died")
+
+    async def go():
+        async with restored.client(strategy={"type": "cuda_ipc"}) as c:
+            v0 = await c.get_model_version()
+            sender = await c._ensure_sender()
+            with pytest.raises(RuntimeError, match="trainer died"):
+                await sender.send_chunks(dying_chunks(), c._engine_client)
+            state = httpx.get(restored.url + "/runtime_version").json()
+            r = httpx.post(restored.url + "/score", json={"input": TEXTS})
+            with pytest.raises(UpdateIncompleteError, match="incomplete"):
+                await c.score(ScoringRequest(TEXTS))
+            stats = await c.sync_weights(new)
+            resp, _ = await c.score(ScoringRequest(TEXTS))
+            return v0, state, r, stats, resp
+
+    v0, state, r, stats, resp = run(go())
+    assert state["state"] == "torn" and state["version"] == v0
+    assert r.status_code == 503 and "trainer died" in r.json()["detail"]
+    assert stats.versions == [v0 + 1] and resp.version == v0 + 1
+    assert max_err(resp.scores, hf_scores(tok, model, TEXTS)) <= TOL
+
+
+def test_explicit_versions_and_replaced_communicator(restored):
+    """version= is published as given (and must rise); a client whose communicator was taken by
+    another client re-joins on its next sync."""
+    from safetensors.torch import load_file
+
+    base = load_file(os.path.join(restored.model_dir, "model.safetensors"))
+    head = {"score.weight": base["score.weight"]}
+
+    async def go():
+        a, b = restored.client(), restored.client()
+        try:
+            v = await a.get_model_version()
+            sa = await a.sync_weights(head, version=v + 10, training_mode="head_only")
+            with pytest.raises(Exception, match="not newer"):
+                await b.sync_weights(head, version=v + 5, training_mode="head_only")
+            sb = await b.sync_weights(head, training_mode="head_only")  # b took the receivers
+            sa2 = await a.sync_weights(head, training_mode="head_only")  # a re-joins
+            return v, sa, sb, sa2
+        finally:
+            await a.close()
+            await b.close()
+
+    v, sa, sb, sa2 = run(go())
+    assert sa.versions == [v + 10] and sb.versions == [v + 11] and sa2.versions == [v + 12]
+
+
+def test_scores_during_syncs_never_mix_versions(restored, hf):
+    """A scorer thread hammers /score while the trainer alternates two weight sets: every
+    response equals transformers on exactly the weight set of the version it reports."""
+    from transformers import AutoModelForSequenceClassification
+
+    tok, _ = hf
+    model = AutoModelForSequenceClassification.from_pretrained(restored.model_dir).eval()
+    sets, refs = [], []
+    for seed in (31, 32):
+        sets.append(perturbed(model, seed=seed))
+        refs.append(hf_scores(tok, model, TEXTS))
+    assert max_err(flat([r[0] for r in refs[0]]), refs[1]) > 1e-2
+
+    seen: list[tuple[int, list[float]]] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def scorer():
+        with httpx.Client() as h:
+            while not stop.is_set():
+                r = h.post(restored.url + "/score", json={"input": TEXTS}, timeout=60)
+                if r.status_code != 200:
+                    errors.append(r.text)
+                    return
+                seen.append((r.json()["version"], [d["score"] for d in r.json()["data"]]))
+
+    async def trainer():
+        async with restored.client() as c:
+            versions = {}
+            for i in range(8):
+                stats = await c.sync_weights(sets[i % 2])
+                versions[stats.versions[0]] = i % 2
+            return versions
+
+    t = threading.Thread(target=scorer)
+    t.start()
+    try:
+        versions = run(trainer())
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert not errors, errors
+    checked = 0
+    for v, scores in seen:
+        if v in versions:
+            assert max_err(scores, refs[versions[v]]) <= TOL, (v, scores)
+            checked += 1
+    assert checked > 0 and len(seen) > 4
+
+
+def test_restore_base_weights_for_other_tests(restored, hf):
+    tok, model = hf
+    restored.restore()
+    r = httpx.post(restored.url + "/score", json={"input": TEXTS}).json()
+    assert max_err([d["score"] for d in r["data"]], hf_scores(tok, model, TEXTS)) <= TOL
