@@ -106,18 +106,26 @@ def backend_label(name: str, cfg: BenchConfig) -> str:
     return "cuda_ipc" if cfg.device.startswith("cuda") else "shm"
 
 
-def receiver_device(name: str, cfg: BenchConfig) -> str:
-    """NCCL cannot put two ranks on one GPU: a broadcast receiver goes to the next GPU."""
+def receiver_placement(name: str, cfg: BenchConfig) -> tuple[str, dict[str, str]]:
+    """(device for the receiver's module, extra env for its process).
+
+    IPC rows share the sender's device (the colocated case). NCCL cannot put two ranks on one
+    GPU, so a broadcast receiver runs on the next GPU, made its only visible device (the
+    strategy joins NCCL on the current device)."""
     if not cfg.device.startswith("cuda"):
-        return cfg.device
+        return cfg.device, {}
     strategy, _ = strategy_config(name, cfg)
     if strategy["type"] == "broadcast" and strategy.get("backend") == "nccl":
+        import os
+
         import torch
 
         if torch.cuda.device_count() < 2:
             raise RuntimeError("broadcast over nccl needs 2 GPUs (NCCL refuses two ranks on one)")
-        return "cuda:1"
-    return cfg.device
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [v.strip() for v in visible.split(",")] if visible else ["0", "1"]
+        return "cuda", {"CUDA_VISIBLE_DEVICES": ids[1]}
+    return cfg.device, {}
 
 
 async def bench_strategy(
@@ -141,12 +149,12 @@ async def bench_strategy(
     engine = client = sender = None
     try:
         log(f"{name}: starting receiver process")
-        engine = await _maybe_await(LocalEngineProcess.spawn(
-            "weightsync.bench_shapes:build_module",
-            {"shape": cfg.shape, "dtype": cfg.dtype, "device": receiver_device(name, cfg),
-             "fill": 0.0},
-            name=f"bench-{name}",
-        ))
+        device, env = receiver_placement(name, cfg)
+        engine = await asyncio.to_thread(
+            LocalEngineProcess.spawn, "weightsync.bench_shapes:build_module",
+            {"shape": cfg.shape, "dtype": cfg.dtype, "device": device, "fill": 0.0},
+            name=f"bench-{name}", env=env or None,
+        )
         client = LocalEngineClient([engine], timeout_s=cfg.timeout_s)
         strategy = build_strategy(strategy_cfg)
         extractor = build_extractor(extractor_cfg)
@@ -198,7 +206,7 @@ async def bench_strategy(
         if client is not None:
             await _quietly(client.close_weight_transfer())
         if engine is not None:
-            await _quietly(_maybe_await(engine.stop()))
+            await _quietly(asyncio.to_thread(engine.stop))
     return rec
 
 
@@ -208,10 +216,6 @@ def _negate_(module: Any) -> None:
     with torch.no_grad():
         for p in module.parameters():
             p.neg_()
-
-
-async def _maybe_await(x: Any) -> Any:
-    return await x if asyncio.iscoroutine(x) or isinstance(x, asyncio.Future) else x
 
 
 async def _quietly(aw: Any) -> None:
@@ -256,9 +260,11 @@ async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
         if is_bcast and raw_bcast is None:
             log(f"measuring raw {cfg.resolved_backend()} broadcast reference")
             try:
+                receiver_placement(name, cfg)  # raises if this backend cannot run here
+                peer = "cuda:1" if cfg.resolved_backend() == "nccl" else cfg.device
                 raw_bcast = raw_broadcast_gbps(
                     nbytes, cfg.resolved_backend(), cfg.device, cfg.repeats,
-                    peer_device=receiver_device(name, cfg), timeout_s=cfg.timeout_s,
+                    peer_device=peer, timeout_s=min(cfg.timeout_s, 120.0),
                 )
                 log(f"raw broadcast: {raw_bcast:.2f} GB/s")
             except Exception as e:
