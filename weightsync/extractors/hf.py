@@ -8,8 +8,9 @@ holds (parameters and persistent buffers) under engine names, with three rules:
 
 - **Tied weights are sent once.** Two names sharing one tensor (HF ``tie_word_embeddings``:
   ``lm_head.weight`` is ``model.embed_tokens.weight``) yield one tensor, under the input
-  embedding's name for HF models (what the checkpoint and vLLM expect; vLLM skips
-  ``lm_head.weight`` when embeddings are tied), otherwise under the first registered name.
+  embedding's name (``get_input_embeddings()`` for HF models; else the first alias that is not
+  an output projection such as ``lm_head.weight``; else the first registered name): that is
+  what an HF checkpoint holds and what vLLM expects (it skips ``lm_head.weight`` when tied).
 - **Names are engine names**, mapped by ``weightsync.naming`` (the one place for it): wrapper
   prefixes (``module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``, ...) never reach the
   engine; PEFT's ``modules_to_save`` head is sent as ``score.weight`` and its frozen
@@ -36,6 +37,7 @@ from weightsync.types import TensorMeta, WeightChunk, dtype_to_str, str_to_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
 
 def _unwrap(model: Any) -> Any:
     """Peel DDP / DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
