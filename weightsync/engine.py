@@ -73,7 +73,10 @@ class WeightUpdateEndpoint:
     async def start_weight_update(self, start: dict) -> None:
         msg = WeightUpdateStart.from_dict(start)
         if self._active is not None and self._active.touched:
-            self.state = "torn"
+            self._mark_torn(
+                f"update {self._active.update_id} was abandoned after "
+                f"{self._active.chunks_done} chunk(s) loaded"
+            )
         if msg.manifest is not None:
             self.loader.validate(msg.manifest)  # raises before anything changes
         if msg.version is not None and msg.version <= self.version:

@@ -358,6 +358,8 @@ def test_new_start_over_a_half_applied_update_is_torn():
     e.chunk("u1", 0, a)
     e.start("u2", 2)  # u1 was abandoned after loading a chunk
     assert e.ep.state == "torn"
+    with pytest.raises(UpdateIncompleteError, match="update u1 was abandoned after 1 chunk"):
+        e.ep.check_serving()
     e.chunk("u2", 0, _new_weights(3))
     assert e.finish("u2", 2, 1) == 2 and e.ep.state == "ready"
 
