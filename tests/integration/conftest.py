@@ -152,3 +152,22 @@ def reward_server(tiny_reward_model_dir: str, tmp_path_factory: pytest.TempPathF
         yield handle
     finally:
         stop_reward_server(handle)
+
+
+@pytest.fixture(scope="session")
+def reward_server_launcher():
+    """``launch(model_dir, log_path, **kw) -> handle`` for tests that need a server of their own
+    (another model); ``launch.stop(handle)`` stops it early, the rest stop at session end."""
+    started: list[RewardServerHandle] = []
+
+    def launch(model_dir: str, log_path: str, **kwargs: Any) -> RewardServerHandle:
+        handle = start_reward_server(model_dir, log_path, **kwargs)
+        started.append(handle)
+        return handle
+
+    launch.stop = stop_reward_server  # type: ignore[attr-defined]
+    try:
+        yield launch
+    finally:
+        for h in started:
+            stop_reward_server(h)

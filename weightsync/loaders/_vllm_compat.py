@@ -247,3 +247,11 @@ def request_error_types() -> tuple[type[BaseException], ...]:
     except ImportError:  # pragma: no cover - older vLLM
         pass
     return tuple(types)
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Stop an offline ``LLM``'s engine processes now (instead of at garbage collection)."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()

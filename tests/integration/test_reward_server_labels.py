@@ -1,0 +1,76 @@
+"""A 3-label reward model (Llama family) behind the reward server: scores are lists, equal to
+transformers, activation is a softmax on request; a HEAD_ONLY sync moves them as transformers
+says. Its own server (module scope), shut down when the module ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from weightsync.reward import RewardModelTrainingMode, ScoringRequest
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["The answer is clear and polite.", "no", "Weights move from the trainer into the engine."]
+
+
+@pytest.fixture(scope="module")
+def server3(tmp_path_factory, reward_server_launcher):
+    from weightsync.tiny_models import build_tiny_reward_model
+
+    root = tmp_path_factory.mktemp("rm3")
+    model_dir = build_tiny_reward_model(root / "model", family="llama", num_labels=3, seed=3)
+    handle = reward_server_launcher(model_dir, str(root / "server.log"))
+    try:
+        yield handle
+    finally:
+        reward_server_launcher.stop(handle)
+
+
+def hf_logits(model_dir, texts, head=None):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    if head is not None:
+        model.score.weight.data.copy_(head)
+    with torch.no_grad():
+        batched = model(**tok(texts, padding=True, return_tensors="pt")).logits
+        single = torch.cat([model(**tok(t, return_tensors="pt")).logits for t in texts])
+    assert torch.allclose(batched, single, atol=1e-5)
+    return single
+
+
+def test_three_labels_match_transformers(server3):
+    ref = hf_logits(server3.model_dir, TEXTS)
+    body = httpx.post(server3.url + "/score", json={"input": TEXTS}).json()
+    scores = torch.tensor([d["score"] for d in body["data"]])
+    assert scores.shape == (3, 3)
+    assert (scores - ref).abs().max() <= 1e-4
+    single = httpx.post(server3.url + "/score", json={"input": TEXTS[1]}).json()["data"][0]["score"]
+    assert isinstance(single, list) and len(single) == 3
+    assert (torch.tensor(single) - ref[1]).abs().max() <= 1e-4
+    act = httpx.post(server3.url + "/score", json={"input": TEXTS, "use_activation": True}).json()
+    probs = torch.tensor([d["score"] for d in act["data"]])
+    assert (probs - ref.softmax(-1)).abs().max() <= 1e-5
+
+
+def test_three_labels_head_only_sync(server3):
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(3, 64, generator=g)
+
+    async def go():
+        async with server3.client() as c:
+            v0 = await c.get_model_version()
+            stats = await c.sync_weights({"score.weight": head},
+                                         training_mode=RewardModelTrainingMode.HEAD_ONLY)
+            resp, _ = await c.score(ScoringRequest(TEXTS))
+            return v0, stats, resp
+
+    v0, stats, resp = asyncio.run(go())
+    assert stats.versions == [v0 + 1] and resp.version == v0 + 1 and resp.n_labels == 3
+    ref = hf_logits(server3.model_dir, TEXTS, head=head)
+    assert (torch.tensor(resp.scores) - ref).abs().max() <= 1e-4

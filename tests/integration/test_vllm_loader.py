@@ -1,0 +1,131 @@
+"""``VLLMWeightLoader`` in an offline ``LLM`` (generative tiny Qwen2) through the worker
+extension and ``collective_rpc``: new weights arrive over a real gloo broadcast from this
+process, and vLLM then generates what transformers generates with those weights."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from weightsync import WeightChunk, build_strategy
+from weightsync.errors import WeightMismatchError
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The model is", "Weights move from", "Question: name a colour. Answer:"]
+EXT = "weightsync.loaders.vllm.WeightSyncWorkerExtension"
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    from vllm import LLM
+
+    from weightsync.loaders._vllm_compat import shutdown_llm
+    from weightsync.tiny_models import build_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("lm")
+    base = build_tiny_causal_lm(root / "base", seed=0)
+    new = build_tiny_causal_lm(root / "new", seed=5)
+    llm = LLM(model=base, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20,
+              enforce_eager=True, worker_extension_cls=EXT, seed=0)
+    try:
+        yield llm, base, new
+    finally:
+        shutdown_llm(llm)
+
+
+def vllm_greedy(llm, n=8):
+    from vllm import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, logprobs=1),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [
+        [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs
+    ]
+
+
+def hf_greedy(model_dir, n=8):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokens, logprobs = [], []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+        gen = out.sequences[0, ids.shape[1]:].tolist()
+        tokens.append(gen)
+        logprobs.append([s.log_softmax(-1)[0, t].item() for s, t in zip(out.scores, gen, strict=True)])
+    return tokens, logprobs
+
+
+def state_dict(model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(f"{model_dir}/model.safetensors")
+
+
+def chunks_of(sd, per):
+    names = list(sd)
+    return [WeightChunk(names[i:i + per], [sd[n] for n in names[i:i + per]])
+            for i in range(0, len(names), per)]
+
+
+def test_worker_extension_reports(lm):
+    llm, base, _ = lm
+    (state,) = llm.collective_rpc("weightsync_state")
+    assert state["version"] == 0 and state["state"] == "ready" and state["world_size"] == 1
+    assert state["load_mode"] == "reload"  # CPU: layer-wise reload
+    (meta,) = llm.collective_rpc("weightsync_expected_metadata")
+    names = {m["name"] for m in meta}
+    assert names == set(state_dict(base)) and all(m["dtype"] == "float32" for m in meta)
+
+
+def test_sync_into_generative_llm_matches_transformers(lm):
+    from weightsync.loaders.vllm import VLLMEngineClient
+
+    llm, base, new = lm
+    before, _ = vllm_greedy(llm)
+    assert before == hf_greedy(base)[0]
+    want_tokens, want_lp = hf_greedy(new)
+    assert want_tokens != before
+
+    client = VLLMEngineClient(llm)
+    sd_new, sd_base = state_dict(new), state_dict(base)
+
+    async def go():
+        strategy = build_strategy({"type": "broadcast", "backend": "gloo",
+                                   "master_addr": "127.0.0.1", "timeout_s": 60})
+        info = await strategy.create_sync_info(None, client)
+        sender = await strategy.create_sender(None, client, info)
+        try:
+            # 3 tensors per chunk: q/k/v and gate/up land in different chunks
+            stats = await sender.send_chunks(chunks_of(sd_new, 3), client)
+            got = vllm_greedy(llm)
+            with pytest.raises(WeightMismatchError) as shape_err:
+                await sender.send_chunks([WeightChunk(["model.norm.weight"], [torch.zeros(3)])], client)
+            with pytest.raises(WeightMismatchError) as layer_err:
+                q = "model.layers.1.self_attn.q_proj.weight"
+                await sender.send_chunks([WeightChunk([q], [sd_base[q]])], client)
+            after_bad = vllm_greedy(llm)[0]
+            back = await sender.send_chunks(chunks_of(sd_base, 100), client)
+            return stats, got, shape_err.value, layer_err.value, after_bad, back
+        finally:
+            await sender.close()
+            await client.close_weight_transfer()
+
+    stats, (tokens, logprobs), shape_err, layer_err, after_bad, back = asyncio.run(go())
+    assert stats.versions == [1] and stats.num_chunks > 5
+    assert tokens == want_tokens
+    for got_lp, ref_lp in zip(logprobs, want_lp, strict=True):
+        assert got_lp == pytest.approx(ref_lp, abs=1e-4)
+    assert "shape [3] but target has [64]" in str(shape_err)
+    assert any("qkv_proj" in o and "k_proj" in o for o in layer_err.offenders)
+    assert after_bad == tokens  # refused updates changed nothing
+    assert back.versions == [2] and vllm_greedy(llm)[0] == before
+    (state,) = llm.collective_rpc("weightsync_state")
+    assert state["version"] == 2 and state["state"] == "ready" and not state["has_receiver"]
