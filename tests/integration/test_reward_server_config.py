@@ -1,0 +1,50 @@
+"""Reward-server configuration: YAML presets, flag precedence, device defaults for vLLM."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from weightsync.config import CONFIG_DIR
+from weightsync.reward.server import RewardServerConfig, engine_args, parse_args
+
+
+def test_presets_load_and_flags_win(monkeypatch):
+    monkeypatch.delenv("WEIGHTSYNC_API_KEY", raising=False)
+    cfg = parse_args(["--config", os.path.join(CONFIG_DIR, "reward_server.yaml"), "--model", "m",
+                      "--port", "9001"])
+    assert cfg.port == 9001 and cfg.model == "m" and cfg.device == "cpu"
+    assert cfg.kv_cache_memory_bytes == 256 << 20 and cfg.api_key is None
+    gpu = parse_args(["--config", os.path.join(CONFIG_DIR, "reward_server_gpu.yaml"), "--model", "m"])
+    assert gpu.device == "cuda" and gpu.gpu_memory_utilization == 0.3 and gpu.enforce_eager is False
+
+
+def test_api_key_from_env_and_required_model(monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_API_KEY", "k")
+    assert parse_args(["--model", "m"]).api_key == "k"
+    assert parse_args(["--model", "m", "--api-key", "x"]).api_key == "x"
+    with pytest.raises(SystemExit):
+        parse_args([])
+
+
+def test_unknown_yaml_field_is_named(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: m\nport: 1\ngpu_util: 0.5\n")
+    with pytest.raises(ValueError, match="gpu_util"):
+        parse_args(["--config", str(p)])
+
+
+@pytest.mark.slow  # imports vllm (~5 s)
+def test_engine_args_cpu_defaults(tiny_reward_model_dir):
+    d = tiny_reward_model_dir
+    args = engine_args(RewardServerConfig(model=d, device="cpu", pooling_type="mean"))
+    assert args.runner == "pooling" and args.dtype == "float32" and args.enforce_eager is True
+    assert args.kv_cache_memory_bytes == 256 << 20
+    assert args.worker_extension_cls == "weightsync.loaders.vllm.WeightSyncWorkerExtension"
+    pooler = args.pooler_config
+    assert "MEAN" in (getattr(pooler, "seq_pooling_type", None), getattr(pooler, "pooling_type", None))
+    gpu = engine_args(RewardServerConfig(model=d, device="cuda", gpu_memory_utilization=0.25))
+    assert gpu.dtype == "auto" and gpu.gpu_memory_utilization == 0.25 and gpu.enforce_eager is False
+    with pytest.raises(ValueError, match="model"):
+        engine_args(RewardServerConfig())
