@@ -24,6 +24,7 @@ _LAZY = {
     "RewardModelClient": "weightsync.reward.client",
     "VLLMRewardClient": "weightsync.reward.client",
     "HttpEngineClient": "weightsync.reward.http_engine_client",
+    "RewardServerConfig": "weightsync.reward.server",
 }
 
 
@@ -36,6 +37,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_HEAD_NAME_PATTERNS", "HttpEngineClient", "PoolingType", "RewardModelClient",
-    "RewardModelTrainingMode", "ScoringRequest", "ScoringResponse", "VLLMRewardClient",
+    "RewardModelTrainingMode", "RewardServerConfig", "ScoringRequest", "ScoringResponse", "VLLMRewardClient",
     "is_head_param", "non_head_params", "training_mode_offenders",
 ]

@@ -5,8 +5,12 @@ here by hand so that every bad input gets a 4xx whose reason names the field; no
 is unpickled. Errors answer ``{"detail": reason, "offenders": [...]}``.
 
 Routes (issue 3): GET /health, POST /score, GET /runtime_version, GET /get_world_size,
-POST /init_communicator, POST /update_param_batch, POST /close_communicator,
-POST /get_num_background_tasks, POST /reset_prefix_cache. With an API key, every
+POST /init_communicator {strategy, sync_info, rank_offset?} -> {communicator_id},
+POST /update_param_batch {metadata, training_mode, version?, communicator_id?} where
+``metadata`` is a start / chunk request / finish dict (its "type" says which),
+POST /close_communicator {communicator_id?}, POST /get_num_background_tasks,
+POST /reset_prefix_cache. A ``communicator_id`` that is not the current one (another sender
+initialised the receivers since) gets 409, so a stale sender never drives the new data plane. With an API key, every
 weight/communicator route needs ``Authorization: Bearer <key>`` (or ``X-API-Key``); /health,
 /score and /runtime_version stay open.
 """
