@@ -41,3 +41,23 @@ def test_bench_cli_every_strategy_bit_exact(tmp_path, capsys):
     assert table[0].split()[0] == "strategy"
     assert sum(line.rstrip().endswith("True") for line in table) == len(DEFAULT_STRATEGIES)
     assert "sync 1/3 (warm-up)" in captured.err  # progress on stderr
+
+
+@pytest.mark.gpu
+def test_bench_cuda_every_strategy_bit_exact(tmp_path):
+    """On a GPU machine: IPC rows on one GPU (CUDA IPC handles), NCCL broadcast rows when a
+    second GPU exists (NCCL refuses two ranks on one GPU)."""
+    import torch
+
+    from weightsync.bench import BenchConfig, run_bench
+
+    strategies = ["cuda_ipc", "packed_cuda_ipc"]
+    if torch.cuda.device_count() >= 2:
+        strategies += ["broadcast", "naive"]
+    records = run_bench(BenchConfig(shape="tiny", strategies=strategies, device="cuda",
+                                    repeats=2, quiet=True, json_path=str(tmp_path / "b.json")))
+    assert [r["strategy"] for r in records] == strategies
+    for r in records:
+        assert r["error"] is None and r["bit_exact"] is True, r
+        assert r["backend"] == ("nccl" if r["strategy"] in ("broadcast", "naive") else "cuda_ipc")
+        assert r["reference_gbps"] > 0
