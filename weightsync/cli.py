@@ -22,7 +22,7 @@ _SUBCOMMANDS = {
 
 
 def build_bench_parser(prog: str = "weightsync bench") -> argparse.ArgumentParser:
-    from weightsync.bench import DEFAULT_STRATEGIES
+    from weightsync.bench import DEFAULT_STRATEGIES, NAIVE_MAX_TENSORS
     from weightsync.bench_shapes import shape_names
 
     p = argparse.ArgumentParser(
@@ -34,8 +34,9 @@ def build_bench_parser(prog: str = "weightsync bench") -> argparse.ArgumentParse
     p.add_argument("--shape", default="qwen2-0.5b",
                    help=f"model shape: {', '.join(shape_names())} (default qwen2-0.5b)")
     p.add_argument("--strategy", default="all",
-                   help=f"'all' ({', '.join(DEFAULT_STRATEGIES)}) or comma-separated names "
-                        f"(any registered strategy, or 'naive')")
+                   help=f"'all' ({', '.join(DEFAULT_STRATEGIES)}; naive skipped above "
+                        f"{NAIVE_MAX_TENSORS} tensors) or comma-separated names (any registered "
+                        f"strategy, or 'naive')")
     p.add_argument("--backend", default=None,
                    help="broadcast backend: gloo or nccl (default: gloo on cpu, nccl on cuda)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -55,14 +56,15 @@ def parse_bench_args(argv: list[str], parser: argparse.ArgumentParser | None = N
 
     parser = parser or build_bench_parser()
     ns = parser.parse_args(argv)
+    everything = ns.strategy.strip() == "all"
     strategies = (
-        list(DEFAULT_STRATEGIES) if ns.strategy.strip() == "all"
+        list(DEFAULT_STRATEGIES) if everything
         else [s.strip() for s in ns.strategy.split(",") if s.strip()]
     )
     cfg = BenchConfig(
         shape=ns.shape, strategies=strategies, backend=ns.backend, device=ns.device,
         dtype=ns.dtype, bucket_mb=ns.bucket_mb, repeats=ns.repeats, timeout_s=ns.timeout_s,
-        json_path=ns.json_path, quiet=ns.quiet,
+        json_path=ns.json_path, quiet=ns.quiet, skip_slow_naive=everything,
     )
     try:
         validate_config(cfg)

@@ -52,6 +52,8 @@ def test_bad_bench_arguments(capsys, argv, expected):
 def test_strategy_all_and_lists_parse():
     cfg = cli.parse_bench_args(["--shape", "tiny"])
     assert cfg.strategies == DEFAULT_STRATEGIES and cfg.shape == "tiny"
+    assert cfg.skip_slow_naive  # 'all' skips the per-tensor row on shapes where it takes minutes
+    assert not cli.parse_bench_args(["--strategy", "naive"]).skip_slow_naive
     cfg = cli.parse_bench_args(
         ["--strategy", "packed_cuda_ipc, cuda_ipc", "--bucket-mb", "64", "--dtype", "float32",
          "--repeats", "5", "--json", "out.json", "--backend", "gloo"]
