@@ -5,6 +5,7 @@ same GPU. bf16, so scores are compared to transformers with a bf16 tolerance."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -16,11 +17,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 TEXTS = ["The model is helpful today.", "hi", "Question: what is 2 + 2? Answer: 4."]
 EXT = "weightsync.loaders.vllm.WeightSyncWorkerExtension"
-TOL = 3e-2  # bf16
+
+
+def close(got, want) -> bool:
+    """bf16 end to end: relative + absolute tolerance."""
+    return all(abs(a - b) <= 0.03 * abs(b) + 0.05 for a, b in zip(got, want, strict=True))
 
 
 @pytest.fixture(scope="module")
 def rm(tmp_path_factory):
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA is live in this process
     from vllm import LLM
 
     from weightsync.loaders._vllm_compat import shutdown_llm
@@ -92,6 +98,6 @@ def test_direct_load_over_cuda_ipc(rm, strategy):
     stats = asyncio.run(go())
     after = served(llm)
     assert stats.versions == [state["version"] + 1]
-    assert max(abs(a - b) for a, b in zip(after, hf(target), strict=True)) <= TOL
-    assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 10 * TOL
-    assert max(abs(a - b) for a, b in zip(before, hf(other), strict=True)) <= TOL
+    assert close(after, hf(target)), (after, hf(target))
+    assert close(before, hf(other)), (before, hf(other))
+    assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 0.5
