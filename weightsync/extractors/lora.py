@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from weightsync.config import ExtractorConfig
-from weightsync.extractors._gather import name_filter
+from weightsync.extractors._gather import _named_entries, name_filter
 from weightsync.interfaces import WeightExtractor
 from weightsync.naming import NamingError, engine_names, is_lora_param, tied_aliases
 from weightsync.types import TensorMeta, dtype_to_str, str_to_dtype
@@ -127,7 +127,8 @@ class LoraMergeWeightExtractor(WeightExtractor):
             )
         layers = {prefix: (layer, adapters)
                   for prefix, layer, adapters in _lora_layers(model, self.cfg.adapter_names)}
-        entries = _entries(model, include_buffers=self.cfg.include_buffers)
+        entries = [(full, t, owner) for owner, full, t in
+                   _named_entries(model, include_buffers=self.cfg.include_buffers)]
         plain = [(n, t) for n, t, _ in entries if not is_lora_param(n)]
         try:
             mapping = engine_names((n for n, _ in plain), adapter_name=self._head_adapter(model))
@@ -200,22 +201,6 @@ def reset_adapter_optimizer_state(optimizer: Any, params: Iterable[Any]) -> int:
 
 def _as_dtype(dtype: Any) -> Any:
     return str_to_dtype(dtype) if isinstance(dtype, str) else dtype
-
-
-def _entries(model: Any, *, include_buffers: bool) -> list[tuple[str, Any, str]]:
-    """``(full_name, tensor, owning_module_prefix)`` in ``state_dict`` order, aliases included."""
-    out = []
-    for prefix, mod in model.named_modules(remove_duplicate=False):
-        pre = f"{prefix}." if prefix else ""
-        for n, p in mod._parameters.items():
-            if p is not None:
-                out.append((pre + n, p, prefix))
-        if include_buffers:
-            skip = getattr(mod, "_non_persistent_buffers_set", set())
-            for n, b in mod._buffers.items():
-                if b is not None and n not in skip:
-                    out.append((pre + n, b, prefix))
-    return out
 
 
 def _lora_layers(model: Any, adapter_names: list[str] | None) -> list[tuple[str, Any, list[str]]]:
