@@ -375,6 +375,36 @@ def test_torn_update_answers_503_until_a_complete_one_lands(restored, hf):
     assert max_err(resp.scores, hf_scores(tok, model, TEXTS)) <= TOL
 
 
+def test_abandoned_update_is_superseded_by_the_next_sync(restored):
+    """A sender that started an update and vanished holds the update gate; the next sync
+    aborts it (nothing had landed, so nothing is torn) and goes through."""
+    from safetensors.torch import load_file
+
+    base = load_file(os.path.join(restored.model_dir, "model.safetensors"))
+    h = {"Authorization": f"Bearer {restored.api_key}"}
+    v0 = httpx.get(restored.url + "/runtime_version").json()["version"]
+    manifest = [{"name": "score.weight", "dtype": "float32", "shape": [1, 64]}]
+    r = httpx.post(restored.url + "/update_param_batch", headers=h, json={
+        "metadata": {"type": "start", "update_id": "abandoned", "manifest": manifest},
+        "training_mode": "head_only"})
+    assert r.status_code == 200, r.text
+    state = httpx.get(restored.url + "/runtime_version").json()
+    assert state["update_in_progress"] == "abandoned" and state["state"] == "updating"
+    tasks = httpx.post(restored.url + "/get_num_background_tasks", headers=h).json()
+    assert tasks["num_background_tasks"] >= 1
+
+    async def go():
+        async with restored.client() as c:
+            return await c.sync_weights({"score.weight": base["score.weight"]},
+                                        training_mode="head_only")
+
+    stats = run(go())
+    assert stats.versions == [v0 + 1]
+    state = httpx.get(restored.url + "/runtime_version").json()
+    assert state == {"version": v0 + 1, "state": "ready", "update_in_progress": None}
+    assert httpx.post(restored.url + "/score", json={"input": "ok"}).json()["version"] == v0 + 1
+
+
 def test_explicit_versions_and_replaced_communicator(restored):
     """version= is published as given (and must rise); a client whose communicator was taken by
     another client re-joins on its next sync."""

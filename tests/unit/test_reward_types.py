@@ -102,3 +102,20 @@ def test_scoring_response_from_dict_errors():
         ScoringResponse.from_dict({"data": []})
     with pytest.raises(ValueError, match="indices"):
         ScoringResponse.from_dict({"data": [{"index": 1, "score": 0.0}], "version": 0})
+
+
+def test_training_mode_offenders():
+    from weightsync.reward.types import training_mode_offenders
+
+    backbone = ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    assert training_mode_offenders(["score.weight"], "head_only") == []
+    bad = training_mode_offenders(["score.weight", *backbone], "head_only")
+    assert len(bad) == 2 and all("not a head parameter" in b for b in bad)
+    assert training_mode_offenders(backbone + ["score.weight"], "full", whole_update=True) == []
+    only_head = training_mode_offenders(["score.weight"], "full", whole_update=True)
+    assert len(only_head) == 1 and "requires backbone" in only_head[0]
+    assert training_mode_offenders(["score.weight"], "full") == []  # one chunk may be head-only
+    lora = training_mode_offenders(["model.layers.0.self_attn.q_proj.lora_A.default.weight"], "lora")
+    assert len(lora) == 1 and "unmerged LoRA" in lora[0]
+    assert training_mode_offenders(["v_head.summary.weight"], "head_only") == []
+    assert training_mode_offenders(["head.w"], "head_only", head_patterns=["re:^head\\."]) == []

@@ -185,9 +185,8 @@ class RewardService:
     async def init_communicator(self, strategy: dict, sync_info: dict, rank_offset: int) -> int:
         """Build the workers' receivers; returns the new communicator id (older senders are
         refused from now on: their data plane is gone)."""
-        if self._active is not None:
-            raise ServiceError(409, f"update {self._active.update_id} is in progress; finish it "
-                                    "before re-initialising the communicator")
+        if self._active is not None:  # its sender's data plane is about to be replaced
+            await self._abort_active("the communicator was re-initialised by another sender")
         async with self._guard():
             self.communicator_id = 0
             await self._call(
