@@ -23,6 +23,20 @@ Three pieces, three processes:
   ``AsyncLLM`` objects: a trainer that owns its engines (colocated RL, tests) syncs them with the
   same ``send_chunks`` as any other engine. After a successful finish it resets the engine's
   prefix cache (a scheduler-level cache the worker cannot reach).
+
+vLLM's own weight-transfer engine (``vllm.distributed.weight_transfer``, 0.26 and 0.32; worker
+methods ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``) is the closest relative. Its backends are NCCL and CUDA IPC only (on
+CPU its routes answer 500); it puts the whole model into layer-wise reload at start and
+finalizes at finish, so between those calls, and after a sender that dies half-way, the model
+holds meta tensors and cannot serve; it checks names/shapes only when ``load_weights`` meets
+them (after the bytes moved) and keeps no version. Ours validates the manifest before any byte
+moves, keeps the model servable between chunks (each chunk is reloaded whole-layer by
+whole-layer), marks a half-applied update torn, and publishes a version only on a complete
+update; its transports are our strategies (gloo/NCCL broadcast, CUDA IPC or shared memory).
+The loader reuses vLLM's machinery underneath (``load_weights``, ``reload_weights``); plugging
+our receivers into vLLM's engine would mean registering a ``WeightTransferEngine`` subclass
+with ``WeightTransferEngineFactory`` so that vLLM's own HTTP routes drive them (not done).
 """
 
 from __future__ import annotations
