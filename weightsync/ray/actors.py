@@ -17,14 +17,18 @@ from weightsync.ray.trainer import WeightSyncTrainerMixin
 
 
 def load_factory(spec: str) -> Any:
-    """``"pkg.mod:fn"`` -> the callable; a bad spec names what is wrong."""
+    """``"pkg.mod:fn"`` (or ``"pkg.mod:Class.method"``, e.g.
+    ``"transformers:AutoModelForSequenceClassification.from_pretrained"``) -> the callable; a bad
+    spec names what is wrong."""
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise ValueError(f"module factory must look like 'pkg.mod:fn', got {spec!r}")
-    fn = getattr(importlib.import_module(module), attr, None)
-    if not callable(fn):
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if not callable(obj):
         raise ValueError(f"module factory {spec!r}: {module} has no callable {attr!r}")
-    return fn
+    return obj
 
 
 class _TorchModuleHolder:

@@ -63,6 +63,11 @@ class WeightSyncEngineMixin:
             )
         return self._weightsync_ep
 
+    async def _weightsync_dispatch(self, method: str, kwargs: dict[str, Any]) -> Any:
+        """Where endpoint calls go. Default: this process's endpoint. Engines whose receivers
+        live elsewhere (vLLM workers, see ``weightsync.ray.vllm``) override this."""
+        return await self._weightsync_endpoint().call(method, kwargs)
+
     # -- actor methods (called by RayEngineClient) -------------------------------------------
     async def get_weight_sync_world_size(self) -> int:
         """Receiving workers of this engine; 1 for a module in this process."""
@@ -74,22 +79,22 @@ class WeightSyncEngineMixin:
     async def init_weight_transfer(
         self, strategy_cfg: dict, sync_info: dict, rank_offset: int
     ) -> None:
-        await self._weightsync_endpoint().init_weight_transfer(
-            strategy_cfg, sync_info, rank_offset
+        await self._weightsync_dispatch(
+            "init_weight_transfer",
+            {"strategy_cfg": strategy_cfg, "sync_info": sync_info, "rank_offset": rank_offset},
         )
 
     async def start_weight_update(self, start: dict) -> None:
-        await self._weightsync_endpoint().start_weight_update(start)
+        await self._weightsync_dispatch("start_weight_update", {"start": start})
 
     async def update_named_weights(self, request: dict) -> None:
-        await self._weightsync_endpoint().update_named_weights(request)
+        await self._weightsync_dispatch("update_named_weights", {"request": request})
 
     async def finish_weight_update(self, finish: dict) -> int:
-        return await self._weightsync_endpoint().finish_weight_update(finish)
+        return await self._weightsync_dispatch("finish_weight_update", {"finish": finish})
 
     async def close_weight_transfer(self) -> None:
-        if self._weightsync_ep is not None:
-            await self._weightsync_ep.close_weight_transfer()
+        await self._weightsync_dispatch("close_weight_transfer", {})
 
     async def get_weight_version(self) -> int:
         return self._weightsync_endpoint().version
