@@ -16,6 +16,7 @@ What holds (see ``weightsync.extractors._gather`` for the machinery):
 - Names are engine names (``weightsync.naming``): the engine's ``module.`` prefix is dropped; a
   tied embedding is sent once under the embedding's name.
 - ``metadata()`` from ``ds_shape``: no gather, no collective.
+- PEFT LoRA layers are sent merged (adapters gathered with their base weight), as in ``fsdp``.
 
 The dtype sent is the model's parameter dtype (bf16/fp16 under mixed precision, the fp32 master
 copy stays in the optimizer), cast to ``generator_dtype`` when given.

@@ -15,8 +15,12 @@ What holds (see ``weightsync.extractors._gather`` for the machinery):
   a tied embedding is sent once under the embedding's name;
 - ``metadata()`` reads global shapes from the DTensors: no gather, no collective.
 
+- a sharded PEFT LoRA model is sent merged: each LoRA layer's base weight is gathered with its
+  adapters and ``W + scaling * B @ A`` computed on the sender (PEFT's arithmetic, bit-exact with
+  ``merge_and_unload``); ``lora_A``/``lora_B`` never reach the engine (vanilla LoRA on Linear
+  layers; variants such as DoRA are refused).
+
 Not supported: FSDP1 (``FullyShardedDataParallel`` flat parameters); use ``fully_shard``.
-Unmerged PEFT adapters are refused (merge before syncing).
 
 Example (every rank)::
 

@@ -188,11 +188,6 @@ class RewardModelPublisher:
         sharded = _sharding(model)
         heads = self.head_name_patterns if mode is RewardModelTrainingMode.HEAD_ONLY else None
         common: dict[str, Any] = {"bucket_size_mb": self.bucket_size_mb, "name_patterns": heads}
-        if sharded:
-            # comm=None collects every chunk for sync_weights: no back-pressure to wait on
-            return build_extractor({"type": sharded, "src_rank": self.src_rank,
-                                    "rank": self.rank, **common,
-                                    "max_live_chunks": 2 if self.comm is not None else 0})
         has_lora = _has_active_lora(model)
         if mode is RewardModelTrainingMode.LORA and not has_lora:
             raise WeightMismatchError(
@@ -206,6 +201,11 @@ class RewardModelPublisher:
                  "(adapters merged) or merge them first"],
                 target="full update",
             )
+        if sharded:  # LoRA adapters of a sharded model are gathered and merged by it too
+            # comm=None collects every chunk for sync_weights: no back-pressure to wait on
+            return build_extractor({"type": sharded, "src_rank": self.src_rank,
+                                    "rank": self.rank, **common,
+                                    "max_live_chunks": 2 if self.comm is not None else 0})
         return build_extractor({"type": "lora_merge", **common})
 
     # -- explicit params -----------------------------------------------------------------------
