@@ -7,8 +7,9 @@ arguments). ``publish(model_or_params, training_mode=..., version=...)`` runs on
    tensors (``head_name_patterns``, default ``score.``, ``classifier.``, ``v_head.``); LORA ->
    merged backbone + head of a PEFT model (``lora_merge`` extractor: no ``lora_A``/``lora_B``
    ever leaves); FULL -> every tensor. A model goes through an extractor chosen from what it
-   is: FSDP2 (DTensor parameters) -> ``fsdp``, DeepSpeed ZeRO-3 -> ``deepspeed``, anything
-   else (HF, PEFT) -> ``lora_merge`` (plain weights for a model without adapters). Explicit
+   is: FSDP2 (DTensor parameters) -> ``fsdp``, DeepSpeed ZeRO-3 -> ``deepspeed`` (both merge
+   PEFT LoRA layers as they gather), anything else (HF, PEFT) -> ``lora_merge`` (plain weights
+   for a model without adapters). Explicit
    ``params`` (a mapping or ``(name, tensor)`` pairs) are normalised and sorted (natural order:
    ``layers.2`` before ``layers.10``), so the same tensors always travel in the same order.
 2. **Check, before any byte moves** (from metadata only: no gather, nothing changed), and raise
