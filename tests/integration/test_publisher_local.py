@@ -80,11 +80,9 @@ def rig():
         yield {"engine": engine, "pub": pub, "state": state, "base": base}
     finally:
         try:
-            pub._run(pub.close())
+            pub.close_sync()
         finally:
             engine.stop()
-            if pub._loop is not None:
-                pub._loop.call_soon_threadsafe(pub._loop.stop)
 
 
 def test_each_mode_lands_what_it_says(rig) -> None:

@@ -350,6 +350,16 @@ class RewardModelPublisher:
             await self._engine_client.aclose()
             self._engine_client = None
 
+    def close_sync(self) -> None:
+        """Blocking ``close`` for ``publish_sync`` users; also stops the private loop thread."""
+        if self._loop is None:
+            return
+        self._run(self.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout=10)
+        self._loop, self._loop_thread = None, None
+
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
