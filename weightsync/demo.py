@@ -241,6 +241,15 @@ def run_demo(
     return result
 
 
+def _quiet_transformers() -> None:
+    """No per-file progress bars from transformers / the hub between the demo's own lines."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def _run(cfg: DemoConfig, result: DemoResult, progress: Progress, wd: str) -> Any:
     import torch
 
@@ -249,6 +258,7 @@ def _run(cfg: DemoConfig, result: DemoResult, progress: Progress, wd: str) -> An
     from weightsync.tiny_models import build_tiny_reward_model
 
     torch.set_num_threads(max(1, cfg.train.threads))
+    _quiet_transformers()
     m = cfg.model
     model_dir = os.path.join(wd, "tiny-reward-model")
     progress(
