@@ -16,6 +16,15 @@ timed right before every timed sync and its median is the row's reference, so a 
 slows both alike. Broadcast rows also report the raw broadcast of one flat buffer over the same
 backend (``raw_broadcast_gbps``, measured once).
 
+Shared weights (CPU IPC rows): a trainer that calls
+``weightsync.strategies.share_cpu_weights(model)`` once keeps its weights in shared memory, and the
+IPC strategies then send handles to the weights themselves (zero copies on the sender, one on the
+engine). The ``cuda_ipc`` / ``packed_cuda_ipc`` rows on CPU do that (``BenchConfig.share_weights``,
+default on; column ``shared``, with ``shared_tensors`` in the JSON: how many tensors of the last
+sync went without a sender copy); the ``cuda_ipc(copy)`` / ``packed_cuda_ipc(copy)`` rows send the
+same model unshared (the sender copies into transfer buffers), as before. On CUDA the weights are
+shared by CUDA IPC anyway and ``all`` skips the ``(copy)`` rows.
+
 ``naive`` is the per-tensor way many RL stacks start with: broadcast, one request and one
 broadcast per tensor, no bucketing, no packing.
 
@@ -33,7 +42,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 NAIVE = "naive"
-DEFAULT_STRATEGIES = ["broadcast", "cuda_ipc", "packed_cuda_ipc", NAIVE]
+COPY_SUFFIX = "(copy)"  # an IPC row whose sender copies (weights not in shared memory)
+IPC_STRATEGIES = ("cuda_ipc", "packed_cuda_ipc")
+DEFAULT_STRATEGIES = [
+    "broadcast", "cuda_ipc", f"cuda_ipc{COPY_SUFFIX}", "packed_cuda_ipc",
+    f"packed_cuda_ipc{COPY_SUFFIX}", NAIVE,
+]
 NAIVE_MAX_TENSORS = 1000  # above this the per-tensor row takes minutes (many-small: ~30 s/sync)
 
 
@@ -52,6 +66,9 @@ class BenchConfig:
     # skip the naive row on shapes with more than NAIVE_MAX_TENSORS tensors (one request per
     # tensor takes minutes there); the CLI clears it when naive is asked for by name
     skip_slow_naive: bool = True
+    # CPU IPC rows (without the "(copy)" suffix) send a model whose weights were moved into
+    # shared memory once (``share_cpu_weights``); False: every row copies
+    share_weights: bool = True
 
     def resolved_backend(self) -> str:
         return self.backend or ("nccl" if self.device.startswith("cuda") else "gloo")
@@ -89,6 +106,7 @@ def compare_digests(
 
 def strategy_config(name: str, cfg: BenchConfig) -> tuple[dict, dict]:
     """(strategy cfg, extractor cfg) for a bench row."""
+    name = name.removesuffix(COPY_SUFFIX)
     common = {"bucket_size_mb": cfg.bucket_mb, "timeout_s": cfg.timeout_s}
     extractor: dict[str, Any] = {"type": "hf", "bucket_size_mb": cfg.bucket_mb}
     if name == NAIVE:
@@ -100,6 +118,11 @@ def strategy_config(name: str, cfg: BenchConfig) -> tuple[dict, dict]:
     else:
         strategy = {"type": name, **common}
     return strategy, extractor
+
+
+def uses_shared_weights(name: str, cfg: BenchConfig) -> bool:
+    """Whether row ``name`` sends from shared weights (CPU IPC rows, unless ``(copy)``)."""
+    return cfg.share_weights and cfg.device == "cpu" and name in IPC_STRATEGIES
 
 
 def backend_label(name: str, cfg: BenchConfig) -> str:
@@ -147,7 +170,7 @@ async def bench_strategy(
     rec: dict[str, Any] = {
         "strategy": name, "backend": backend_label(name, cfg), "device": cfg.device,
         "shape": cfg.shape, "dtype": cfg.dtype, "bucket_mb": cfg.bucket_mb,
-        "bit_exact": False, "error": None,
+        "shared_weights": uses_shared_weights(name, cfg), "bit_exact": False, "error": None,
     }
     engine = client = sender = None
     try:
@@ -187,6 +210,8 @@ async def bench_strategy(
             gbps=stats.total_bytes / statistics.median(times) / 1e9,
             version=stats.versions[0] if stats.versions else None,
         )
+        if hasattr(sender, "shared_tensors"):  # IPC senders count tensors sent without a copy
+            rec["shared_tensors"] = sender.shared_tensors // (cfg.repeats + 1)
         if probe is not None:
             rec["memcpy_gbps"] = probe.gbps(ref_times)
         log(f"{name}: checking digests")
@@ -253,8 +278,12 @@ async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
     probe = MemcpyProbe(nbytes, cfg.device)
     raw_bcast: float | None = None
 
+    shared_module = shared = None
     records = []
     for name in cfg.strategies:
+        if name.endswith(COPY_SUFFIX) and cfg.device.startswith("cuda"):
+            log(f"{name}: skipped (on CUDA the IPC rows share the weights by CUDA IPC)")
+            continue
         if name == NAIVE and cfg.skip_slow_naive and n_tensors > NAIVE_MAX_TENSORS:
             log(f"{name}: skipped ({n_tensors} tensors > {NAIVE_MAX_TENSORS}; ask for "
                 f"--strategy naive to run it)")
@@ -274,7 +303,18 @@ async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
             except Exception as e:
                 log(f"raw broadcast reference failed: {type(e).__name__}: {e}")
                 raw_bcast = float("nan")
-        rec = await bench_strategy(name, module, cfg, log, probe)
+        source = module
+        if uses_shared_weights(name, cfg):
+            if shared_module is None:
+                from weightsync.strategies import share_cpu_weights
+
+                log("building a second sender model with its weights in shared memory")
+                shared_module = build_module(shape=cfg.shape, dtype=cfg.dtype, seed=0,
+                                             device=cfg.device)
+                shared = share_cpu_weights(shared_module)
+                log(f"shared: {shared}")
+            source = shared_module
+        rec = await bench_strategy(name, source, cfg, log, probe)
         on_gpu_bcast = is_bcast and cfg.device.startswith("cuda")
         rec["reference"] = f"raw {cfg.resolved_backend()} broadcast" if on_gpu_bcast else copy_name
         rec["reference_gbps"] = raw_bcast if on_gpu_bcast else rec.get("memcpy_gbps")
@@ -291,6 +331,8 @@ async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
                 f"GB/s, ratio {rec['ratio']:.2f}, bit_exact {rec['bit_exact']}")
         records.append(rec)
     probe.close()
+    if shared is not None:
+        shared.close()
     if cfg.json_path:
         with open(cfg.json_path, "w") as f:
             json.dump(records, f, indent=2)
@@ -308,15 +350,19 @@ def validate_config(cfg: BenchConfig) -> None:
 
     get_shape(cfg.shape)
     valid = valid_strategy_names()
-    unknown = [s for s in cfg.strategies if s not in valid]
+    copies = copy_row_names()
+    unknown = [s for s in cfg.strategies if s not in valid and s not in copies]
     if unknown or not cfg.strategies:
         raise ValueError(
-            f"unknown strategy {', '.join(unknown) or '(none)'}; valid: all, {', '.join(valid)}"
+            f"unknown strategy {', '.join(unknown) or '(none)'}; valid: all, {', '.join(valid)} "
+            f"(and {', '.join(copies)}: the IPC rows with the sender copying, weights not shared)"
         )
     if cfg.backend not in (None, "gloo", "nccl"):
         raise ValueError(f"unknown backend {cfg.backend!r}; valid: gloo, nccl")
     if cfg.dtype not in ("bfloat16", "float32", "float16"):
         raise ValueError(f"unsupported dtype {cfg.dtype!r}; valid: bfloat16, float32, float16")
+    if not isinstance(cfg.share_weights, bool):
+        raise ValueError(f"share_weights must be True or False, got {cfg.share_weights!r}")
     if not (cfg.device == "cpu" or cfg.device.startswith("cuda")):
         raise ValueError(f"unknown device {cfg.device!r}; valid: cpu, cuda")
     if cfg.backend == "nccl" and not cfg.device.startswith("cuda"):
@@ -336,6 +382,13 @@ def valid_strategy_names() -> list[str]:
     from weightsync.registry import STRATEGIES
 
     return [*STRATEGIES.names(), NAIVE]
+
+
+def copy_row_names() -> list[str]:
+    """The IPC rows whose sender copies (weights not shared), also valid ``--strategy`` names."""
+    from weightsync.registry import STRATEGIES
+
+    return [f"{n}{COPY_SUFFIX}" for n in IPC_STRATEGIES if n in STRATEGIES.names()]
 
 
 def _dtype(name: str) -> Any:
@@ -364,7 +417,8 @@ _COLUMNS = [
     ("seconds", "seconds", "{:.3f}"), ("gbps", "GB/s", "{:.2f}"),
     ("reference", "reference", "{}"), ("reference_gbps", "ref GB/s", "{:.2f}"),
     ("ratio", "ratio", "{:.2f}"), ("raw_broadcast_gbps", "raw bcast GB/s", "{:.2f}"),
-    ("first_seconds", "first s", "{:.3f}"), ("bit_exact", "bit_exact", "{}"),
+    ("first_seconds", "first s", "{:.3f}"), ("shared_weights", "shared", "{}"),
+    ("bit_exact", "bit_exact", "{}"),
 ]
 
 

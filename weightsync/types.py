@@ -32,14 +32,21 @@ def dtype_to_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_DTYPE_CACHE: dict[str, Any] = {}  # name -> torch.dtype (hot: called per tensor per chunk)
+
+
 def str_to_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` (or ``"torch.bfloat16"``) -> ``torch.bfloat16``; unknown names raise."""
+    dtype = _DTYPE_CACHE.get(name)
+    if dtype is not None:
+        return dtype
     import torch
 
-    key = name.removeprefix("torch.")
-    dtype = getattr(torch, key, None)
+    key = name.removeprefix("torch.") if isinstance(name, str) else name
+    dtype = getattr(torch, key, None) if isinstance(key, str) else None
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPE_NAMES)}")
+    _DTYPE_CACHE[name] = dtype
     return dtype
 
 

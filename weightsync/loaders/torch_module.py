@@ -3,7 +3,9 @@
 Runs in the engine process that owns the module (a ``weightsync.local`` engine, a Ray actor, a
 test). ``expected_metadata()`` comes from the module's state dict (parameters and persistent
 buffers), so ``validate`` rejects unknown names, wrong shapes and wrong dtypes, all listed,
-before any byte moves. Loading is ``copy_`` into the existing tensors under ``torch.no_grad``:
+before any byte moves. Loading is a copy into the existing tensors under ``torch.no_grad``
+(``strategies._copy.copy_many``: small tensors batched per dtype, large ones split across a few
+copy threads):
 the module keeps its storage (optimisers, CUDA graphs and views stay valid) and the received
 tensors, often views of transfer buffers, are not kept.
 
@@ -74,20 +76,29 @@ class TorchModuleWeightLoader(WeightLoader):
         """Validate then copy; nothing is copied if any tensor is rejected."""
         import torch
 
-        from weightsync.strategies._copy import copy_into
+        from weightsync.strategies._copy import copy_many
 
         self.validate(
-            TensorMeta(n, dtype_to_str(t.dtype), list(t.shape)) for n, t in named_tensors.items()
+            TensorMeta(n, _dtype_str(t.dtype), list(t.shape)) for n, t in named_tensors.items()
         )
         with torch.no_grad():
-            for name, src in named_tensors.items():
-                copy_into(self._targets[name], src)
+            copy_many([self._targets[n] for n in named_tensors], list(named_tensors.values()))
             if any(t.is_cuda for t in named_tensors.values()):
                 torch.cuda.current_stream().synchronize()
         self.loads += 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: t.detach() for n, t in self._targets.items()}
+
+
+_DTYPE_STR: dict = {}
+
+
+def _dtype_str(dtype: torch.dtype) -> str:
+    s = _DTYPE_STR.get(dtype)
+    if s is None:
+        s = _DTYPE_STR[dtype] = dtype_to_str(dtype)
+    return s
 
 
 def _tied_groups(targets: Mapping[str, torch.Tensor]) -> list[list[str]]:

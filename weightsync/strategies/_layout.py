@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from weightsync.strategies._copy import copy_into
+from weightsync.strategies._copy import copy_many
 from weightsync.types import TensorMeta, dtype_itemsize
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -122,12 +122,14 @@ def pack_into(
     layout: PackedLayout, tensors: Sequence[torch.Tensor], group_buffers: Sequence[torch.Tensor]
 ) -> None:
     """Copy ``tensors`` (request order) into their places in ``group_buffers`` (uint8)."""
+    dsts, srcs = [], []
     for i, t in enumerate(tensors):
         m = layout.metas[i]
         if m.nbytes == 0:
             continue
-        dst = view_as(group_buffers[layout.group_of[i]], layout.offsets[i], m)
-        copy_into(dst, t)
+        dsts.append(view_as(group_buffers[layout.group_of[i]], layout.offsets[i], m))
+        srcs.append(t)
+    copy_many(dsts, srcs)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

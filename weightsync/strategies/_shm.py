@@ -11,7 +11,8 @@ when the last tensor viewing them does (``Mapping``), so a late view can never d
 
 - ``SizedSegmentPool``: segments reused by size across chunks and syncs (``cuda_ipc``), free
   bytes bounded.
-- ``AttachedSegments``: the receiver's cache of mappings, bounded in bytes, LRU.
+- ``AttachedSegments``: the receiver's cache of mappings: transfer buffers bounded in bytes
+  (LRU, sized from the largest segment seen), shared weights kept while the sender keeps them.
 """
 
 from __future__ import annotations
@@ -195,21 +196,44 @@ class SizedSegmentPool:
 class AttachedSegments:
     """Receiver-side cache: segment name -> uint8 tensor over its mapping.
 
-    Bounded by ``max_bytes``: least recently used mappings are dropped first (their memory is
-    unmapped once no tensor views it any more, see ``Mapping``). A segment the sender replaced
-    (new name) ages out; its pages are freed once both sides have let go.
+    Two kinds of segments:
+
+    - **Transfer buffers** (the senders' pools): bounded by bytes, least recently used dropped
+      first (their memory is unmapped once no tensor views it any more, see ``Mapping``). The
+      bound is ``max(max_bytes, min_slots x the largest segment seen)``, so a pool of
+      ``min_slots - 1`` slots plus one regrown slot never re-maps in steady state, however much
+      larger than the bucket a chunk (an embedding) is.
+    - **Shared weights** (names starting with ``shared_weights.SHARED_PREFIX``: the trainer's own
+      parameters, see ``share_cpu_weights``): not counted against the bound (their pages are the
+      trainer's, a mapping adds none) and kept across syncs for as long as the sender keeps the
+      segment: ``begin_sync`` (called by receivers on each update's first chunk) drops mappings
+      whose segment the sender has unlinked.
+
+    A segment the sender replaced (new name) ages out; its pages are freed once both sides have
+    let go.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, *, min_slots: int = 1) -> None:
         self.max_bytes = int(max_bytes)
+        self.min_slots = max(int(min_slots), 1)
         self._open: OrderedDict[str, Mapping] = OrderedDict()
+        self._pinned: dict[str, Mapping] = {}
         self._bytes = 0
+        self._largest = 0
         self.attached = 0  # attach calls so far (tests check caching)
 
+    @property
+    def bound_bytes(self) -> int:
+        return max(self.max_bytes, self.min_slots * self._largest)
+
     def get(self, name: str, min_nbytes: int) -> torch.Tensor:
-        hit = self._open.get(name)
+        from weightsync.strategies.shared_weights import SHARED_PREFIX
+
+        pinned = name.startswith(SHARED_PREFIX)
+        hit = self._pinned.get(name) if pinned else self._open.get(name)
         if hit is not None and hit.size >= min_nbytes:
-            self._open.move_to_end(name)
+            if not pinned:
+                self._open.move_to_end(name)
             return hit.tensor  # type: ignore[return-value]
         if hit is not None:
             self._drop(name)
@@ -220,22 +244,52 @@ class AttachedSegments:
                 f"shared-memory segment {name!r} has {m.size} bytes, the request needs "
                 f"{min_nbytes}"
             )
-        self._open[name] = m
-        self._bytes += m.size
         self.attached += 1
         t = m.tensor
-        while self._bytes > self.max_bytes and len(self._open) > 1:
+        if pinned:
+            self._pinned[name] = m
+            return t  # type: ignore[return-value]
+        self._open[name] = m
+        self._bytes += m.size
+        self._largest = max(self._largest, m.size)
+        while self._bytes > self.bound_bytes and len(self._open) > 1:
             self._drop(next(iter(self._open)))
         return t  # type: ignore[return-value]
 
+    def begin_sync(self) -> None:
+        """Drop shared-weight mappings whose segment no longer exists (the trainer closed it,
+        re-shared its model, or died). One ``shm_open`` probe per mapped segment."""
+        for name in [n for n in self._pinned if not segment_exists(n)]:
+            self._drop(name)
+
     def _drop(self, name: str) -> None:
-        m = self._open.pop(name)
-        self._bytes -= m.size
+        m = self._pinned.pop(name, None)
+        if m is None:
+            m = self._open.pop(name)
+            self._bytes -= m.size
         m.release()
 
+    @property
+    def pinned(self) -> list[str]:
+        return list(self._pinned)
+
     def __len__(self) -> int:
-        return len(self._open)
+        return len(self._open) + len(self._pinned)
 
     def close(self) -> None:
-        for name in list(self._open):
+        for name in [*self._open, *self._pinned]:
             self._drop(name)
+
+
+def segment_exists(name: str) -> bool:
+    """Whether POSIX shm segment ``name`` still exists (opened read-only and closed at once)."""
+    import _posixshmem
+
+    try:
+        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDONLY, mode=0o600)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # exists, but we may not open it read-only: keep the mapping
+    os.close(fd)
+    return True

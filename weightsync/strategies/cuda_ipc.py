@@ -2,8 +2,11 @@
 
 - CUDA tensors: zero copy. The request carries the CUDA IPC handle of the allocation that holds
   each tensor (``_cuda_handles.encode``); the engine opens it once (cached) and reads a view.
-- CPU tensors: POSIX shared memory. The sender copies each tensor into a segment taken from a
-  size-keyed pool (``_shm.SizedSegmentPool``: layers repeat shapes, so segments are reused across
+- CPU tensors in shared weights (``shared_weights.share_cpu_weights`` was called on the model):
+  zero copy as on GPU. The request names the segment that holds the tensor and its offset; the
+  engine maps the segment once (kept across syncs while the trainer keeps it) and reads a view.
+- Other CPU tensors: POSIX shared memory. The sender copies each tensor into a segment taken
+  from a size-keyed pool (``_shm.SizedSegmentPool``: layers repeat shapes, so segments are reused across
   chunks and syncs and their pages are touched once); the engine maps it by name (cached) and
   builds a dtype/shape view with ``torch.frombuffer``, no copy.
 
@@ -31,6 +34,7 @@ from weightsync.interfaces import (
 from weightsync.strategies._copy import copy_into
 from weightsync.strategies._layout import as_bytes, view_as
 from weightsync.strategies._shm import AttachedSegments, SizedSegmentPool, _Segment
+from weightsync.strategies.shared_weights import locate_shared
 from weightsync.types import (
     CudaIpcWeightUpdateRequest,
     EmptyWeightSyncInfo,
@@ -104,12 +108,15 @@ class CudaIpcStrategy(WeightTransferStrategy):
 
 
 class CudaIpcSender(WeightTransferSender):
-    """Makes one handle per tensor; CPU tensors are copied into pooled shm segments."""
+    """Makes one handle per tensor; CPU tensors are copied into pooled shm segments unless they
+    already live in shared weights. ``shared_tensors`` / ``copied_tensors`` count both kinds."""
 
     overlap = True
 
     def __init__(self, cfg: IpcConfig) -> None:
         self.cfg = cfg
+        self.shared_tensors = 0
+        self.copied_tensors = 0
         self.pool = SizedSegmentPool(max_free_bytes=2 * bucket_bytes(cfg))
         self._held: dict[int, list[Any]] = {}  # id(request) -> segments / tensors kept alive
         self._lock = threading.Lock()
@@ -125,8 +132,17 @@ class CudaIpcSender(WeightTransferSender):
                     t = t.detach().contiguous()
                     held.append(t)
                     handles.append(_cuda_handles.encode(t))
+                elif (loc := locate_shared(t)) is not None:
+                    held.append(t)  # the trainer's own memory: no copy
+                    handles.append(
+                        IpcBufferHandle(kind="shm", nbytes=t.numel() * t.element_size(),
+                                        name=loc.name, offset=loc.offset,
+                                        alloc_nbytes=loc.segment_nbytes)
+                    )
+                    self.shared_tensors += 1
                 else:
                     src = as_bytes(t)
+                    self.copied_tensors += 1
                     seg = self.pool.acquire(src.numel())
                     held.append(seg)
                     if src.numel():
@@ -196,6 +212,8 @@ class CudaIpcReceiver(WeightTransferReceiver):
             )
         metas = request.metas()
         loader.validate(metas)  # before any byte is touched
+        if request.chunk_index == 0:
+            self.segments.begin_sync()
         tensors: dict[str, torch.Tensor] = {}
         for m, h in zip(metas, request.handles, strict=True):
             if h.nbytes != m.nbytes:

@@ -7,6 +7,12 @@ shm segment for CPU tensors, a CUDA allocation for CUDA tensors), laid out by
 offset and size), plus each tensor's group index and offset. Engines map each slot once
 (cached) and hand the loader dtype/shape views: no copy besides the loader's own.
 
+Shared weights (``shared_weights.share_cpu_weights`` was called on the model): a CPU chunk's
+tensors that already live in a shared-weights segment are not packed; the request gets one
+buffer per such segment (the byte range the chunk's tensors span in it) and their offsets in it,
+so the engine reads the trainer's memory directly. Tensors that do not (a cast, a replaced
+``.data``) are packed into a slot as usual, in the same request.
+
 Memory is bounded by ``num_buffers`` x the largest chunk (about the bucket size), and the pages
 of a slot are touched once, not per sync. Slot ``k`` is handed out again only after the chunk
 that used it finished its transfer (``_release``), so with overlap on (default) the sender packs
@@ -33,6 +39,7 @@ from weightsync.strategies._layout import DEFAULT_ALIGN, pack_into, plan_layout,
 from weightsync.strategies._pool import BufferPool
 from weightsync.strategies._shm import AttachedSegments
 from weightsync.strategies.cuda_ipc import CudaIpcStrategy, bucket_bytes, call_engines
+from weightsync.strategies.shared_weights import locate_shared
 from weightsync.types import (
     IpcBufferHandle,
     PackedCudaIpcWeightUpdateRequest,
@@ -78,6 +85,8 @@ class PackedCudaIpcSender(WeightTransferSender):
         self.cfg = cfg
         self.align_bytes = DEFAULT_ALIGN
         self.pool = BufferPool(int(cfg.num_buffers), timeout_s=cfg.timeout_s)
+        self.shared_tensors = 0  # tensors sent from shared weights (no copy)
+        self.packed_tensors = 0  # tensors copied into a pool slot
         self._slot_of: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -85,26 +94,65 @@ class PackedCudaIpcSender(WeightTransferSender):
         import torch
 
         metas = chunk.metas()
-        layout = plan_layout(metas, self.align_bytes)
+        n = len(metas)
         device = self._device_for(chunk)
+        locs = [locate_shared(t) for t in chunk.tensors] if device.type == "cpu" else [None] * n
+        rest = [i for i, loc in enumerate(locs) if loc is None]
+        buffers: list[IpcBufferHandle] = []
+        buffer_index = [0] * n
+        offsets = [0] * n
         self._reclaim_stale()
-        k, slot = self.pool.acquire(layout.total_nbytes, device)
-        try:
-            whole = slot.tensor[: layout.total_nbytes]
-            pack_into(layout, chunk.tensors, layout.split(whole))
-            if whole.is_cuda:
-                torch.cuda.current_stream(whole.device).synchronize()
-        except BaseException:
-            self.pool.release(k)
-            raise
+        k = None
+        if rest:
+            layout = plan_layout([metas[i] for i in rest], self.align_bytes)
+            k, slot = self.pool.acquire(layout.total_nbytes, device)
+            try:
+                whole = slot.tensor[: layout.total_nbytes]
+                pack_into(layout, [chunk.tensors[i] for i in rest], layout.split(whole))
+                if whole.is_cuda:
+                    torch.cuda.current_stream(whole.device).synchronize()
+            except BaseException:
+                self.pool.release(k)
+                raise
+            buffers = [slot.describe(g.start, g.nbytes) for g in layout.groups]
+            for j, i in enumerate(rest):
+                buffer_index[i] = layout.group_of[j]
+                offsets[i] = layout.offsets[j]
+            self.packed_tensors += len(rest)
+        if len(rest) < n:
+            self._describe_shared(metas, locs, buffers, buffer_index, offsets)
+            self.shared_tensors += n - len(rest)
         req = PackedCudaIpcWeightUpdateRequest(
             names=list(chunk.names), dtypes=chunk.dtypes, shapes=chunk.shapes,
-            buffers=[slot.describe(g.start, g.nbytes) for g in layout.groups],
-            buffer_index=list(layout.group_of), offsets=list(layout.offsets),
+            buffers=buffers, buffer_index=buffer_index, offsets=offsets,
         )
-        with self._lock:
-            self._slot_of[id(req)] = k
+        if k is not None:
+            with self._lock:
+                self._slot_of[id(req)] = k
         return req
+
+    @staticmethod
+    def _describe_shared(metas, locs, buffers, buffer_index, offsets) -> None:
+        """One buffer per shared-weights segment the chunk touches (the byte range from its
+        first to its last tensor there); tensors point into it. Nothing is copied."""
+        regions: dict[str, list[int]] = {}  # name -> [lo, hi, segment size]
+        for m, loc in zip(metas, locs, strict=True):
+            if loc is None:
+                continue
+            r = regions.setdefault(loc.name, [loc.offset, loc.offset, loc.segment_nbytes])
+            r[0] = min(r[0], loc.offset)
+            r[1] = max(r[1], loc.offset + m.nbytes)
+        index = {}
+        for name, (lo, hi, size) in regions.items():
+            index[name] = len(buffers)
+            buffers.append(
+                IpcBufferHandle(kind="shm", nbytes=hi - lo, name=name, offset=lo,
+                                alloc_nbytes=size)
+            )
+        for i, loc in enumerate(locs):
+            if loc is not None:
+                buffer_index[i] = index[loc.name]
+                offsets[i] = loc.offset - regions[loc.name][0]
 
     def _device_for(self, chunk: WeightChunk) -> Any:
         import torch
@@ -151,8 +199,11 @@ class PackedCudaIpcReceiver(WeightTransferReceiver):
     def __init__(self, cfg: PackedIpcConfig) -> None:
         self.cfg = cfg
         n = max(int(getattr(cfg, "num_buffers", 2)), 1)
-        # room for every slot of the sender's pool plus one regrown slot
-        self.segments = AttachedSegments(max_bytes=(n + 1) * max(bucket_bytes(cfg), 1 << 20))
+        # room for every slot of the sender's pool plus one regrown slot, sized from the largest
+        # slot seen (a chunk of one big tensor can pass the bucket); shared weights apart
+        self.segments = AttachedSegments(
+            max_bytes=(n + 1) * max(bucket_bytes(cfg), 1 << 20), min_slots=n + 1
+        )
         self._cuda: Any = None
 
     async def receive_and_load_weights(
@@ -165,6 +216,8 @@ class PackedCudaIpcReceiver(WeightTransferReceiver):
             )
         metas = request.metas()
         loader.validate(metas)  # before any byte is touched
+        if request.chunk_index == 0:
+            self.segments.begin_sync()
         raws = [self._open(h) for h in request.buffers]
         tensors: dict[str, torch.Tensor] = {}
         for m, bi, off in zip(metas, request.buffer_index, request.offsets, strict=True):
