@@ -31,7 +31,13 @@ import json
 import os
 import sys
 
-from weightsync.demo_config import TRAIN_MODES, DemoConfig, load_demo_config, strategy_from_name
+from weightsync.demo_config import (
+    STRATEGY_PRESETS,
+    TRAIN_MODES,
+    DemoConfig,
+    load_demo_config,
+    strategy_from_name,
+)
 from weightsync.demo_report import Progress, format_table
 from weightsync.demo_run import DemoResult, run_demo, strategy_label
 
@@ -87,6 +93,8 @@ def apply_overrides(cfg: DemoConfig, args: argparse.Namespace) -> DemoConfig:
         cfg.data.num_eval = args.num_eval
     if args.device:
         cfg.train.device = args.device
+        if args.device == "cuda" and not args.strategy and cfg.strategy == STRATEGY_PRESETS["broadcast"]:
+            cfg.strategy = dict(STRATEGY_PRESETS["broadcast_nccl"])  # gloo is the CPU default
     cfg.validate()
     return cfg
 

@@ -113,6 +113,8 @@ def test_demo_config_defaults_match_yaml_and_overrides_apply(tmp_path):
     assert cfg.train.mode == "full" and cfg.train.full_steps == 7 and cfg.train.steps == 300
     assert cfg.model.seed == cfg.data.seed == 5
     assert demo.strategy_label(DemoConfig().strategy) == "broadcast/gloo"
+    cuda = demo.apply_overrides(load_demo_config(), demo.build_parser().parse_args(["--device", "cuda"]))
+    assert cuda.strategy == {"type": "broadcast", "backend": "nccl"} and cuda.train.device == "cuda"
 
 
 def test_demo_bad_config_and_args_exit_2_naming_the_problem(tmp_path, capsys):
