@@ -78,14 +78,25 @@ class TorchModuleWeightLoader(WeightLoader):
 
         from weightsync.strategies._copy import copy_many
 
-        self.validate(
-            TensorMeta(n, _dtype_str(t.dtype), list(t.shape)) for n, t in named_tensors.items()
-        )
+        if not self._matches(named_tensors):  # the full check names every offender
+            self.validate(
+                TensorMeta(n, _dtype_str(t.dtype), list(t.shape)) for n, t in named_tensors.items()
+            )
         with torch.no_grad():
             copy_many([self._targets[n] for n in named_tensors], list(named_tensors.values()))
             if any(t.is_cuda for t in named_tensors.values()):
                 torch.cuda.current_stream().synchronize()
         self.loads += 1
+
+    def _matches(self, named_tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Fast path of ``validate``: every name known, same shape (and dtype when strict)."""
+        targets = self._targets
+        strict = self.strict_dtype
+        for name, t in named_tensors.items():
+            dst = targets.get(name)
+            if dst is None or dst.shape != t.shape or (strict and dst.dtype != t.dtype):
+                return False
+        return True
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: t.detach() for n, t in self._targets.items()}

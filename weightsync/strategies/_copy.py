@@ -156,22 +156,21 @@ def copy_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Non
     pieces: list[tuple[Any, Any]] = []
     other: list[tuple[torch.Tensor, torch.Tensor]] = []
     for dst, src in zip(dsts, srcs, strict=True):
-        if not _plain(dst, src):
-            if dst.numel() or src.numel():
-                other.append((dst, src))
-            continue
-        nbytes = dst.numel() * dst.element_size()
-        if nbytes < _SMALL_BYTES:
-            ds, ss = small.setdefault(dst.dtype, ([], []))
-            ds.append(dst.detach())
-            ss.append(src.detach())
-        else:
-            _split(_np_bytes(dst), _np_bytes(src), pieces)
+        if dst.is_cpu and src.is_cpu and dst.dtype == src.dtype:
+            nbytes = dst.numel() * dst.element_size()
+            if nbytes < _SMALL_BYTES:  # copy_ semantics, any layout: one call per dtype
+                if nbytes:
+                    ds, ss = small.setdefault(dst.dtype, ([], []))
+                    ds.append(dst.detach())
+                    ss.append(src.detach())
+                continue
+            if _plain(dst, src):
+                _split(_np_bytes(dst), _np_bytes(src), pieces)
+                continue
+        if dst.numel() or src.numel():
+            other.append((dst, src))
     for ds, ss in small.values():
-        if len(ds) == 1:
-            _copy_bytes(_np_bytes(ds[0]), _np_bytes(ss[0]))
-        else:
-            torch._foreach_copy_(ds, ss)
+        torch._foreach_copy_(ds, ss)
     if pieces:
         _run_pieces(pieces)
     for dst, src in other:

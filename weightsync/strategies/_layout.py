@@ -118,6 +118,42 @@ def view_as(buf: torch.Tensor, offset: int, meta: TensorMeta) -> torch.Tensor:
     return raw.view(dtype).view(meta.shape)
 
 
+def views_into(
+    raws: Sequence[torch.Tensor],
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    buffer_index: Sequence[int],
+    offsets: Sequence[int],
+) -> dict[str, torch.Tensor]:
+    """``{name: view_as(raws[buffer_index[i]], offsets[i], meta_i)}`` for a whole request, with
+    the same checks (bounds, alignment) and less per-tensor work (receivers of many small
+    tensors spend most of their time here)."""
+    import math
+
+    from weightsync.types import str_to_dtype
+
+    base = [r.storage_offset() for r in raws]
+    sizes = [r.numel() for r in raws]
+    out: dict[str, torch.Tensor] = {}
+    for name, dt, shape, bi, off in zip(names, dtypes, shapes, buffer_index, offsets, strict=True):
+        dtype = str_to_dtype(dt)
+        item = dtype.itemsize
+        n = math.prod(shape) * item
+        raw = raws[bi]
+        if off < 0 or off + n > sizes[bi]:
+            raise ValueError(
+                f"{name}: bytes [{off}, {off + n}) outside a buffer of {sizes[bi]} bytes"
+            )
+        if n == 0:
+            out[name] = raw.new_empty(list(shape), dtype=dtype)
+            continue
+        if item > 1 and (base[bi] + off) % item:
+            raise ValueError(f"{name}: offset {off} is not aligned to {item} bytes")
+        out[name] = raw[off : off + n].view(dtype).view(shape)
+    return out
+
+
 def pack_into(
     layout: PackedLayout, tensors: Sequence[torch.Tensor], group_buffers: Sequence[torch.Tensor]
 ) -> None:

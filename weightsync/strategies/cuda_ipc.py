@@ -32,9 +32,9 @@ from weightsync.interfaces import (
     WeightTransferStrategy,
 )
 from weightsync.strategies._copy import copy_into
-from weightsync.strategies._layout import as_bytes, view_as
+from weightsync.strategies._layout import as_bytes, views_into
 from weightsync.strategies._shm import AttachedSegments, SizedSegmentPool, _Segment
-from weightsync.strategies.shared_weights import locate_shared
+from weightsync.strategies.shared_weights import locate_many
 from weightsync.types import (
     CudaIpcWeightUpdateRequest,
     EmptyWeightSyncInfo,
@@ -126,17 +126,17 @@ class CudaIpcSender(WeightTransferSender):
 
         handles: list[IpcBufferHandle] = []
         held: list[Any] = []
+        locs = locate_many(chunk.tensors)
         try:
-            for t in chunk.tensors:
+            for t, loc in zip(chunk.tensors, locs, strict=True):
                 if t.is_cuda:
                     t = t.detach().contiguous()
                     held.append(t)
                     handles.append(_cuda_handles.encode(t))
-                elif (loc := locate_shared(t)) is not None:
+                elif loc is not None:
                     held.append(t)  # the trainer's own memory: no copy
                     handles.append(
-                        IpcBufferHandle(kind="shm", nbytes=t.numel() * t.element_size(),
-                                        name=loc.name, offset=loc.offset,
+                        IpcBufferHandle(kind="shm", nbytes=loc.nbytes, name=loc.name, offset=loc.offset,
                                         alloc_nbytes=loc.segment_nbytes)
                     )
                     self.shared_tensors += 1
@@ -214,14 +214,19 @@ class CudaIpcReceiver(WeightTransferReceiver):
         loader.validate(metas)  # before any byte is touched
         if request.chunk_index == 0:
             self.segments.begin_sync()
-        tensors: dict[str, torch.Tensor] = {}
+        raws = []
         for m, h in zip(metas, request.handles, strict=True):
             if h.nbytes != m.nbytes:
                 raise WeightSyncError(
                     f"{m.name}: handle has {h.nbytes} bytes but {m.dtype}{m.shape} needs {m.nbytes}"
                 )
-            raw = self._open(h)
-            tensors[m.name] = view_as(raw, 0, m)
+            raws.append(self._open(h))
+        n = len(raws)
+        try:
+            tensors = views_into(raws, request.names, request.dtypes, request.shapes, range(n),
+                                 [0] * n)
+        except ValueError as e:
+            raise WeightSyncError(f"cuda_ipc request: {e}") from None
         await loader.load_weights(tensors)
 
     def _open(self, h: IpcBufferHandle) -> torch.Tensor:

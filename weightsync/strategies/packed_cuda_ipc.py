@@ -35,14 +35,15 @@ from weightsync.interfaces import (
     WeightTransferReceiver,
     WeightTransferSender,
 )
-from weightsync.strategies._layout import DEFAULT_ALIGN, pack_into, plan_layout, view_as
+from weightsync.strategies._layout import DEFAULT_ALIGN, pack_into, plan_layout, views_into
 from weightsync.strategies._pool import BufferPool
 from weightsync.strategies._shm import AttachedSegments
 from weightsync.strategies.cuda_ipc import CudaIpcStrategy, bucket_bytes, call_engines
-from weightsync.strategies.shared_weights import locate_shared
+from weightsync.strategies.shared_weights import locate_many
 from weightsync.types import (
     IpcBufferHandle,
     PackedCudaIpcWeightUpdateRequest,
+    TensorMeta,
     WeightChunk,
     WeightSyncInfo,
     WeightUpdateRequest,
@@ -93,10 +94,11 @@ class PackedCudaIpcSender(WeightTransferSender):
     def create_request(self, chunk: WeightChunk) -> PackedCudaIpcWeightUpdateRequest:
         import torch
 
-        metas = chunk.metas()
+        dtypes, shapes = chunk.dtypes, chunk.shapes  # computed once (per-tensor cost matters)
+        metas = [TensorMeta(*m) for m in zip(chunk.names, dtypes, shapes, strict=True)]
         n = len(metas)
         device = self._device_for(chunk)
-        locs = [locate_shared(t) for t in chunk.tensors] if device.type == "cpu" else [None] * n
+        locs = locate_many(chunk.tensors) if device.type == "cpu" else [None] * n
         rest = [i for i, loc in enumerate(locs) if loc is None]
         buffers: list[IpcBufferHandle] = []
         buffer_index = [0] * n
@@ -123,7 +125,7 @@ class PackedCudaIpcSender(WeightTransferSender):
             self._describe_shared(metas, locs, buffers, buffer_index, offsets)
             self.shared_tensors += n - len(rest)
         req = PackedCudaIpcWeightUpdateRequest(
-            names=list(chunk.names), dtypes=chunk.dtypes, shapes=chunk.shapes,
+            names=list(chunk.names), dtypes=dtypes, shapes=shapes,
             buffers=buffers, buffer_index=buffer_index, offsets=offsets,
         )
         if k is not None:
@@ -136,12 +138,17 @@ class PackedCudaIpcSender(WeightTransferSender):
         """One buffer per shared-weights segment the chunk touches (the byte range from its
         first to its last tensor there); tensors point into it. Nothing is copied."""
         regions: dict[str, list[int]] = {}  # name -> [lo, hi, segment size]
-        for m, loc in zip(metas, locs, strict=True):
+        for loc in locs:
             if loc is None:
                 continue
-            r = regions.setdefault(loc.name, [loc.offset, loc.offset, loc.segment_nbytes])
-            r[0] = min(r[0], loc.offset)
-            r[1] = max(r[1], loc.offset + m.nbytes)
+            r = regions.get(loc.name)
+            if r is None:
+                regions[loc.name] = [loc.offset, loc.offset + loc.nbytes, loc.segment_nbytes]
+                continue
+            if loc.offset < r[0]:
+                r[0] = loc.offset
+            if loc.offset + loc.nbytes > r[1]:
+                r[1] = loc.offset + loc.nbytes
         index = {}
         for name, (lo, hi, size) in regions.items():
             index[name] = len(buffers)
@@ -219,12 +226,11 @@ class PackedCudaIpcReceiver(WeightTransferReceiver):
         if request.chunk_index == 0:
             self.segments.begin_sync()
         raws = [self._open(h) for h in request.buffers]
-        tensors: dict[str, torch.Tensor] = {}
-        for m, bi, off in zip(metas, request.buffer_index, request.offsets, strict=True):
-            try:
-                tensors[m.name] = view_as(raws[bi], off, m)
-            except ValueError as e:
-                raise WeightSyncError(f"packed_cuda_ipc request: {e}") from None
+        try:
+            tensors = views_into(raws, request.names, request.dtypes, request.shapes,
+                                 request.buffer_index, request.offsets)
+        except ValueError as e:
+            raise WeightSyncError(f"packed_cuda_ipc request: {e}") from None
         await loader.load_weights(tensors)
 
     def _open(self, h: IpcBufferHandle) -> torch.Tensor:

@@ -63,50 +63,44 @@ _ALIGN = 256
 
 @dataclass(frozen=True)
 class SharedLocation:
-    """Where a tensor's bytes live: ``offset`` bytes into segment ``name`` of ``segment_nbytes``."""
+    """Where a tensor's ``nbytes`` bytes live: ``offset`` bytes into segment ``name`` of
+    ``segment_nbytes``."""
 
     name: str
     offset: int
     segment_nbytes: int
+    nbytes: int = 0
 
 
 class _Registry:
-    """Process-wide map of live shared-weight segments by address range (weak: see module doc)."""
+    """Process-wide map of live shared-weight segments by address range (weak: see module doc).
+
+    Readers use ``snapshot`` (an immutable tuple swapped under the lock on every change), so a
+    lookup takes no lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._bases: list[int] = []  # sorted segment base addresses
         self._segs: dict[int, tuple[int, str]] = {}  # base -> (size, name)
+        self.snapshot: tuple[tuple[int, ...], tuple[tuple[int, str], ...]] = ((), ())
+
+    def _publish(self) -> None:
+        bases = tuple(sorted(self._segs))
+        self.snapshot = (bases, tuple(self._segs[b] for b in bases))
 
     def add(self, base: int, size: int, name: str) -> None:
         with self._lock:
-            bisect.insort(self._bases, base)
             self._segs[base] = (size, name)
+            self._publish()
 
     def remove(self, name: str) -> None:
         with self._lock:
             for base, (_, n) in list(self._segs.items()):
                 if n == name:
                     del self._segs[base]
-                    self._bases.remove(base)
-
-    def locate(self, ptr: int, nbytes: int) -> SharedLocation | None:
-        bases = self._bases
-        if not bases:
-            return None
-        with self._lock:
-            i = bisect.bisect_right(self._bases, ptr) - 1
-            if i < 0:
-                return None
-            base = self._bases[i]
-            size, name = self._segs[base]
-        if ptr + nbytes > base + size:
-            return None
-        return SharedLocation(name, ptr - base, size)
+            self._publish()
 
     def names(self) -> list[str]:
-        with self._lock:
-            return [n for _, n in self._segs.values()]
+        return [n for _, n in self.snapshot[1]]
 
 
 _REGISTRY = _Registry()
@@ -115,11 +109,31 @@ _REGISTRY = _Registry()
 def locate_shared(t: torch.Tensor) -> SharedLocation | None:
     """The segment and offset holding CPU tensor ``t``'s bytes, or None (not shared, not
     contiguous, empty, or not on the CPU): then the caller copies as before."""
-    if not _REGISTRY._bases or t.device.type != "cpu" or t.numel() == 0:
-        return None
-    if not t.is_contiguous() or t.is_conj() or t.is_neg():
-        return None
-    return _REGISTRY.locate(t.data_ptr(), t.numel() * t.element_size())
+    return locate_many([t])[0]
+
+
+def locate_many(tensors: Any) -> list[SharedLocation | None]:
+    """``locate_shared`` for each tensor, with the per-tensor work kept small (senders call it
+    for every tensor of every chunk)."""
+    bases, segs = _REGISTRY.snapshot
+    if not bases:
+        return [None] * len(tensors)
+    out: list[SharedLocation | None] = []
+    bisect_right = bisect.bisect_right
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+            out.append(None)
+            continue
+        nbytes = t.numel() * t.element_size()
+        ptr = t.data_ptr()
+        i = bisect_right(bases, ptr) - 1
+        if nbytes == 0 or i < 0:
+            out.append(None)
+            continue
+        size, name = segs[i]
+        off = ptr - bases[i]
+        out.append(SharedLocation(name, off, size, nbytes) if off + nbytes <= size else None)
+    return out
 
 
 def shared_segment_names() -> list[str]:
