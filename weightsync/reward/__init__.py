@@ -25,6 +25,10 @@ _LAZY = {
     "VLLMRewardClient": "weightsync.reward.client",
     "HttpEngineClient": "weightsync.reward.http_engine_client",
     "RewardServerConfig": "weightsync.reward.server",
+    "RewardModelPublisher": "weightsync.reward.publisher",
+    "create_reward_publisher": "weightsync.reward.publisher",
+    "RewardModelScorer": "weightsync.reward.scorer",
+    "RewardModelCreditAssigner": "weightsync.reward.credit",
 }
 
 
@@ -37,6 +41,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_HEAD_NAME_PATTERNS", "HttpEngineClient", "PoolingType", "RewardModelClient",
-    "RewardModelTrainingMode", "RewardServerConfig", "ScoringRequest", "ScoringResponse", "VLLMRewardClient",
-    "is_head_param", "non_head_params", "training_mode_offenders",
+    "RewardModelCreditAssigner", "RewardModelPublisher", "RewardModelScorer",
+    "RewardModelTrainingMode", "RewardServerConfig", "ScoringRequest", "ScoringResponse",
+    "VLLMRewardClient", "create_reward_publisher", "is_head_param", "non_head_params",
+    "training_mode_offenders",
 ]
