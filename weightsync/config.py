@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,10 +126,44 @@ def make_config(config_cls: type, data: Mapping[str, Any], *, what: str) -> Any:
         raise ValueError(
             f"{what}: unknown field(s) {unknown}; valid fields: {', '.join(sorted(valid))}"
         )
+    hints = typing.get_type_hints(config_cls)
+    for key, value in data.items():
+        hint = hints.get(key)
+        if hint is not None and not _matches(value, hint):
+            raise ValueError(
+                f"{what}: field {key!r} must be {_type_name(hint)}, got {value!r} "
+                f"({type(value).__name__})"
+            )
     try:
         return config_cls(**data)
     except TypeError as e:
         raise ValueError(f"{what}: {e}") from None
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Shallow type check of a config value against its dataclass annotation."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is not None:
+        hint = origin
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if hint is dict:
+        return isinstance(value, Mapping)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "") if not isinstance(hint, type) else hint.__name__
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -38,7 +38,13 @@ class Registry:
             )
         if isinstance(entry, str):
             module, _, attr = entry.partition(":")
-            entry = getattr(importlib.import_module(module), attr)
+            try:
+                entry = getattr(importlib.import_module(module), attr)
+            except ImportError as e:
+                raise ImportError(
+                    f"{self.kind} {name!r} needs {module}, which failed to import ({e}); "
+                    f"install the extra it needs, e.g. pip install 'weightsync[vllm,ray,train]'"
+                ) from e
             self._entries[name] = entry
         return entry  # type: ignore[return-value]
 

@@ -238,3 +238,22 @@ def test_load_config_unknown_section(tmp_path):
     path.write_text("strategy:\n  type: broadcast\nextractors:\n  type: hf\n")
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['extractors'\].*extractor"):
         ws.load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "field"),
+    [
+        ({"type": "broadcast", "bucket_size_mb": "big"}, "bucket_size_mb"),
+        ({"type": "broadcast", "packed": "yes"}, "packed"),
+        ({"type": "broadcast", "master_port": "8000"}, "master_port"),
+        ({"type": "broadcast", "timeout_s": True}, "timeout_s"),
+    ],
+)
+def test_config_field_of_wrong_type_is_named(cfg: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"field '{field}' must be"):
+        ws.build_strategy(cfg)
+
+
+def test_config_accepts_int_for_float_and_none_for_optional() -> None:
+    s = ws.build_strategy({"type": "broadcast", "bucket_size_mb": 64, "master_port": None})
+    assert s.cfg.bucket_size_mb == 64 and s.cfg.master_port is None
