@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from typing import Any
 
 from weightsync.demo_config import DemoConfig
 from weightsync.demo_report import Progress
+from weightsync.demo_server import signals_raise_system_exit
 
 
 @dataclass(kw_only=True)
@@ -119,7 +119,7 @@ def run_demo(
     ``failures``.
     """
     run = DemoRun(cfg, progress or Progress(), result or DemoResult.for_config(cfg))
-    with _workdir(workdir) as wd, _signals_raise():
+    with _workdir(workdir) as wd, signals_raise_system_exit():
         try:
             run.run(wd)
         finally:
@@ -343,24 +343,3 @@ def _workdir(path: str | None) -> Iterator[str]:
     else:
         with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as d:
             yield d
-
-
-@contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """SIGTERM / SIGHUP -> ``SystemExit(128 + signum)`` so ``finally`` blocks stop the server.
-    Only in the main thread (Python delivers signals there); elsewhere a no-op."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)

@@ -21,7 +21,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -29,6 +30,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def signals_raise_system_exit() -> Iterator[None]:
+    """While active, SIGTERM / SIGHUP raise ``SystemExit(128 + signum)`` so that ``finally``
+    blocks and context managers (``RewardServerProcess.__exit__``) run. Python's default
+    action for SIGTERM ends the process without them (and without atexit), which would orphan
+    the server. Only in the main thread (signals are delivered there); elsewhere a no-op."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def vllm_scratch_env(scratch_dir: str) -> dict[str, str]:
