@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 
 import pytest
 import torch
@@ -190,3 +191,32 @@ def test_str_to_dtype_is_cached_and_still_refuses_unknown_names():
         str_to_dtype("bfloat17")
     with pytest.raises(ValueError, match="unknown dtype 'Tensor'"):
         str_to_dtype("Tensor")
+
+
+def test_copy_pool_works_in_a_forked_child(monkeypatch):
+    """The pool's threads do not survive fork: a child must not wait on them forever."""
+    monkeypatch.setattr(_copy, "PARALLEL_MIN_BYTES", 1 << 16)
+    monkeypatch.setattr(_copy, "PIECE_BYTES", 1 << 14)
+    monkeypatch.setattr(_copy, "COPY_THREADS", 3)
+    d, s = torch.zeros(1 << 16), torch.randn(1 << 16)
+    _copy.copy_into(d, s)  # the parent's pool exists now
+    # made before fork: torch's own thread pools are not fork-safe either
+    d2, s2 = torch.zeros(1 << 16), torch.randn(1 << 16)
+    pid = os.fork()
+    if pid == 0:  # child: copy with pieces, exit 0 only if exact
+        try:
+            _copy.copy_into(d2, s2)
+            os._exit(0 if (d2.numpy() == s2.numpy()).all() else 1)  # no torch op after fork
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in copy_into")
+    assert os.waitstatus_to_exitcode(status) == 0

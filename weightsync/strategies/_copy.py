@@ -53,6 +53,16 @@ _pool: Any = None
 _pool_lock = threading.Lock()
 
 
+def _forget_pool() -> None:
+    """In a forked child the parent's pool threads do not exist: start a new pool on demand."""
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _np_bytes(t: torch.Tensor):
     import torch
 
@@ -119,7 +129,8 @@ def _run_pieces(pieces: list[tuple[Any, Any]]) -> None:
         work()
     finally:
         for f in futures:
-            f.result()
+            if not f.cancel():  # a helper that never started has nothing left to do
+                f.result()
 
 
 def _split(d, s, out: list[tuple[Any, Any]]) -> None:
