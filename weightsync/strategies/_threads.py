@@ -43,6 +43,7 @@ class _DaemonPool:
         while True:
             job = self._jobs.get()
             job()
+            del job  # an idle worker must not keep the job's arguments (chunk tensors) alive
             with self._lock:
                 self._idle += 1
 
