@@ -20,7 +20,7 @@ async def main(strategy: str, rounds: int) -> None:
     import torch
 
     from weightsync.demo_data import make_preference_split, pair_texts, pairwise_accuracy
-    from weightsync.demo_server import RewardServerProcess, free_port
+    from weightsync.demo_server import RewardServerProcess, free_port, signals_raise_system_exit
     from weightsync.demo_train import head_params, load_reward_model, pooled_features, train_head
     from weightsync.reward.client import VLLMRewardClient
     from weightsync.reward.types import RewardModelTrainingMode
@@ -30,7 +30,7 @@ async def main(strategy: str, rounds: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # 1. a reward model (random weights, offline tokenizer) and a server for it
         model_dir = build_tiny_reward_model(f"{tmp}/rm")
-        with RewardServerProcess(
+        with signals_raise_system_exit(), RewardServerProcess(  # stopped on any exit, SIGTERM too
             model_dir, scratch_dir=tmp, extra_args=["--max-model-len", "256"]
         ) as server:
             # 2. trainer side: the same model in transformers, preference data
