@@ -145,16 +145,21 @@ class SizedSegmentPool:
     """Segments reused by size (sender side of ``cuda_ipc``'s CPU path).
 
     ``acquire(nbytes)`` returns a free segment of capacity in ``[nbytes, 2 * nbytes]`` or a new
-    one; ``release(seg)`` returns it. At most ``max_free_bytes`` stay cached between chunks, the
-    rest is unlinked. Models repeat the same shapes layer after layer, so nearly every segment is
-    reused from the second chunk on.
+    one; ``release(seg)`` returns it. At most ``max_free_bytes`` (plus the largest segment seen,
+    with ``room_for_largest``) stay cached between chunks, the rest is unlinked. Models repeat the same shapes layer after
+    layer, so nearly every segment is reused from the second chunk on. When over the bound the
+    most recently released segment goes first: a sync walks the model in the same order every
+    time, so the segments released early in one sync (an embedding larger than the bucket) are
+    the ones the next sync asks for first; dropping the oldest would recreate them every sync.
     """
 
-    def __init__(self, max_free_bytes: int) -> None:
+    def __init__(self, max_free_bytes: int, *, room_for_largest: bool = False) -> None:
         self.max_free_bytes = int(max_free_bytes)
+        self.room_for_largest = room_for_largest
         self._free: list[tuple[int, int, _Segment]] = []  # (capacity, seq, seg), sorted
         self._free_bytes = 0
         self._seq = 0
+        self._largest = 0
         self._lock = threading.Lock()
         self.created = 0
 
@@ -174,9 +179,11 @@ class SizedSegmentPool:
             self._seq += 1
             bisect.insort(self._free, (seg.capacity, self._seq, seg))
             self._free_bytes += seg.capacity
-            while self._free_bytes > self.max_free_bytes and self._free:
-                # drop the oldest-released segment
-                j = min(range(len(self._free)), key=lambda k: self._free[k][1])
+            if self.room_for_largest:
+                self._largest = max(self._largest, seg.capacity)
+            while self._free_bytes > self.max_free_bytes + self._largest and self._free:
+                # drop the most recently released segment (see the class docstring)
+                j = max(range(len(self._free)), key=lambda k: self._free[k][1])
                 cap, _, old = self._free.pop(j)
                 self._free_bytes -= cap
                 old.close()

@@ -117,7 +117,9 @@ class CudaIpcSender(WeightTransferSender):
         self.cfg = cfg
         self.shared_tensors = 0
         self.copied_tensors = 0
-        self.pool = SizedSegmentPool(max_free_bytes=2 * bucket_bytes(cfg))
+        # room for two chunks plus one tensor larger than the bucket (an embedding): steady-state
+        # syncs then reuse every segment, so engines never re-map
+        self.pool = SizedSegmentPool(max_free_bytes=2 * bucket_bytes(cfg), room_for_largest=True)
         self._held: dict[int, list[Any]] = {}  # id(request) -> segments / tensors kept alive
         self._lock = threading.Lock()
 
