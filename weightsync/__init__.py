@@ -20,6 +20,7 @@ from weightsync.config import (
 )
 from weightsync.engine import WeightUpdateEndpoint
 from weightsync.errors import (
+    EngineDiedError,
     UpdateIncompleteError,
     WeightMismatchError,
     WeightSyncError,
@@ -54,7 +55,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BroadcastConfig", "BroadcastWeightUpdateRequest", "CudaIpcWeightUpdateRequest",
-    "EmptyWeightSyncInfo", "ExtractorConfig", "HeadExtractorConfig", "InferenceEngineClient",
+    "EmptyWeightSyncInfo", "EngineDiedError", "ExtractorConfig", "HeadExtractorConfig", "InferenceEngineClient",
     "IpcBufferHandle", "IpcConfig", "LoaderConfig", "PackedCudaIpcWeightUpdateRequest",
     "PackedIpcConfig", "StrategyConfig", "SyncStats", "TensorMeta",
     "TorchDistributedWeightSyncInfo", "UpdateIncompleteError", "WeightChunk",

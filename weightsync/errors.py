@@ -41,3 +41,8 @@ class WeightSyncTimeout(WeightSyncError, TimeoutError):
 class UpdateIncompleteError(WeightSyncError):
     """The engine holds a partially applied update and refuses to serve until a complete one
     lands."""
+
+
+class EngineDiedError(WeightSyncError):
+    """An engine (process, worker or actor) is gone. Preferred over the follow-on errors its
+    death causes on the other engines (e.g. their collective failing)."""

@@ -31,7 +31,12 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
-from weightsync.errors import WeightSyncError, WeightSyncTimeout
+from weightsync.errors import (
+    EngineDiedError,
+    WeightMismatchError,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
 from weightsync.local import _wire
 from weightsync.strategies._threads import in_thread
 
@@ -91,7 +96,7 @@ class _Worker:
 
     def _check_alive(self, method: str) -> None:
         if self.dead:
-            raise WeightSyncError(f"engine {self.label!r} is gone ({self.dead}); cannot {method}")
+            raise EngineDiedError(f"engine {self.label!r} is gone ({self.dead}); cannot {method}")
 
     def _died(self, method: str, e: BaseException) -> WeightSyncError:
         code = _join(self.proc, 0.5)
@@ -100,7 +105,7 @@ class _Worker:
             with contextlib.suppress(ValueError):
                 how = f"killed by {signal.Signals(-code).name}"
         self.dead = how
-        return WeightSyncError(
+        return EngineDiedError(
             f"engine {self.label!r} (pid {self.proc.pid}) died during {method} ({how})"
         )
 
@@ -223,8 +228,8 @@ class LocalEngineProcess:
 async def first_error_gather(aws: list[Any], *, grace_s: float = 2.0) -> list[Any]:
     """Like ``asyncio.gather`` but a failure is raised as soon as it happens (after a short
     grace for the others, so that the most telling error wins: a ``WeightMismatchError`` beats
-    the "another engine rejected" errors it causes). Nothing is left un-retrieved."""
-    from weightsync.errors import WeightMismatchError
+    the "another engine rejected" errors it causes, and an engine that died beats the failed
+    collectives of the engines that outlived it). Nothing is left un-retrieved."""
 
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
@@ -235,7 +240,10 @@ async def first_error_gather(aws: list[Any], *, grace_s: float = 2.0) -> list[An
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
         errs = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
-        best = next((e for e in errs if isinstance(e, WeightMismatchError)), errs[0])
+        best = next(
+            (e for kind in (WeightMismatchError, EngineDiedError) for e in errs if isinstance(e, kind)),
+            errs[0],
+        )
         raise best  # type: ignore[misc]
     finally:
         for t in tasks:
