@@ -32,6 +32,7 @@ from weightsync.interfaces import (
     WeightTransferStrategy,
 )
 from weightsync.strategies._copy import copy_into
+from weightsync.strategies._ipc_open import IpcBufferOpener
 from weightsync.strategies._layout import as_bytes, views_into
 from weightsync.strategies._shm import AttachedSegments, SizedSegmentPool, _Segment
 from weightsync.strategies.shared_weights import locate_many
@@ -45,7 +46,7 @@ from weightsync.types import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
+    pass
 
 
 def bucket_bytes(cfg: Any) -> int:
@@ -201,8 +202,7 @@ class CudaIpcReceiver(WeightTransferReceiver):
 
     def __init__(self, cfg: IpcConfig) -> None:
         self.cfg = cfg
-        self.segments = AttachedSegments(max_bytes=4 * bucket_bytes(cfg))
-        self._cuda: Any = None
+        self.buffers = IpcBufferOpener(AttachedSegments(max_bytes=4 * bucket_bytes(cfg)))
 
     async def receive_and_load_weights(
         self, request: WeightUpdateRequest, loader: WeightLoader
@@ -215,14 +215,14 @@ class CudaIpcReceiver(WeightTransferReceiver):
         metas = request.metas()
         loader.validate(metas)  # before any byte is touched
         if request.chunk_index == 0:
-            self.segments.begin_sync()
+            self.buffers.begin_sync()
         raws = []
         for m, h in zip(metas, request.handles, strict=True):
             if h.nbytes != m.nbytes:
                 raise WeightSyncError(
                     f"{m.name}: handle has {h.nbytes} bytes but {m.dtype}{m.shape} needs {m.nbytes}"
                 )
-            raws.append(self._open(h))
+            raws.append(self.buffers.open(h))
         n = len(raws)
         try:
             tensors = views_into(raws, request.names, request.dtypes, request.shapes, range(n),
@@ -231,20 +231,9 @@ class CudaIpcReceiver(WeightTransferReceiver):
             raise WeightSyncError(f"cuda_ipc request: {e}") from None
         await loader.load_weights(tensors)
 
-    def _open(self, h: IpcBufferHandle) -> torch.Tensor:
-        if h.kind == "shm":
-            whole = self.segments.get(h.name, h.offset + h.nbytes)
-            return whole[h.offset : h.offset + h.nbytes]
-        if self._cuda is None:
-            from weightsync.strategies._cuda_handles import CudaHandleCache
-
-            self._cuda = CudaHandleCache()
-        return self._cuda.view(h)
 
     def close(self) -> None:
-        self.segments.close()
-        if self._cuda is not None:
-            self._cuda.close()
+        self.buffers.close()
 
 
 def _info_dict(sync_info: Any) -> dict:

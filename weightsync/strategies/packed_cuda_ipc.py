@@ -35,6 +35,7 @@ from weightsync.interfaces import (
     WeightTransferReceiver,
     WeightTransferSender,
 )
+from weightsync.strategies._ipc_open import IpcBufferOpener
 from weightsync.strategies._layout import DEFAULT_ALIGN, pack_into, plan_layout, views_into
 from weightsync.strategies._pool import BufferPool
 from weightsync.strategies._shm import AttachedSegments
@@ -50,7 +51,7 @@ from weightsync.types import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
+    pass
 
 
 class PackedCudaIpcStrategy(CudaIpcStrategy):
@@ -208,10 +209,10 @@ class PackedCudaIpcReceiver(WeightTransferReceiver):
         n = max(int(getattr(cfg, "num_buffers", 2)), 1)
         # room for every slot of the sender's pool plus one regrown slot, sized from the largest
         # slot seen (a chunk of one big tensor can pass the bucket); shared weights apart
-        self.segments = AttachedSegments(
-            max_bytes=(n + 1) * max(bucket_bytes(cfg), 1 << 20), min_slots=n + 1
+        self.buffers = IpcBufferOpener(
+            AttachedSegments(max_bytes=(n + 1) * max(bucket_bytes(cfg), 1 << 20), min_slots=n + 1),
+            max_cuda_handles=4 * n,
         )
-        self._cuda: Any = None
 
     async def receive_and_load_weights(
         self, request: WeightUpdateRequest, loader: WeightLoader
@@ -224,8 +225,8 @@ class PackedCudaIpcReceiver(WeightTransferReceiver):
         metas = request.metas()
         loader.validate(metas)  # before any byte is touched
         if request.chunk_index == 0:
-            self.segments.begin_sync()
-        raws = [self._open(h) for h in request.buffers]
+            self.buffers.begin_sync()
+        raws = [self.buffers.open(h) for h in request.buffers]
         try:
             tensors = views_into(raws, request.names, request.dtypes, request.shapes,
                                  request.buffer_index, request.offsets)
@@ -233,17 +234,6 @@ class PackedCudaIpcReceiver(WeightTransferReceiver):
             raise WeightSyncError(f"packed_cuda_ipc request: {e}") from None
         await loader.load_weights(tensors)
 
-    def _open(self, h: IpcBufferHandle) -> torch.Tensor:
-        if h.kind == "shm":
-            whole = self.segments.get(h.name, h.offset + h.nbytes)
-            return whole[h.offset : h.offset + h.nbytes]
-        if self._cuda is None:
-            from weightsync.strategies._cuda_handles import CudaHandleCache
-
-            self._cuda = CudaHandleCache(max_handles=4 * max(int(self.cfg.num_buffers), 1))
-        return self._cuda.view(h)
 
     def close(self) -> None:
-        self.segments.close()
-        if self._cuda is not None:
-            self._cuda.close()
+        self.buffers.close()
