@@ -387,6 +387,14 @@ class WeightTransferReceiver(abc.ABC):
         self, request: WeightUpdateRequest, loader: WeightLoader
     ) -> None: ...
 
+    def _expect_own_type(self, request: WeightUpdateRequest) -> None:
+        """Refuse a request of another strategy (sender and engine configured differently)."""
+        if not isinstance(request, self.request_cls):
+            raise ValueError(
+                f"{type(self).__name__} expects a {self.request_cls.TYPE!r} request, got "
+                f"{type(request).__name__}: sender and engine use different strategies"
+            )
+
     def parse_request(self, request_dict: dict) -> WeightUpdateRequest:
         """Rebuild a request from plain data; a request of another strategy is a ValueError."""
         req = WeightUpdateRequest.from_dict(request_dict)

@@ -327,11 +327,7 @@ class BroadcastReceiver(WeightTransferReceiver):
     async def receive_and_load_weights(
         self, request: WeightUpdateRequest, loader: WeightLoader
     ) -> None:
-        if not isinstance(request, BroadcastWeightUpdateRequest):
-            raise ValueError(
-                f"broadcast receiver got a {type(request).__name__}: sender and engine use "
-                f"different strategies"
-            )
+        self._expect_own_type(request)
         metas = request.metas()
         rejection: WeightMismatchError | None = None
         try:

@@ -207,11 +207,7 @@ class CudaIpcReceiver(WeightTransferReceiver):
     async def receive_and_load_weights(
         self, request: WeightUpdateRequest, loader: WeightLoader
     ) -> None:
-        if not isinstance(request, CudaIpcWeightUpdateRequest):
-            raise ValueError(
-                f"cuda_ipc receiver got a {type(request).__name__}: sender and engine use "
-                f"different strategies"
-            )
+        self._expect_own_type(request)
         metas = request.metas()
         loader.validate(metas)  # before any byte is touched
         if request.chunk_index == 0:

@@ -217,11 +217,7 @@ class PackedCudaIpcReceiver(WeightTransferReceiver):
     async def receive_and_load_weights(
         self, request: WeightUpdateRequest, loader: WeightLoader
     ) -> None:
-        if not isinstance(request, PackedCudaIpcWeightUpdateRequest):
-            raise ValueError(
-                f"packed_cuda_ipc receiver got a {type(request).__name__}: sender and engine use "
-                f"different strategies"
-            )
+        self._expect_own_type(request)
         metas = request.metas()
         loader.validate(metas)  # before any byte is touched
         if request.chunk_index == 0:
