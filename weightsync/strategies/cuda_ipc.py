@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightsync.config import IpcConfig
 from weightsync.errors import WeightSyncError, WeightSyncTimeout
@@ -66,46 +66,6 @@ async def call_engines(
             f"chunk {request.chunk_index}: the engines did not load it within {timeout_s:g}s "
             f"(an engine died or hangs?)"
         ) from None
-
-
-class CudaIpcStrategy(WeightTransferStrategy):
-    name = "cuda_ipc"
-    config_cls = IpcConfig
-
-    @classmethod
-    def get_request_type(cls) -> type[WeightUpdateRequest]:
-        return CudaIpcWeightUpdateRequest
-
-    async def create_sync_info(
-        self, cfg: Any, inference_client: InferenceEngineClient
-    ) -> WeightSyncInfo:
-        return EmptyWeightSyncInfo()
-
-    async def create_sender(
-        self, cfg: Any, inference_client: InferenceEngineClient, sync_info: WeightSyncInfo
-    ) -> CudaIpcSender:
-        cfg = cfg or self.cfg
-        await self._init_engines(cfg, inference_client, sync_info)
-        return CudaIpcSender(cfg)
-
-    async def _init_engines(
-        self, cfg: Any, inference_client: InferenceEngineClient, sync_info: WeightSyncInfo
-    ) -> None:
-        """Have every engine build its receiver (nothing to join on our side)."""
-        try:
-            await asyncio.wait_for(
-                inference_client.init_weight_transfer(self.config_dict(), _info_dict(sync_info)),
-                cfg.timeout_s,
-            )
-        except TimeoutError:
-            raise WeightSyncTimeout(
-                f"the engines did not set up their {self.name} receivers within {cfg.timeout_s:g}s"
-            ) from None
-
-    async def create_receiver(
-        self, cfg: Any, sync_info: WeightSyncInfo, rank_offset: int
-    ) -> CudaIpcReceiver:
-        return CudaIpcReceiver(cfg or self.cfg)
 
 
 class CudaIpcSender(WeightTransferSender):
@@ -230,6 +190,48 @@ class CudaIpcReceiver(WeightTransferReceiver):
 
     def close(self) -> None:
         self.buffers.close()
+
+
+class CudaIpcStrategy(WeightTransferStrategy):
+    name = "cuda_ipc"
+    config_cls = IpcConfig
+    sender_cls: ClassVar[type[WeightTransferSender]] = CudaIpcSender
+    receiver_cls: ClassVar[type[WeightTransferReceiver]] = CudaIpcReceiver
+
+    @classmethod
+    def get_request_type(cls) -> type[WeightUpdateRequest]:
+        return CudaIpcWeightUpdateRequest
+
+    async def create_sync_info(
+        self, cfg: Any, inference_client: InferenceEngineClient
+    ) -> WeightSyncInfo:
+        return EmptyWeightSyncInfo()
+
+    async def create_sender(
+        self, cfg: Any, inference_client: InferenceEngineClient, sync_info: WeightSyncInfo
+    ) -> WeightTransferSender:
+        cfg = cfg or self.cfg
+        await self._init_engines(cfg, inference_client, sync_info)
+        return self.sender_cls(cfg)
+
+    async def _init_engines(
+        self, cfg: Any, inference_client: InferenceEngineClient, sync_info: WeightSyncInfo
+    ) -> None:
+        """Have every engine build its receiver (nothing to join on our side)."""
+        try:
+            await asyncio.wait_for(
+                inference_client.init_weight_transfer(self.config_dict(), _info_dict(sync_info)),
+                cfg.timeout_s,
+            )
+        except TimeoutError:
+            raise WeightSyncTimeout(
+                f"the engines did not set up their {self.name} receivers within {cfg.timeout_s:g}s"
+            ) from None
+
+    async def create_receiver(
+        self, cfg: Any, sync_info: WeightSyncInfo, rank_offset: int
+    ) -> WeightTransferReceiver:
+        return self.receiver_cls(cfg or self.cfg)
 
 
 def _info_dict(sync_info: Any) -> dict:

@@ -25,7 +25,7 @@ on a GPU), ``"cpu"`` always uses shared memory, ``"cuda"`` always a GPU buffer.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from weightsync.config import PackedIpcConfig
 from weightsync.errors import WeightSyncError
@@ -46,34 +46,8 @@ from weightsync.types import (
     PackedCudaIpcWeightUpdateRequest,
     TensorMeta,
     WeightChunk,
-    WeightSyncInfo,
     WeightUpdateRequest,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
-
-
-class PackedCudaIpcStrategy(CudaIpcStrategy):
-    name = "packed_cuda_ipc"
-    config_cls = PackedIpcConfig
-
-    @classmethod
-    def get_request_type(cls) -> type[WeightUpdateRequest]:
-        return PackedCudaIpcWeightUpdateRequest
-
-    async def create_sender(
-        self, cfg: Any, inference_client: InferenceEngineClient, sync_info: WeightSyncInfo
-    ) -> PackedCudaIpcSender:
-        cfg = cfg or self.cfg
-        await self._init_engines(cfg, inference_client, sync_info)
-        return PackedCudaIpcSender(cfg)
-
-    async def create_receiver(
-        self, cfg: Any, sync_info: WeightSyncInfo, rank_offset: int
-    ) -> PackedCudaIpcReceiver:
-        return PackedCudaIpcReceiver(cfg or self.cfg)
-
 
 # --------------------------------------------------------------------------------------------
 # sender / receiver
@@ -233,3 +207,14 @@ class PackedCudaIpcReceiver(WeightTransferReceiver):
 
     def close(self) -> None:
         self.buffers.close()
+
+
+class PackedCudaIpcStrategy(CudaIpcStrategy):
+    name = "packed_cuda_ipc"
+    config_cls = PackedIpcConfig
+    sender_cls = PackedCudaIpcSender
+    receiver_cls = PackedCudaIpcReceiver
+
+    @classmethod
+    def get_request_type(cls) -> type[WeightUpdateRequest]:
+        return PackedCudaIpcWeightUpdateRequest
