@@ -16,6 +16,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _gloo_rank(rank: int, world: int, port: int, rank_async: Callable[..., Any], out: str) -> None:
+    import asyncio
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        asyncio.run(rank_async(rank, world, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo_ranks(rank_async: Callable[..., Any], out: str, world: int = 2) -> None:
+    """Run ``await rank_async(rank, world, out)`` on ``world`` real processes joined by a gloo
+    default group (``rank_async`` must be a module-level function: it is pickled by name)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_rank, args=(world, free_port(), rank_async, out), nprocs=world, join=True)
+
+
 def tiny_qwen2(layers: int = 3) -> Any:
     import torch
     import transformers

@@ -9,13 +9,10 @@ bit-exact, engine names (no ``lora_A``/``base_layer``/``modules_to_save``), head
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-from datetime import timedelta
 
 import pytest
-from _sharded_sync import free_port
+from _sharded_sync import spawn_gloo_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +30,6 @@ def _peft_model():
     return peft.get_peft_model(model, peft.LoraConfig(
         task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules="all-linear"))
 
-
-def _rank_main(rank: int, world: int, port: int, out_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        asyncio.run(_rank_async(rank, world, out_path))
-    finally:
-        dist.destroy_process_group()
 
 
 async def _rank_async(rank: int, world: int, out_path: str) -> None:
@@ -100,10 +85,8 @@ async def _rank_async(rank: int, world: int, out_path: str) -> None:
 
 
 def test_fsdp2_peft_lora_merged_bit_exact(tmp_path) -> None:
-    import torch.multiprocessing as mp
-
     out = str(tmp_path / "report.json")
-    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn_gloo_ranks(_rank_async, out)
     with open(out) as f:
         r = json.load(f)
     assert r["missing"] == []

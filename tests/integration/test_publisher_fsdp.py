@@ -11,13 +11,10 @@ broadcast/gloo into ``LocalEngineProcess``es), rank 1 only joins the gathers. Ch
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-from datetime import timedelta
 
 import pytest
-from _sharded_sync import free_port
+from _sharded_sync import spawn_gloo_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -32,18 +29,6 @@ def _model():
                                    num_labels=1, pad_token_id=0)
     return transformers.Qwen2ForSequenceClassification(cfg)
 
-
-def _rank_main(rank: int, world: int, port: int, out_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        asyncio.run(_rank_async(rank, world, out_path))
-    finally:
-        dist.destroy_process_group()
 
 
 async def _rank_async(rank: int, world: int, out_path: str) -> None:
@@ -121,10 +106,8 @@ async def _rank_async(rank: int, world: int, out_path: str) -> None:
 
 
 def test_publisher_on_fsdp2_stays_in_lockstep_through_a_refusal(tmp_path) -> None:
-    import torch.multiprocessing as mp
-
     out = str(tmp_path / "report")
-    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn_gloo_ranks(_rank_async, out)
     r0 = json.loads((tmp_path / "report.0").read_text())
     r1 = json.loads((tmp_path / "report.1").read_text())
     assert r0["sentinel"] == r1["sentinel"] == 3.0
