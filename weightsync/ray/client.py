@@ -13,7 +13,12 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from weightsync.errors import WeightMismatchError, WeightSyncError, WeightSyncTimeout
+from weightsync.errors import (
+    EngineDiedError,
+    WeightMismatchError,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
 from weightsync.interfaces import InferenceEngineClient
 
 
@@ -134,7 +139,7 @@ def _engine_error(name: str, method: str, exc: BaseException) -> BaseException:
     import ray.exceptions as rex
 
     if isinstance(exc, rex.RayActorError):
-        return WeightSyncError(
+        return EngineDiedError(
             f"{name}: actor died or is unreachable during {method} ({type(exc).__name__}); "
             f"its weights are in an unknown state, rebuild the sync group"
         )

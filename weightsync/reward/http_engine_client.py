@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync.errors import (
+    EngineDiedError,
     UpdateIncompleteError,
     WeightMismatchError,
     WeightSyncError,
@@ -86,6 +87,8 @@ class HttpEngineClient(InferenceEngineClient):
             raise WeightSyncTimeout(
                 f"{url}{path}: no answer within {self.timeout_s:g}s ({type(e).__name__})"
             ) from None
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as e:  # server gone mid-call
+            raise EngineDiedError(f"{url}{path}: {type(e).__name__}: {e}") from None
         except httpx.HTTPError as e:
             raise WeightSyncError(f"{url}{path}: {type(e).__name__}: {e}") from None
         if r.status_code < 400:

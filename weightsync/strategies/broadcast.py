@@ -29,7 +29,12 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from weightsync.config import BroadcastConfig
-from weightsync.errors import WeightMismatchError, WeightSyncError, WeightSyncTimeout
+from weightsync.errors import (
+    EngineDiedError,
+    WeightMismatchError,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
 from weightsync.interfaces import (
     InferenceEngineClient,
     WeightLoader,
@@ -208,7 +213,11 @@ class BroadcastSender(WeightTransferSender):
         except WeightMismatchError:
             raise
         except BaseException as e:
-            if not data.done() or data.cancelled() or data.exception() is not None:
+            # The group is out of step when our side of the collective did not finish, and
+            # also when a member died or hung, even if our sends already left (gloo completes
+            # a broadcast into socket buffers of a peer that is dead by now).
+            data_failed = not data.done() or data.cancelled() or data.exception() is not None
+            if data_failed or isinstance(e, (EngineDiedError, WeightSyncTimeout)):
                 self._broken = f"{type(e).__name__}: {e}"[:300]
             raise
         if go is False:  # pragma: no cover - engines answered OK but someone voted no
