@@ -59,6 +59,7 @@ class BenchConfig:
     device: str = "cpu"
     dtype: str = "bfloat16"
     bucket_mb: float = 256.0
+    max_inflight: int = 2  # chunks in flight per sync (strategy max_inflight_chunks)
     repeats: int = 3
     timeout_s: float = 300.0
     json_path: str | None = None
@@ -107,11 +108,12 @@ def compare_digests(
 def strategy_config(name: str, cfg: BenchConfig) -> tuple[dict, dict]:
     """(strategy cfg, extractor cfg) for a bench row."""
     name = name.removesuffix(COPY_SUFFIX)
-    common = {"bucket_size_mb": cfg.bucket_mb, "timeout_s": cfg.timeout_s}
+    common = {"bucket_size_mb": cfg.bucket_mb, "timeout_s": cfg.timeout_s,
+              "max_inflight_chunks": cfg.max_inflight}
     extractor: dict[str, Any] = {"type": "hf", "bucket_size_mb": cfg.bucket_mb}
-    if name == NAIVE:
+    if name == NAIVE:  # one request per tensor, one at a time
         strategy = {"type": "broadcast", "backend": cfg.resolved_backend(), "packed": False,
-                    **common}
+                    **common, "max_inflight_chunks": 1}
         extractor.update(bucket_size_mb=0, group_by_module=False)
     elif name == "broadcast":
         strategy = {"type": "broadcast", "backend": cfg.resolved_backend(), **common}
@@ -170,6 +172,7 @@ async def bench_strategy(
     rec: dict[str, Any] = {
         "strategy": name, "backend": backend_label(name, cfg), "device": cfg.device,
         "shape": cfg.shape, "dtype": cfg.dtype, "bucket_mb": cfg.bucket_mb,
+        "max_inflight": strategy_cfg["max_inflight_chunks"],
         "shared_weights": uses_shared_weights(name, cfg), "bit_exact": False, "error": None,
     }
     engine = client = sender = None
@@ -376,6 +379,8 @@ def validate_config(cfg: BenchConfig) -> None:
         raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
     if cfg.bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be > 0, got {cfg.bucket_mb}")
+    if cfg.max_inflight < 1:
+        raise ValueError(f"max_inflight must be >= 1, got {cfg.max_inflight}")
 
 
 def valid_strategy_names() -> list[str]:

@@ -43,6 +43,8 @@ def build_bench_parser(prog: str = "weightsync bench") -> argparse.ArgumentParse
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float32 or float16")
     p.add_argument("--bucket-mb", type=float, default=256.0,
                    help="bucket (chunk) size in MB for extractor and transfer buffers (256)")
+    p.add_argument("--max-inflight", type=int, default=2,
+                   help="chunks in flight per sync (2; 1 = one chunk at a time)")
     p.add_argument("--repeats", type=int, default=3, help="timed syncs per strategy (3)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-call timeout (300)")
     p.add_argument("--json", dest="json_path", default=None, help="write records to this path")
@@ -63,7 +65,8 @@ def parse_bench_args(argv: list[str], parser: argparse.ArgumentParser | None = N
     )
     cfg = BenchConfig(
         shape=ns.shape, strategies=strategies, backend=ns.backend, device=ns.device,
-        dtype=ns.dtype, bucket_mb=ns.bucket_mb, repeats=ns.repeats, timeout_s=ns.timeout_s,
+        dtype=ns.dtype, bucket_mb=ns.bucket_mb, max_inflight=ns.max_inflight,
+        repeats=ns.repeats, timeout_s=ns.timeout_s,
         json_path=ns.json_path, quiet=ns.quiet, skip_slow_naive=everything,
     )
     try:
@@ -76,7 +79,8 @@ def parse_bench_args(argv: list[str], parser: argparse.ArgumentParser | None = N
 def _argument_hint(msg: str) -> str:
     for word, flag in (("shape", "--shape"), ("strategy", "--strategy"),
                        ("backend", "--backend"), ("dtype", "--dtype"), ("device", "--device"),
-                       ("repeats", "--repeats"), ("bucket_mb", "--bucket-mb")):
+                       ("repeats", "--repeats"), ("bucket_mb", "--bucket-mb"),
+                       ("max_inflight", "--max-inflight")):
         if word in msg.split(" ", 3)[:3] or msg.startswith(word):
             return f"argument {flag}: {msg}"
     return msg

@@ -31,6 +31,19 @@ class StrategyConfig:
     bucket_size_mb: float = 1024
     timeout_s: float = 600.0
     device: str = "auto"  # "cpu", "cuda" or "auto" (follows the tensors)
+    # chunks whose transfer may be under way at once: 2 lets chunk i+1's request reach the
+    # engines while chunk i lands (hides the control-plane round trip); 1 = strictly one by one
+    max_inflight_chunks: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_size_mb", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"strategy {self.type!r}: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_inflight_chunks < 1:
+            raise ValueError(
+                f"strategy {self.type!r}: max_inflight_chunks must be >= 1, got "
+                f"{self.max_inflight_chunks!r}"
+            )
 
 
 @dataclass(kw_only=True)

@@ -17,7 +17,9 @@ old and new weights; it serves again once a complete update lands.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,7 @@ class _Active:
     version: int | None
     chunks_done: int = 0
     touched: bool = False  # a chunk was (possibly partly) loaded
+    failed: str = ""  # why a chunk of this update failed; later chunks are refused
 
 
 class WeightUpdateEndpoint:
@@ -90,34 +93,49 @@ class WeightUpdateEndpoint:
         await self.loader.start_update(msg)
 
     async def update_named_weights(self, request: dict) -> None:
+        """Receive and load one chunk; chunks must come in ``chunk_index`` order (put a
+        ``ChunkTurnstile`` in front on a transport that may reorder calls). A chunk that is not
+        loaded is still ``refuse``d to the receiver, so a collective strategy's peers are
+        released."""
         if self.receiver is None:
             raise WeightSyncError(
                 f"{self.name}: no receiver; call init_weight_transfer before updating weights"
             )
         req = self.receiver.parse_request(request)
         active = self._active
+        problem = ""
         if active is None or req.update_id != active.update_id:
-            raise WeightSyncError(
-                f"{self.name}: chunk {req.chunk_index} of update {req.update_id!r} arrived "
-                f"without a matching start_weight_update"
+            problem = (
+                f"chunk {req.chunk_index} of update {req.update_id!r} arrived without a "
+                f"matching start_weight_update"
             )
-        if req.chunk_index != active.chunks_done:
-            raise WeightSyncError(
-                f"{self.name}: expected chunk {active.chunks_done}, got {req.chunk_index}"
+        elif active.failed:
+            problem = (
+                f"chunk {req.chunk_index} refused: an earlier chunk of this update failed "
+                f"({active.failed})"
             )
+        elif req.chunk_index != active.chunks_done:
+            problem = f"expected chunk {active.chunks_done}, got {req.chunk_index}"
+        if problem:
+            try:
+                await self.receiver.refuse(req)
+            except Exception as e:  # the data plane is gone too; the problem is the news
+                log.warning("%s: refusing chunk %s failed: %s", self.name, req.chunk_index, e)
+            raise WeightSyncError(f"{self.name}: {problem}")
+        assert active is not None
         async with self._lock:
             try:
                 # the receiver validates req against the loader before any byte moves
                 await self.receiver.receive_and_load_weights(req, self.loader)
-            except WeightMismatchError:
-                if active.touched:
+            except BaseException as e:
+                active.failed = f"chunk {req.chunk_index}: {type(e).__name__}: {e}"[:500]
+                if not isinstance(e, WeightMismatchError):
+                    self._mark_torn(f"chunk {req.chunk_index} failed: {type(e).__name__}: {e}")
+                elif active.touched:
                     self._mark_torn(f"chunk {req.chunk_index} rejected after earlier chunks loaded")
                 raise
-            except BaseException as e:
-                self._mark_torn(f"chunk {req.chunk_index} failed: {type(e).__name__}: {e}")
-                raise
             active.touched = True
-        active.chunks_done += 1
+            active.chunks_done += 1
 
     async def finish_weight_update(self, finish: dict) -> int:
         msg = WeightUpdateFinish.from_dict(finish)
@@ -171,3 +189,43 @@ _METHODS = {
     "update_named_weights",
     "finish_weight_update",
 }
+
+
+class ChunkTurnstile:
+    """Lets ``update_named_weights`` calls through one at a time in ``chunk_index`` order.
+
+    For transports that may run calls concurrently and out of order (a Ray async actor: Ray
+    does not promise the order of an async actor's tasks) in front of a strictly ordered
+    endpoint, when a sender keeps several chunks in flight. Chunk ``k`` of an update waits
+    until chunk ``k - 1`` has passed through (loaded or failed); chunk 0 starts an update. A
+    chunk that waits longer than ``timeout_s`` goes through anyway, and the endpoint refuses
+    it with a clear message.
+    """
+
+    def __init__(self, timeout_s: float = 600.0) -> None:
+        self.timeout_s = timeout_s
+        self._cond = asyncio.Condition()
+        self._update: str | None = None
+        self._next = 0
+
+    @contextlib.asynccontextmanager
+    async def turn(self, request: dict) -> AsyncIterator[None]:
+        update_id, index = request.get("update_id"), int(request.get("chunk_index", 0))
+
+        def mine() -> bool:
+            if index == 0:
+                return self._update != update_id or self._next == 0
+            return self._update == update_id and self._next >= index
+
+        async with self._cond:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._cond.wait_for(mine), self.timeout_s)
+        try:
+            yield
+        finally:
+            async with self._cond:
+                if index == 0:
+                    self._update, self._next = update_id, 1
+                elif self._update == update_id:
+                    self._next = max(self._next, index + 1)
+                self._cond.notify_all()

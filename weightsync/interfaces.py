@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import contextlib
 import re
 import time
@@ -172,6 +173,12 @@ class InferenceEngineClient(abc.ABC):
     (rank 0 is the sender). All methods take and return plain JSON-safe data.
     """
 
+    #: How many ``update_named_weights`` calls the sender may have outstanding at once. More
+    #: than 1 only where every engine gets the chunk requests in call order (the call's
+    #: synchronous part queues the message in order, and the engine runs them one at a time or
+    #: orders them by ``chunk_index``): then chunk i+1's request travels while chunk i lands.
+    max_inflight_updates: ClassVar[int] = 1
+
     @abc.abstractmethod
     async def get_world_sizes(self) -> list[int]:
         """Receiving workers per engine (TP x PP for vLLM, 1 for a plain module)."""
@@ -268,6 +275,9 @@ class WeightTransferSender(abc.ABC):
     """
 
     overlap: bool = True
+    #: chunks in flight at once when the sender has no ``cfg.max_inflight_chunks``; the
+    #: client's ``max_inflight_updates`` bounds it too
+    max_inflight: int = 2
 
     @abc.abstractmethod
     def create_request(self, chunk: WeightChunk) -> WeightUpdateRequest: ...
@@ -326,39 +336,63 @@ class WeightTransferSender(abc.ABC):
         stats: SyncStats,
         version: int | None,
     ) -> None:
-        pending: asyncio.Task | None = None
+        """Up to ``window`` transfers run at once, started in chunk order; preparing the next
+        chunk (extraction, packing: ``create_request`` in a thread) overlaps them. The first
+        failure stops the update: no later chunk is started, and transfers still in flight are
+        awaited (or cancelled on our side) before it is raised."""
+        wanted = getattr(getattr(self, "cfg", None), "max_inflight_chunks", self.max_inflight)
+        window = max(1, min(int(wanted), int(client.max_inflight_updates)))
+        if not self.overlap:
+            window = 1
+        inflight: collections.deque[asyncio.Task] = collections.deque()
         nxt = await anext(it, None)
         index = 0
         try:
             while nxt is not None:
                 chunk = nxt
                 if self.overlap:
-                    request = await asyncio.to_thread(self.create_request, chunk)
+                    request = await self._prepare(chunk)
                 else:
-                    if pending is not None:
-                        await pending
-                        pending = None
+                    while inflight:
+                        await inflight.popleft()
                     request = self.create_request(chunk)
-                nxt = await anext(it, None)
-                request.update_id = stats.update_id
-                request.chunk_index = index
-                request.is_last = nxt is None
-                request.version = version
-                if pending is not None:
-                    await pending
-                pending = asyncio.create_task(self._transfer_and_release(chunk, request, client))
+                try:
+                    nxt = await anext(it, None)
+                    request.update_id = stats.update_id
+                    request.chunk_index = index
+                    request.is_last = nxt is None
+                    request.version = version
+                    while len(inflight) >= window or (inflight and _failed(inflight)):
+                        await inflight.popleft()
+                except BaseException:
+                    self._release(request)  # its transfer never started
+                    raise
+                inflight.append(
+                    asyncio.create_task(self._transfer_and_release(chunk, request, client))
+                )
                 index += 1
                 stats.num_chunks = index
                 stats.num_tensors += len(chunk)
                 stats.total_bytes += chunk.total_size_bytes
-            if pending is not None:
-                await pending
-                pending = None
+            while inflight:
+                await inflight.popleft()
         finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
+            if inflight:
+                await _settle(inflight)
+
+    async def _prepare(self, chunk: WeightChunk) -> WeightUpdateRequest:
+        """``create_request`` in a worker thread. If we are cancelled meanwhile, the request
+        the thread still makes is released when it is done (its buffers are not leaked)."""
+        fut = asyncio.get_running_loop().run_in_executor(None, self.create_request, chunk)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(self._release_made)
+            raise
+
+    def _release_made(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._release(fut.result())
 
     async def _transfer_and_release(
         self, chunk: WeightChunk, request: WeightUpdateRequest, client: InferenceEngineClient
@@ -394,6 +428,12 @@ class WeightTransferReceiver(abc.ABC):
                 f"{type(self).__name__} expects a {self.request_cls.TYPE!r} request, got "
                 f"{type(request).__name__}: sender and engine use different strategies"
             )
+
+    async def refuse(self, request: WeightUpdateRequest) -> None:  # noqa: B027
+        """The endpoint will not load this chunk (an earlier chunk of the update failed, or it
+        came without a start). A strategy with a control collective must still take part in
+        it, voting no, so that the sender and the other engines are released; others do
+        nothing. Must not raise for a group that works."""
 
     def parse_request(self, request_dict: dict) -> WeightUpdateRequest:
         """Rebuild a request from plain data; a request of another strategy is a ValueError."""
@@ -452,6 +492,28 @@ class WeightTransferStrategy(abc.ABC):
         from weightsync.config import config_to_dict
 
         return config_to_dict(self.cfg)
+
+
+def _failed(tasks: Iterable[asyncio.Task]) -> bool:
+    return any(t.done() and not t.cancelled() and t.exception() is not None for t in tasks)
+
+
+_SETTLE_GRACE_S = 5.0
+
+
+async def _settle(tasks: collections.deque[asyncio.Task]) -> None:
+    """After a failure: give transfers still in flight a short grace to end (their engines are
+    mid-chunk or refusing it, and their buffers must not be reused under them), then cancel
+    what is left; their outcomes are swallowed (the first error is the one raised)."""
+    with contextlib.suppress(BaseException):
+        _, pending = await asyncio.wait(tasks, timeout=_SETTLE_GRACE_S)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if t.done() and not t.cancelled():
+            t.exception()  # retrieved: no "never retrieved" warning
+    tasks.clear()
 
 
 async def _aiter(chunks: AsyncIterable[WeightChunk] | Iterable[WeightChunk]) -> AsyncIterator[WeightChunk]:

@@ -199,3 +199,47 @@ def test_request_of_the_wrong_strategy_is_rejected(engines, models):
         await sender.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("cfg", STRATEGIES, ids=IDS)
+def test_chunk_rejected_mid_stream_with_the_next_in_flight(engines, models, cfg):
+    """A streamed update (no manifest) whose 4th chunk has a wrong shape, while the sender keeps
+    two chunks in flight: the mismatch is raised naming the tensor, nothing hangs (for
+    broadcast, every rank votes once on the chunk that was already on its way), the engines are
+    torn (3 chunks had landed) and keep their version, and the next complete sync heals them
+    over the same group."""
+    good = chunks_of(models[0], 4)
+    bad_name = good[3].names[0]
+    bad = WeightChunk(
+        good[3].names, [torch.zeros(7, 3)] + list(good[3].tensors[1:])
+    )
+    stream_chunks = good[:3] + [bad] + good[4:]
+
+    async def run():
+        client = LocalEngineClient(engines, timeout_s=60)
+        assert client.max_inflight_updates == 2
+        _, sender = await wire(cfg, client)
+        v = await engines[0].call("get_version")
+
+        async def stream():
+            for c in stream_chunks:
+                yield c
+
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(WeightMismatchError, match="shape") as ei:
+                await sender.send_chunks(stream(), client, version=v + 1)
+            assert time.monotonic() - t0 < 20
+            assert any(bad_name in o for o in ei.value.offenders), ei.value.offenders
+            for e in engines:
+                state = await e.call("get_state")
+                assert state["state"] == "torn" and state["version"] == v, state
+            stats = await sender.send_chunks(chunks_of(models[1], 4), client, version=v + 2)
+            assert stats.versions == [v + 2] * 2
+            for e in engines:
+                assert await engine_digests(e) == digests_of(models[1])
+                assert (await e.call("get_state"))["state"] == "ready"
+        finally:
+            await sender.close()
+
+    asyncio.run(run())

@@ -447,3 +447,121 @@ def test_sender_with_bad_manifest_moves_nothing():
     assert sender.released == 0 and not WIRE  # no chunk was even prepared for the wire
     assert (e.ep.version, e.ep.state) == (0, "ready")
     _assert_weights(e.module, before)
+
+
+# -- pipelining: two chunks in flight ---------------------------------------------------------------
+
+
+class CountingReceiver(WireReceiver):
+    """WireReceiver that records the chunks it was asked to refuse (the collective hook)."""
+
+    def __init__(self, rank_offset: int = 1) -> None:
+        super().__init__(rank_offset)
+        self.refused: list[int] = []
+
+    async def refuse(self, request) -> None:
+        self.refused.append(request.chunk_index)
+
+
+def test_chunk_after_a_failed_chunk_is_refused_and_released():
+    e = Engine()
+    e.ep.receiver = CountingReceiver()
+    e.start("u", 1)
+    a, b = _split(_new_weights())
+    bad = {"2.bias": torch.zeros(5)}
+    with pytest.raises(WeightMismatchError):
+        e.chunk("u", 0, bad)
+    # chunk 1 was already on its way (pipelined): refused, and the receiver told so
+    with pytest.raises(WeightSyncError, match="chunk 1 refused: an earlier chunk of this update failed"):
+        e.chunk("u", 1, b)
+    assert e.ep.receiver.refused == [1]
+    with pytest.raises(WeightSyncError, match="expected chunk 0, got 3"):
+        e.ep._active.failed = ""  # only to reach the next check: an out-of-order chunk
+        e.chunk("u", 3, b)
+    assert e.ep.receiver.refused == [1, 3]
+    assert e.finish("u", 1, 2, ok=False) == 0 and e.ep.state == "ready"
+
+
+def test_turnstile_lets_chunks_through_in_order():
+    from weightsync.engine import ChunkTurnstile
+
+    async def go():
+        gate = ChunkTurnstile(timeout_s=10)
+        order: list[tuple[str, int]] = []
+
+        async def chunk(update: str, i: int, delay: float) -> None:
+            await asyncio.sleep(delay)
+            async with gate.turn({"update_id": update, "chunk_index": i}):
+                order.append((update, i))
+                await asyncio.sleep(0.01)
+
+        # chunks 3, 1, 2 arrive before chunk 0; each must wait for its predecessor
+        await asyncio.gather(*(chunk("u1", i, d) for i, d in [(3, 0), (1, 0.01), (2, 0), (0, 0.05)]))
+        await asyncio.gather(chunk("u2", 1, 0), chunk("u2", 0, 0.02))  # a new update restarts
+        return order
+
+    assert _run(go()) == [("u1", 0), ("u1", 1), ("u1", 2), ("u1", 3), ("u2", 0), ("u2", 1)]
+
+
+def test_turnstile_gives_up_after_its_timeout():
+    from weightsync.engine import ChunkTurnstile
+
+    async def go():
+        gate = ChunkTurnstile(timeout_s=0.2)
+        t0 = asyncio.get_running_loop().time()
+        async with gate.turn({"update_id": "u", "chunk_index": 0}):
+            pass
+        async with gate.turn({"update_id": "u", "chunk_index": 5}):  # 1-4 never come
+            return asyncio.get_running_loop().time() - t0
+
+    assert 0.15 < _run(go()) < 5
+
+
+class SlowOrderedClient(DirectClient):
+    """DirectClient that allows two chunks in flight and records how many overlap."""
+
+    max_inflight_updates = 2
+
+    def __init__(self, endpoints) -> None:
+        super().__init__(endpoints)
+        self.inflight = 0
+        self.peak = 0
+        self.seen: list[int] = []
+        self.gate = None
+
+    async def update_named_weights(self, request):
+        self.inflight += 1
+        self.peak = max(self.peak, self.inflight)
+        self.seen.append(request["chunk_index"])
+        try:
+            if self.gate is None:
+                from weightsync.engine import ChunkTurnstile
+
+                self.gate = ChunkTurnstile(timeout_s=10)
+            await asyncio.sleep(0.02)
+            async with self.gate.turn(request):
+                await super().update_named_weights(request)
+        finally:
+            self.inflight -= 1
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_sender_keeps_at_most_its_window_in_flight(window):
+    engines = [Engine()]
+    client = SlowOrderedClient([e.ep for e in engines])
+    sender = WireSender()
+    sender.max_inflight = window
+    src = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+    engines[0].module = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+    engines[0].ep.loader = TorchModuleWeightLoader(module=engines[0].module)
+
+    async def go():
+        ex = ws.build_extractor({"type": "hf", "bucket_size_mb": 1e-4, "group_by_module": True})
+        return await sender.send_chunks(ex.extract_weights(src), client, version=1,
+                                        manifest=ex.metadata(src))
+
+    stats = _run(go())
+    assert stats.num_chunks == 6 and client.seen == list(range(6))
+    assert client.peak == window
+    assert sender.released == 6
+    _assert_weights(engines[0].module, src.state_dict())

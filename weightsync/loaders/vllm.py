@@ -358,6 +358,13 @@ class VLLMEngineClient(InferenceEngineClient):
         self.timeout_s = timeout_s
         self._offsets: list[int] | None = None
 
+    @property
+    def max_inflight_updates(self) -> int:  # type: ignore[override]
+        """2 for ``AsyncLLM`` engines: their engine core queues utility calls and runs them in
+        order. 1 for the blocking ``LLM``, whose client is not meant for concurrent calls."""
+        asynchronous = all(asyncio.iscoroutinefunction(e.collective_rpc) for e in self.engines)
+        return 2 if asynchronous else 1
+
     async def _rpc(self, engine: Any, method: str, *args: Any) -> list[Any]:
         fn = engine.collective_rpc
         if asyncio.iscoroutinefunction(fn):

@@ -7,6 +7,7 @@ engine. Engine ``i`` joins data planes at ``rank_offset = 1 + sum(world sizes be
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from weightsync.interfaces import InferenceEngineClient
@@ -23,10 +24,13 @@ class LocalEngineClient(InferenceEngineClient):
         self.engines = list(engines)
         self.timeout_s = float(timeout_s)
 
-    async def _all(self, method: str, **kwargs: Any) -> list[Any]:
-        return await first_error_gather(
-            [e.call(method, timeout_s=self.timeout_s, **kwargs) for e in self.engines]
-        )
+    #: engines run calls one at a time in the order they were issued (see ``issue``)
+    max_inflight_updates = 2
+
+    def _all(self, method: str, **kwargs: Any) -> asyncio.Future:
+        """Issue ``method`` to every engine now (in call order); a future of all results."""
+        answers = [e.issue(method, timeout_s=self.timeout_s, **kwargs) for e in self.engines]
+        return asyncio.ensure_future(first_error_gather(answers))
 
     async def get_world_sizes(self) -> list[int]:
         return [e.world_size for e in self.engines]
@@ -42,8 +46,11 @@ class LocalEngineClient(InferenceEngineClient):
     async def start_weight_update(self, start: dict) -> None:
         await self._all("start_weight_update", start=start)
 
-    async def update_named_weights(self, request: dict) -> None:
-        await self._all("update_named_weights", request=request)
+    def update_named_weights(self, request: dict) -> asyncio.Future:  # type: ignore[override]
+        """Not ``async``: the request is queued to every engine before this returns, so a
+        sender that calls it chunk after chunk keeps them in order while several are in
+        flight. Await the returned future for the engines' answers."""
+        return self._all("update_named_weights", request=request)
 
     async def finish_weight_update(self, finish: dict) -> list[int | None]:
         return await self._all("finish_weight_update", finish=finish)

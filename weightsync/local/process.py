@@ -3,8 +3,9 @@ process on this machine, without Ray.
 
 The parent (training side, tests, benchmarks) spawns the child with ``spawn()`` and talks to it
 with ``await call(method, **kwargs)`` over a ``multiprocessing`` connection that carries JSON
-bytes only. One call at a time per worker; a reply for an earlier, abandoned call (timed out or
-cancelled) is recognised by its id and dropped. A dead child is seen at once (EOF) and reported
+bytes only. Calls to a worker are sent in the order they are made and may overlap (the child
+answers them one at a time, in order); a reply for an abandoned call (timed out or cancelled) is
+recognised by its id and dropped. A dead child is seen at once (EOF) and reported
 as ``WeightSyncError`` naming the engine; a silent one as ``WeightSyncTimeout`` after the
 call's timeout.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import itertools
 import os
@@ -38,61 +40,117 @@ from weightsync.errors import (
     WeightSyncTimeout,
 )
 from weightsync.local import _wire
-from weightsync.strategies._threads import in_thread
+from weightsync.strategies._threads import SerialLane, in_thread
 
 
 class _Worker:
-    """One child process and its connection (parent side)."""
+    """One child process and its connection (parent side).
+
+    Several calls may be outstanding (a pipelining sender): ``submit`` queues a message on a
+    one-thread send lane, so messages leave in call order; the child answers them one at a time,
+    in order. Whichever waiter holds the read turn reads the next reply and hands it to its
+    owner; a reply nobody waits for (a call that timed out or was abandoned) is dropped.
+    """
 
     def __init__(self, engine: str, index: int, proc: Any, conn: Any) -> None:
         self.engine = engine
         self.index = index
         self.proc = proc
         self.conn = conn
-        self.lock = threading.Lock()
         self.ids = itertools.count(1)
         self.dead: str | None = None
+        self._lane = SerialLane(f"ws-send-{self.label}")
+        self._cond = threading.Condition()
+        self._reading = False
+        self._waiting: set[int] = set()
+        self._replies: dict[int, dict[str, Any]] = {}
 
     @property
     def label(self) -> str:
         return self.engine if self.index == 0 else f"{self.engine}/worker{self.index}"
 
-    def request(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> Any:
-        """Blocking round trip (run in a thread by ``LocalEngineProcess.call``)."""
-        deadline = time.monotonic() + timeout_s
-        if not self.lock.acquire(timeout=timeout_s):
-            raise WeightSyncTimeout(
-                f"engine {self.label!r}: {method} waited {timeout_s:g}s for an earlier call"
-            )
+    def submit(self, method: str, kwargs: dict[str, Any]) -> tuple[int, concurrent.futures.Future]:
+        """Queue one call now (non-blocking); returns its id and the send's future."""
+        self._check_alive(method)
+        mid = next(self.ids)
+        with self._cond:
+            self._waiting.add(mid)
+        payload = _wire.dumps({"id": mid, "method": method, "kwargs": kwargs})
+        return mid, self._lane.submit(self._send, payload, method)
+
+    def _send(self, payload: bytes, method: str) -> None:
         try:
-            self._check_alive(method)
-            mid = next(self.ids)
-            try:
-                self.conn.send_bytes(_wire.dumps({"id": mid, "method": method, "kwargs": kwargs}))
-            except (OSError, EOFError, ValueError) as e:
-                raise self._died(method, e) from None
+            self.conn.send_bytes(payload)
+        except (OSError, EOFError, ValueError) as e:
+            raise self._died(method, e) from None
+
+    def forget(self, mid: int) -> None:
+        with self._cond:
+            self._waiting.discard(mid)
+            self._replies.pop(mid, None)
+
+    def wait_reply(self, mid: int, method: str, timeout_s: float) -> Any:
+        """Blocking: the answer to call ``mid`` (run in a thread by ``LocalEngineProcess.call``)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            msg = self._next_reply(mid, method, deadline, timeout_s)
+        finally:
+            self.forget(mid)
+        if "error_type" in msg:
+            raise _wire.rebuild_error(msg, self.label)
+        return msg.get("result")
+
+    def _next_reply(self, mid: int, method: str, deadline: float, timeout_s: float) -> dict:
+        with self._cond:
             while True:
+                if mid in self._replies:
+                    return self._replies.pop(mid)
+                if self.dead:
+                    raise EngineDiedError(
+                        f"engine {self.label!r} (pid {self.proc.pid}) died during {method} "
+                        f"({self.dead})"
+                    )
                 left = deadline - time.monotonic()
-                try:
-                    ready = left > 0 and self.conn.poll(left)
-                except (OSError, EOFError, ValueError) as e:
-                    raise self._died(method, e) from None
-                if not ready:
+                if left <= 0:
                     raise WeightSyncTimeout(
                         f"engine {self.label!r} (pid {self.proc.pid}) did not answer {method} "
                         f"within {timeout_s:g}s"
                     )
+                if self._reading:  # another waiter reads; it hands us our reply
+                    self._cond.wait(left)
+                    continue
+                self._reading = True
+                self._cond.release()
+                msg: dict | None = None
+                err: BaseException | None = None
                 try:
-                    msg = _wire.loads(self.conn.recv_bytes())
-                except (OSError, EOFError) as e:
-                    raise self._died(method, e) from None
-                if msg.get("id") != mid:
-                    continue  # the answer to an abandoned earlier call
-                if "error_type" in msg:
-                    raise _wire.rebuild_error(msg, self.label)
-                return msg.get("result")
-        finally:
-            self.lock.release()
+                    if self.conn.poll(left):
+                        msg = _wire.loads(self.conn.recv_bytes())
+                except (OSError, EOFError, ValueError) as e:
+                    err = self._died(method, e)
+                finally:
+                    self._cond.acquire()
+                    self._reading = False
+                    self._cond.notify_all()
+                if err is not None:
+                    raise err
+                if msg is not None and msg.get("id") in self._waiting:
+                    self._replies[msg["id"]] = msg
+
+    def request(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> Any:
+        """Blocking round trip."""
+        mid, sent = self.submit(method, kwargs)
+        try:
+            sent.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.forget(mid)
+            raise WeightSyncTimeout(
+                f"engine {self.label!r}: could not send {method} within {timeout_s:g}s"
+            ) from None
+        except BaseException:
+            self.forget(mid)
+            raise
+        return self.wait_reply(mid, method, timeout_s)
 
     def _check_alive(self, method: str) -> None:
         if self.dead:
@@ -168,6 +226,15 @@ class LocalEngineProcess:
     ) -> Any:
         """Call ``method`` on the engine (every worker, or ``worker``); returns worker 0's (or
         that worker's) result. Errors are re-raised as weightsync errors naming the engine."""
+        return await self.issue(method, worker=worker, timeout_s=timeout_s, **kwargs)
+
+    def issue(
+        self, method: str, *, worker: int | None = None, timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> asyncio.Future:
+        """``call`` whose messages are queued before this returns (call it from the event
+        loop): calls issued one after another reach every worker in that order, whenever their
+        answers are awaited. Returns a future of worker 0's (or ``worker``'s) result."""
         timeout = float(timeout_s if timeout_s is not None else self.timeout_s)
         targets = self.workers if worker is None else [self.workers[worker]]
 
@@ -176,13 +243,36 @@ class LocalEngineProcess:
                 return {**kwargs, "rank_offset": int(kwargs["rank_offset"]) + w.index}
             return kwargs
 
-        if len(targets) == 1:
-            w = targets[0]
-            return await in_thread(w.request, method, kw_for(w), timeout, name=f"ws-{w.label}")
-        results = await first_error_gather(
-            [in_thread(w.request, method, kw_for(w), timeout, name=f"ws-{w.label}") for w in targets]
-        )
-        return results[0]
+        # every message is queued here, before the first await: calls reach each worker in
+        # the order they were made, which lets a sender keep several chunks in flight
+        issued: list[tuple[_Worker, int, concurrent.futures.Future]] = []
+        try:
+            for w in targets:
+                issued.append((w, *w.submit(method, kw_for(w))))
+        except BaseException:
+            for w, mid, _ in issued:
+                w.forget(mid)
+            raise
+
+        async def answer(w: _Worker, mid: int, sent: concurrent.futures.Future) -> Any:
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(sent), timeout)
+            except BaseException as e:
+                w.forget(mid)
+                if isinstance(e, asyncio.TimeoutError):
+                    raise WeightSyncTimeout(
+                        f"engine {w.label!r}: could not send {method} within {timeout:g}s"
+                    ) from None
+                raise
+            return await in_thread(w.wait_reply, mid, method, timeout, name=f"ws-{w.label}")
+
+        if len(issued) == 1:
+            return asyncio.ensure_future(answer(*issued[0]))
+
+        async def first(aws: list[Any]) -> Any:
+            return (await first_error_gather(aws))[0]
+
+        return asyncio.ensure_future(first([answer(*i) for i in issued]))
 
     @property
     def world_size(self) -> int:
@@ -211,6 +301,7 @@ class LocalEngineProcess:
             if w.proc.poll() is None:
                 _hard_kill(w)
             w.dead = w.dead or "stopped"
+            w._lane.close()
             _LIVE.discard(w)
             with contextlib.suppress(Exception):
                 w.conn.close()
@@ -298,6 +389,7 @@ def _wait_ready(w: _Worker, timeout_s: float) -> None:
 
 
 def _hard_kill(w: _Worker) -> None:
+    w._lane.close()
     if w.proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             w.proc.kill()

@@ -31,6 +31,10 @@ class RayEngineClient(InferenceEngineClient):
     ``names`` label engines in errors (default: the actor's name, else ``engine<i>``).
     """
 
+    #: actor tasks are submitted in call order (``.remote()`` runs before the first await) and
+    #: the engine's endpoint loads chunks in ``chunk_index`` order
+    max_inflight_updates = 2
+
     def __init__(
         self,
         handles: Sequence[Any],

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from weightsync.engine import WeightUpdateEndpoint
+    from weightsync.engine import ChunkTurnstile, WeightUpdateEndpoint
     from weightsync.interfaces import WeightLoader
 
 
@@ -33,6 +33,7 @@ class WeightSyncEngineMixin:
     """Endpoint methods for an inference actor; implement ``_weightsync_loader``."""
 
     _weightsync_ep: WeightUpdateEndpoint | None = None
+    _weightsync_turnstile: ChunkTurnstile | None = None
 
     # -- what the actor provides --------------------------------------------------------------
     def _weightsync_loader(self) -> WeightLoader:
@@ -88,7 +89,14 @@ class WeightSyncEngineMixin:
         await self._weightsync_dispatch("start_weight_update", {"start": start})
 
     async def update_named_weights(self, request: dict) -> None:
-        await self._weightsync_dispatch("update_named_weights", {"request": request})
+        # the sender keeps two chunks in flight and Ray may start an async actor's tasks out
+        # of order: chunks go on to the endpoint (or the vLLM workers) one by one, in order
+        if self._weightsync_turnstile is None:
+            from weightsync.engine import ChunkTurnstile
+
+            self._weightsync_turnstile = ChunkTurnstile()
+        async with self._weightsync_turnstile.turn(request):
+            await self._weightsync_dispatch("update_named_weights", {"request": request})
 
     async def finish_weight_update(self, finish: dict) -> int:
         return await self._weightsync_dispatch("finish_weight_update", {"finish": finish})

@@ -9,6 +9,7 @@ exception) is delivered to the awaiting task if that task still waits, else drop
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
@@ -77,3 +78,51 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "weightsync-io
 
     _POOL.submit(run, name)
     return await fut
+
+
+class SerialLane:
+    """One daemon thread that runs jobs in the order they were submitted: what a pipelining
+    sender needs for work that must happen in request order (collective votes and broadcasts,
+    sends on one connection). ``submit`` never blocks and returns a ``concurrent.futures``
+    future (wrap it with ``asyncio.wrap_future`` to await it). Daemon, so a job stuck on a dead
+    peer never holds up interpreter exit; the thread starts on first use."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: lane is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                self._thread.start()
+            self._jobs.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            del item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # delivered to whoever waits on the future
+                fut.set_exception(e)
+            del fut, fn, args  # an idle lane must not keep a job's tensors alive
+
+    def close(self) -> None:
+        """Jobs already queued still run; the thread then exits."""
+        with self._lock:
+            if not self._closed and self._thread is not None:
+                self._jobs.put(None)
+            self._closed = True

@@ -55,7 +55,7 @@ from weightsync.strategies._process_group import (
     default_master_addr,
     make_master_store,
 )
-from weightsync.strategies._threads import in_thread
+from weightsync.strategies._threads import SerialLane, in_thread
 from weightsync.types import (
     BroadcastWeightUpdateRequest,
     TorchDistributedWeightSyncInfo,
@@ -166,6 +166,9 @@ class BroadcastSender(WeightTransferSender):
         self.align_bytes = DEFAULT_ALIGN
         self.overlap = True
         self._broken: str | None = None
+        self._failed_update: str | None = None
+        # one thread runs every vote and broadcast, in the order the requests were issued
+        self._lane = SerialLane("ws-broadcast-lane")
         self._buffers = _PackBuffers(2, timeout_s=cfg.timeout_s)
         self._inflight: dict[int, tuple[int | None, torch.Tensor | None, PackedLayout | None]] = {}
         self._lock = threading.Lock()
@@ -178,7 +181,6 @@ class BroadcastSender(WeightTransferSender):
         )
         slot = buf = layout = None
         if self.packed:
-            self._reclaim_stale()
             layout = plan_layout(req.metas(), self.align_bytes)
             device = self._device_for(chunk)
             slot, buf = self._buffers.acquire(layout.total_nbytes, device)
@@ -204,7 +206,12 @@ class BroadcastSender(WeightTransferSender):
             )
         with self._lock:
             _, buf, layout = self._inflight.get(id(request), (None, None, None))
-        data = asyncio.ensure_future(in_thread(self._send_data, chunk, buf, layout))
+        # The data job is queued on the lane before the engines' request is issued, with no
+        # await in between: every request the engines get has exactly one sender vote, in
+        # chunk order, even if this task is cancelled or an earlier chunk failed.
+        data = asyncio.wrap_future(
+            self._lane.submit(self._send_data, chunk, buf, layout, request.update_id)
+        )
         engines = asyncio.ensure_future(inference_client.update_named_weights(request.to_dict()))
         try:
             go = await _first_failure(
@@ -216,9 +223,10 @@ class BroadcastSender(WeightTransferSender):
             # The group is out of step when our side of the collective did not finish, and
             # also when a member died or hung, even if our sends already left (gloo completes
             # a broadcast into socket buffers of a peer that is dead by now).
+            self._failed_update = request.update_id  # later chunks of it: the lane votes no
             data_failed = not data.done() or data.cancelled() or data.exception() is not None
             if data_failed or isinstance(e, (EngineDiedError, WeightSyncTimeout)):
-                self._broken = f"{type(e).__name__}: {e}"[:300]
+                self._broken = self._broken or f"{type(e).__name__}: {e}"[:300]
             raise
         if go is False:  # pragma: no cover - engines answered OK but someone voted no
             raise WeightSyncError(
@@ -226,15 +234,29 @@ class BroadcastSender(WeightTransferSender):
             )
 
     def _send_data(
-        self, chunk: WeightChunk, buf: torch.Tensor | None, layout: PackedLayout | None
+        self,
+        chunk: WeightChunk,
+        buf: torch.Tensor | None,
+        layout: PackedLayout | None,
+        update_id: str,
     ) -> bool:
-        """Blocking: vote, then broadcast the bytes. Returns False if a receiver voted no."""
+        """On the lane thread: vote (no, once a chunk of this update failed), then broadcast
+        the bytes. Returns False if anyone voted no. A failed collective breaks the group."""
+        try:
+            return self._vote_and_send(chunk, buf, layout, update_id != self._failed_update)
+        except BaseException as e:
+            self._broken = self._broken or f"{type(e).__name__}: {e}"[:300]
+            raise
+
+    def _vote_and_send(
+        self, chunk: WeightChunk, buf: torch.Tensor | None, layout: PackedLayout | None, go: bool
+    ) -> bool:
         import torch
 
         dev = self.group.device
         ctx = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext()
         with ctx:
-            if self.group.all_reduce_min(1) == 0:
+            if self.group.all_reduce_min(1 if go else 0) == 0:
                 return False
             if buf is not None and layout is not None:
                 for part in layout.split(buf):
@@ -268,18 +290,8 @@ class BroadcastSender(WeightTransferSender):
         if slot is not None:
             self._buffers.release(slot)
 
-    def _reclaim_stale(self) -> None:
-        """A request whose transfer never started (the update failed in between) still holds a
-        buffer. At most one transfer can be in flight while a new request is made, so every
-        entry but the newest is stale."""
-        with self._lock:
-            keys = list(self._inflight)[:-1]
-            stale = [self._inflight.pop(k) for k in keys]
-        for slot, _, _ in stale:
-            if slot is not None:
-                self._buffers.release(slot)
-
     async def close(self) -> None:
+        self._lane.close()
         self._buffers.close()
         self.group.close()
 
@@ -352,6 +364,17 @@ class BroadcastReceiver(WeightTransferReceiver):
                 f"moved (this engine's weights are unchanged)"
             )
         await loader.load_weights(tensors)
+
+    async def refuse(self, request: WeightUpdateRequest) -> None:
+        await in_thread(self._vote_no)
+
+    def _vote_no(self) -> None:
+        import torch
+
+        dev = self.group.device
+        ctx = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            self.group.all_reduce_min(0)
 
     def _recv_data(
         self, request: BroadcastWeightUpdateRequest, ok: bool

@@ -78,7 +78,6 @@ class PackedCudaIpcSender(WeightTransferSender):
         buffers: list[IpcBufferHandle] = []
         buffer_index = [0] * n
         offsets = [0] * n
-        self._reclaim_stale()
         k = None
         if rest:
             layout = plan_layout([metas[i] for i in rest], self.align_bytes)
@@ -159,16 +158,6 @@ class PackedCudaIpcSender(WeightTransferSender):
         with self._lock:
             k = self._slot_of.pop(id(request), None)
         if k is not None:
-            self.pool.release(k)
-
-    def _reclaim_stale(self) -> None:
-        """Requests made but never transferred (an update failed in between) still hold a slot;
-        at most one transfer is in flight while a request is made, so all but the newest are
-        stale."""
-        with self._lock:
-            keys = list(self._slot_of)[:-1]
-            stale = [self._slot_of.pop(key) for key in keys]
-        for k in stale:
             self.pool.release(k)
 
     async def close(self) -> None:
