@@ -23,10 +23,11 @@ SMALL = {"size": "small", "dtype": "float32"}
 STRATEGIES = [
     {"type": "broadcast", "backend": "gloo"},
     {"type": "broadcast", "backend": "gloo", "packed": False},
+    {"type": "broadcast", "backend": "gloo", "max_inflight_chunks": 2},
     {"type": "cuda_ipc"},
     {"type": "packed_cuda_ipc"},
 ]
-IDS = ["broadcast-packed", "broadcast-unpacked", "cuda_ipc", "packed_cuda_ipc"]
+IDS = ["broadcast-packed", "broadcast-unpacked", "broadcast-pipelined", "cuda_ipc", "packed_cuda_ipc"]
 
 
 def chunks_of(sd: dict[str, torch.Tensor], per_chunk: int) -> list[WeightChunk]:
@@ -218,7 +219,7 @@ def test_chunk_rejected_mid_stream_with_the_next_in_flight(engines, models, cfg)
     async def run():
         client = LocalEngineClient(engines, timeout_s=60)
         assert client.max_inflight_updates == 2
-        _, sender = await wire(cfg, client)
+        _, sender = await wire({**cfg, "max_inflight_chunks": 2}, client)
         v = await engines[0].call("get_version")
 
         async def stream():

@@ -19,8 +19,11 @@ SMALL = {"size": "small", "dtype": "float32"}
 TIMEOUT_S = 10.0
 
 
-@pytest.mark.parametrize("strategy", ["broadcast", "cuda_ipc", "packed_cuda_ipc"])
-def test_engine_killed_mid_sync_makes_the_sender_raise_in_time(strategy):
+@pytest.mark.parametrize(
+    "strategy,inflight",
+    [("broadcast", 1), ("broadcast", 2), ("cuda_ipc", 2), ("packed_cuda_ipc", 2)],
+)
+def test_engine_killed_mid_sync_makes_the_sender_raise_in_time(strategy, inflight):
     engines = [
         LocalEngineProcess.spawn(FACTORY, {**SMALL, "fill": "zeros"}, name=f"engine{i}")
         for i in range(2)
@@ -39,7 +42,8 @@ def test_engine_killed_mid_sync_makes_the_sender_raise_in_time(strategy):
 
     async def run():
         client = LocalEngineClient(engines, timeout_s=60)
-        s = build_strategy({"type": strategy, "timeout_s": TIMEOUT_S, "bucket_size_mb": 1})
+        s = build_strategy({"type": strategy, "timeout_s": TIMEOUT_S, "bucket_size_mb": 1,
+                            "max_inflight_chunks": inflight})
         info = await s.create_sync_info(None, client)
         sender = await s.create_sender(None, client, info)
         t0 = time.monotonic()

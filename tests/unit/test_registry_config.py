@@ -257,3 +257,26 @@ def test_config_field_of_wrong_type_is_named(cfg: dict, field: str) -> None:
 def test_config_accepts_int_for_float_and_none_for_optional() -> None:
     s = ws.build_strategy({"type": "broadcast", "bucket_size_mb": 64, "master_port": None})
     assert s.cfg.bucket_size_mb == 64 and s.cfg.master_port is None
+
+
+@pytest.mark.parametrize(
+    "field,value,msg",
+    [
+        ("max_inflight_chunks", 0, "max_inflight_chunks must be >= 1, got 0"),
+        ("bucket_size_mb", 0, "bucket_size_mb must be > 0, got 0"),
+        ("timeout_s", -1.0, "timeout_s must be > 0, got -1.0"),
+    ],
+)
+def test_strategy_numbers_out_of_range_name_the_field(field, value, msg):
+    from weightsync import build_strategy
+
+    with pytest.raises(ValueError, match=msg):
+        build_strategy({"type": "packed_cuda_ipc", field: value})
+
+
+def test_pipelining_defaults():
+    from weightsync import build_strategy
+
+    assert build_strategy({"type": "cuda_ipc"}).cfg.max_inflight_chunks == 2
+    assert build_strategy({"type": "packed_cuda_ipc"}).cfg.max_inflight_chunks == 2
+    assert build_strategy({"type": "broadcast"}).cfg.max_inflight_chunks == 1
