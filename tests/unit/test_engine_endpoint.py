@@ -565,3 +565,24 @@ def test_sender_keeps_at_most_its_window_in_flight(window):
     assert client.peak == window
     assert sender.released == 6
     _assert_weights(engines[0].module, src.state_dict())
+
+
+def test_serial_lane_runs_jobs_in_order_even_when_cancelled():
+    import threading
+
+    from weightsync.strategies._threads import SerialLane
+
+    lane = SerialLane("test-lane")
+    gate = threading.Event()
+    ran: list[int] = []
+    first = lane.submit(lambda: (gate.wait(5), ran.append(0)))
+    futs = [lane.submit(ran.append, i) for i in range(1, 4)]
+    assert futs[1].cancel()  # not started yet: cancelled, yet it must still run in its turn
+    gate.set()
+    first.result(5)
+    futs[2].result(5)
+    assert ran == [0, 1, 2, 3]
+    assert futs[1].cancelled()
+    lane.close()
+    with pytest.raises(RuntimeError, match="lane is closed"):
+        lane.submit(ran.append, 9)

@@ -84,7 +84,9 @@ class SerialLane:
     """One daemon thread that runs jobs in the order they were submitted: what a pipelining
     sender needs for work that must happen in request order (collective votes and broadcasts,
     sends on one connection). ``submit`` never blocks and returns a ``concurrent.futures``
-    future (wrap it with ``asyncio.wrap_future`` to await it). Daemon, so a job stuck on a dead
+    future (wrap it with ``asyncio.wrap_future`` to await it). A submitted job always runs, in
+    its turn: cancelling its future only drops the result (a peer may be waiting for the vote
+    or message it makes). Daemon, so a job stuck on a dead
     peer never holds up interpreter exit; the thread starts on first use."""
 
     def __init__(self, name: str) -> None:
@@ -112,12 +114,15 @@ class SerialLane:
                 return
             fut, fn, args = item
             del item
-            if not fut.set_running_or_notify_cancel():
-                continue
+            wanted = fut.set_running_or_notify_cancel()  # cancelled: still run, drop the result
             try:
-                fut.set_result(fn(*args))
+                result = fn(*args)
             except BaseException as e:  # delivered to whoever waits on the future
-                fut.set_exception(e)
+                if wanted:
+                    fut.set_exception(e)
+            else:
+                if wanted:
+                    fut.set_result(result)
             del fut, fn, args  # an idle lane must not keep a job's tensors alive
 
     def close(self) -> None:
