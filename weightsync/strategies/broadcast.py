@@ -217,15 +217,17 @@ class BroadcastSender(WeightTransferSender):
             go = await _first_failure(
                 data, engines, self.cfg.timeout_s, f"chunk {request.chunk_index}"
             )
-        except WeightMismatchError:
-            raise
         except BaseException as e:
-            # The group is out of step when our side of the collective did not finish, and
-            # also when a member died or hung, even if our sends already left (gloo completes
-            # a broadcast into socket buffers of a peer that is dead by now).
             self._failed_update = request.update_id  # later chunks of it: the lane votes no
+            # A refusal (mismatch) leaves the group in step. It is out of step when our side of
+            # the collective did not finish, and also when a member died or hung, even if our
+            # sends already left (gloo completes a broadcast into the socket buffers of a peer
+            # that is dead by now).
+            dead = isinstance(e, (EngineDiedError, WeightSyncTimeout))
+            if not data.done() and not dead:  # a refusing engine still votes: let it finish
+                await asyncio.wait({data}, timeout=_ENGINE_ERROR_GRACE_S)
             data_failed = not data.done() or data.cancelled() or data.exception() is not None
-            if data_failed or isinstance(e, (EngineDiedError, WeightSyncTimeout)):
+            if not isinstance(e, WeightMismatchError) and (data_failed or dead):
                 self._broken = self._broken or f"{type(e).__name__}: {e}"[:300]
             raise
         if go is False:  # pragma: no cover - engines answered OK but someone voted no
