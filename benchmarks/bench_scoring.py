@@ -46,7 +46,7 @@ SERVER_ARGS = ["--max-model-len", "256"]
 
 
 def make_texts(n: int, seed: int = 0) -> list[str]:
-    from weightsync.demo_data import make_pairs, pair_texts
+    from weightsync.demo.data import make_pairs, pair_texts
 
     chosen, rejected = pair_texts(make_pairs((n + 1) // 2, seed=seed))
     return (chosen + rejected)[:n]
@@ -81,7 +81,7 @@ class TransformersReference:
     """The HF forward on ``texts``: swept once, then re-measured at its best configuration."""
 
     def __init__(self, model_dir: str, texts: list[str], repeats: int) -> None:
-        from weightsync.demo_train import load_reward_model
+        from weightsync.demo.train import load_reward_model
 
         self.model, self.tok = load_reward_model(model_dir)
         self.texts, self.repeats = texts, repeats
@@ -92,7 +92,7 @@ class TransformersReference:
     def run(self, threads: int, batch_size: int) -> tuple[float, list[float]]:
         import torch
 
-        from weightsync.demo_train import hf_scores
+        from weightsync.demo.train import hf_scores
 
         torch.set_num_threads(threads)
         return timed(lambda: hf_scores(self.model, self.tok, self.texts, batch_size=batch_size),
@@ -142,7 +142,7 @@ def row(method: str, batch: int | str, texts: list[str], seconds: float, scores:
 def bench_server(model_dir: str, texts: list[str], batch_sizes: list[int], repeats: int,
                  ref: TransformersReference, scratch: str,
                  progress: Callable[[str], None]) -> list[dict]:
-    from weightsync.demo_server import RewardServerProcess
+    from weightsync.demo.server import RewardServerProcess
     from weightsync.reward.client import VLLMRewardClient
 
     recs = []
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = p.parse_args(argv)
 
-    from weightsync.demo_report import Progress, format_markdown_table, format_table
+    from weightsync.demo.report import Progress, format_markdown_table, format_table
     from weightsync.tiny_models import build_tiny_reward_model
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = list(os.getloadavg())  # other work on the machine skews absolute figures
     texts = make_texts(args.num_texts)
     recs: list[dict] = []
-    from weightsync.demo_server import signals_raise_system_exit
+    from weightsync.demo.server import signals_raise_system_exit
 
     with signals_raise_system_exit(), tempfile.TemporaryDirectory(prefix="bench-scoring-") as scratch:
         os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(scratch, "vllm-cache"))

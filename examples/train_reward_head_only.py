@@ -19,9 +19,9 @@ import tempfile
 async def main(strategy: str, rounds: int) -> None:
     import torch
 
-    from weightsync.demo_data import make_preference_split, pair_texts, pairwise_accuracy
-    from weightsync.demo_server import RewardServerProcess, free_port, signals_raise_system_exit
-    from weightsync.demo_train import head_params, load_reward_model, pooled_features, train_head
+    from weightsync.demo.data import make_preference_split, pair_texts, pairwise_accuracy
+    from weightsync.demo.server import RewardServerProcess, free_port, signals_raise_system_exit
+    from weightsync.demo.train import head_params, load_reward_model, pooled_features, train_head
     from weightsync.reward.client import VLLMRewardClient
     from weightsync.reward.types import RewardModelTrainingMode
     from weightsync.tiny_models import build_tiny_reward_model

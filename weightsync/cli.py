@@ -23,7 +23,7 @@ _SUBCOMMANDS = {
 
 def build_bench_parser(prog: str = "weightsync bench") -> argparse.ArgumentParser:
     from weightsync.bench import DEFAULT_STRATEGIES, NAIVE_MAX_TENSORS
-    from weightsync.bench_shapes import shape_names
+    from weightsync.bench.shapes import shape_names
 
     p = argparse.ArgumentParser(
         prog=prog,

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from weightsync import demo_data as dd
+from weightsync.demo import data as dd
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_last_tokens_of_chosen_and_rejected_differ(tiny_model_dir):
 def test_features_reproduce_the_transformers_forward(tiny_model_dir):
     import torch
 
-    from weightsync import demo_train as dt
+    from weightsync.demo import train as dt
 
     model, tok = dt.load_reward_model(tiny_model_dir)
     texts = dd.pair_texts(dd.make_pairs(12, seed=1))[0]
@@ -67,7 +67,7 @@ def test_features_reproduce_the_transformers_forward(tiny_model_dir):
 def test_head_training_lifts_accuracy_and_touches_only_the_head(tiny_model_dir):
     import torch
 
-    from weightsync import demo_train as dt
+    from weightsync.demo import train as dt
 
     torch.set_num_threads(1)
     model, tok = dt.load_reward_model(tiny_model_dir)
@@ -93,7 +93,7 @@ def test_head_training_lifts_accuracy_and_touches_only_the_head(tiny_model_dir):
 def test_train_head_rejects_mismatched_features(tiny_model_dir):
     import torch
 
-    from weightsync import demo_train as dt
+    from weightsync.demo import train as dt
 
     model, _ = dt.load_reward_model(tiny_model_dir)
     with pytest.raises(ValueError, match="chosen features"):
@@ -102,7 +102,7 @@ def test_train_head_rejects_mismatched_features(tiny_model_dir):
 
 def test_demo_config_defaults_match_yaml_and_overrides_apply(tmp_path):
     from weightsync import demo
-    from weightsync.demo_config import DEFAULT_CONFIG, DemoConfig, load_demo_config
+    from weightsync.demo.config import DEFAULT_CONFIG, DemoConfig, load_demo_config
 
     assert load_demo_config(DEFAULT_CONFIG) == DemoConfig()
     args = demo.build_parser().parse_args(

@@ -17,7 +17,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-FACTORY = "weightsync.bench_shapes:build_module"
+FACTORY = "weightsync.bench.shapes:build_module"
 TINY = {"shape": "tiny", "dtype": "float32"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

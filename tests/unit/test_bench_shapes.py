@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weightsync.bench import BenchConfig, compare_digests, format_table, validate_config
-from weightsync.bench_shapes import build_module, shape_numel, shape_specs
+from weightsync.bench.shapes import build_module, shape_numel, shape_specs
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ torch-module actors, and a controller that wires a sync group and runs syncs.
         spawn_engine_actors, spawn_trainer_actor, wire_sync_group, run_sync,
     )
 
-    engines = spawn_engine_actors(2, "weightsync.bench_shapes:build_module", {"shape": "tiny"})
-    trainer = spawn_trainer_actor("weightsync.bench_shapes:build_module", {"shape": "tiny"})
+    engines = spawn_engine_actors(2, "weightsync.bench.shapes:build_module", {"shape": "tiny"})
+    trainer = spawn_trainer_actor("weightsync.bench.shapes:build_module", {"shape": "tiny"})
     group = wire_sync_group(trainer, engines, {"type": "broadcast", "backend": "gloo"})
     run_sync(group)   # -> stats dict, engines publish version 1
 

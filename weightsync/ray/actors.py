@@ -3,7 +3,7 @@
 Both are plain classes (so ``import weightsync.ray`` does not import Ray); make them actors with
 ``ray.remote(TorchModuleEngineActor).options(num_cpus=0).remote(...)`` or ``spawn_*`` below.
 The module comes from a factory string ``"pkg.mod:fn"`` called with ``factory_kwargs`` in the
-actor's process, e.g. ``"weightsync.bench_shapes:build_module"`` with
+actor's process, e.g. ``"weightsync.bench.shapes:build_module"`` with
 ``{"shape": "tiny", "seed": 0}``.
 """
 

@@ -1,7 +1,7 @@
 """``weightsync bench``: move a model of a named shape through each strategy between two real
 processes, check every tensor arrived bit-exact, and compare with references from the same run.
 
-Sender: this process (a module built by ``weightsync.bench_shapes.build_module``, random
+Sender: this process (a module built by ``weightsync.bench.shapes.build_module``, random
 values, extracted with the ``hf`` extractor like a trainer would). Receiver: a
 ``weightsync.local.LocalEngineProcess`` holding a module with the same names and shapes and
 different values (a constant). Per strategy: one warm-up sync (reported as ``first_seconds``),
@@ -10,7 +10,7 @@ values); ``seconds`` is their median, wall time of ``send_chunks`` (extract, sta
 received and loaded, finish). After the last sync the receiver's state digest must equal the
 sender's (``bit_exact``).
 
-References (``weightsync.bench_reference``): on CPU a memcpy of the same bytes; on CUDA a raw
+References (``weightsync.bench.reference``): on CPU a memcpy of the same bytes; on CUDA a raw
 device copy (IPC strategies) or a raw broadcast of one flat buffer (``broadcast``). The copy is
 timed right before every timed sync and its median is the row's reference, so a busy machine
 slows both alike. Broadcast rows also report the raw broadcast of one flat buffer over the same
@@ -180,7 +180,7 @@ async def bench_strategy(
         log(f"{name}: starting receiver process")
         device, env = receiver_placement(name, cfg)
         engine = await asyncio.to_thread(
-            LocalEngineProcess.spawn, "weightsync.bench_shapes:build_module",
+            LocalEngineProcess.spawn, "weightsync.bench.shapes:build_module",
             {"shape": cfg.shape, "dtype": cfg.dtype, "device": device, "fill": 0.0},
             name=f"bench-{name}", env=env or None,
         )
@@ -262,8 +262,8 @@ async def _quietly(aw: Any) -> None:
 
 
 async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
-    from weightsync.bench_reference import MemcpyProbe, raw_broadcast_gbps
-    from weightsync.bench_shapes import build_module, shape_numel, shape_specs
+    from weightsync.bench.reference import MemcpyProbe, raw_broadcast_gbps
+    from weightsync.bench.shapes import build_module, shape_numel, shape_specs
 
     log = _logger(cfg.quiet)
     validate_config(cfg)
@@ -349,7 +349,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
 
 def validate_config(cfg: BenchConfig) -> None:
     """Raise ``ValueError`` naming the bad field and the valid values."""
-    from weightsync.bench_shapes import get_shape
+    from weightsync.bench.shapes import get_shape
 
     get_shape(cfg.shape)
     valid = valid_strategy_names()

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.demo_config import DemoConfig
-from weightsync.demo_report import Progress
-from weightsync.demo_server import signals_raise_system_exit
+from weightsync.demo.config import DemoConfig
+from weightsync.demo.report import Progress
+from weightsync.demo.server import signals_raise_system_exit
 
 
 @dataclass(kw_only=True)
@@ -186,7 +186,7 @@ class DemoRun:
         )
 
     def start_server(self, model_dir: str, wd: str) -> None:
-        from weightsync.demo_server import RewardServerProcess
+        from weightsync.demo.server import RewardServerProcess
 
         s = self.cfg.server
         self.server = RewardServerProcess(
@@ -199,7 +199,8 @@ class DemoRun:
         )
 
     def train(self, model_dir: str) -> _Trained:
-        from weightsync import demo_data, demo_train
+        from weightsync.demo import data as demo_data
+        from weightsync.demo import train as demo_train
         from weightsync.reward.types import RewardModelTrainingMode
 
         cfg, r, progress = self.cfg, self.result, self.progress
@@ -254,7 +255,7 @@ class DemoRun:
         self.progress(f"reward server healthy (waited {waited:.1f}s more)")
 
     def _client(self) -> Any:
-        from weightsync.demo_server import free_port
+        from weightsync.demo.server import free_port
         from weightsync.reward.client import VLLMRewardClient
 
         host = self.server.host
@@ -269,7 +270,7 @@ class DemoRun:
         )
 
     async def score_sync_score(self, t: _Trained) -> None:
-        from weightsync.demo_data import pairwise_accuracy
+        from weightsync.demo.data import pairwise_accuracy
 
         r, progress, n = self.result, self.progress, t.num_pairs
         async with self._client() as client:

@@ -7,7 +7,7 @@ Entry points: ``weightsync demo [...]`` (the CLI dispatches to ``main(argv)``) a
    temp dir;
 2. start the reward server on it as a real subprocess (``weightsync.reward.server``, vLLM) on a
    free port; it boots while the trainer works;
-3. build a synthetic preference set (``weightsync.demo_data``), take the transformers reference
+3. build a synthetic preference set (``weightsync.demo.data``), take the transformers reference
    scores of the held-out pairs, and train the head in this process with the Bradley-Terry loss
    (``--mode head_only``: only ``score.weight``; ``--mode full``: a short full fine-tune);
 4. once the server is healthy, score the held-out pairs through it (pairwise accuracy before,
@@ -21,7 +21,7 @@ A summary table closes the run; ``--json PATH`` writes the record (also when the
 Exit code 0 when every check holds, 1 when one fails or the run breaks, 2 for bad arguments,
 130 on Ctrl-C. The server subprocess is stopped on every path (normal exit, exception, Ctrl-C,
 SIGTERM/SIGHUP, interpreter exit). This module is the command line; the run itself is
-``weightsync.demo_run`` (``run_demo(cfg)`` for library use).
+``weightsync.demo.run`` (``run_demo(cfg)`` for library use).
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ import json
 import os
 import sys
 
-from weightsync.demo_config import (
+from weightsync.demo.config import (
     STRATEGY_PRESETS,
     TRAIN_MODES,
     DemoConfig,
     load_demo_config,
     strategy_from_name,
 )
-from weightsync.demo_report import Progress, format_table
-from weightsync.demo_run import DemoResult, run_demo, strategy_label
+from weightsync.demo.report import Progress, format_table
+from weightsync.demo.run import DemoResult, run_demo, strategy_label
 
 __all__ = ["DemoResult", "apply_overrides", "build_parser", "main", "run_demo", "summary_table"]
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print("weightsync demo: interrupted", file=sys.stderr)
         result.failures.append("interrupted")
         code = 130
-    except SystemExit as e:  # SIGTERM / SIGHUP (see demo_server.signals_raise_system_exit); the server is down
+    except SystemExit as e:  # SIGTERM / SIGHUP (see weightsync.demo.server.signals_raise_system_exit); the server is down
         code = e.code if isinstance(e.code, int) and e.code else 1
         print(f"weightsync demo: terminated (exit {code})", file=sys.stderr)
         result.failures.append(f"terminated by a signal (exit {code})")
@@ -158,6 +158,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwrote {args.json_path}")
     return code
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,7 +4,7 @@ values, nothing downloaded.
 ``shape_specs(name)`` lists ``(hf_name, shape)`` in the order HF's ``named_parameters()`` yields
 them; ``build_module(shape=..., dtype=..., seed=..., device=..., fill=...)`` builds an
 ``nn.Module`` whose ``state_dict()`` has exactly those names. ``build_module`` is importable as
-``"weightsync.bench_shapes:build_module"``, the factory string that ``LocalEngineProcess`` and
+``"weightsync.bench.shapes:build_module"``, the factory string that ``LocalEngineProcess`` and
 the Ray actors take, so the sender and every engine build the same names and shapes.
 
 Tied embeddings (Qwen2-0.5B/1.5B) appear once, under ``model.embed_tokens.weight``: what an
