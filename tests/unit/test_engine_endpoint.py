@@ -538,7 +538,7 @@ class SlowOrderedClient(DirectClient):
                 from weightsync.engine import ChunkTurnstile
 
                 self.gate = ChunkTurnstile(timeout_s=10)
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # long enough for the next request to be issued meanwhile
             async with self.gate.turn(request):
                 await super().update_named_weights(request)
         finally:
