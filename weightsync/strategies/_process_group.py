@@ -77,6 +77,18 @@ class Group:
     store: Any = None
     _extra: dict = field(default_factory=dict)
 
+    def on_device(self) -> Any:
+        """Context that makes the group's CUDA device current (a no-op for gloo): collectives
+        run in helper threads, whose current device is not the caller's."""
+        import contextlib
+
+        dev = self.device
+        if dev is not None and dev.type == "cuda":
+            import torch
+
+            return torch.cuda.device(dev)
+        return contextlib.nullcontext()
+
     # -- collectives ---------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         import torch.distributed as dist

@@ -256,8 +256,7 @@ class BroadcastSender(WeightTransferSender):
         import torch
 
         dev = self.group.device
-        ctx = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext()
-        with ctx:
+        with self.group.on_device():
             if self.group.all_reduce_min(1 if go else 0) == 0:
                 return False
             if buf is not None and layout is not None:
@@ -371,21 +370,13 @@ class BroadcastReceiver(WeightTransferReceiver):
         await in_thread(self._vote_no)
 
     def _vote_no(self) -> None:
-        import torch
-
-        dev = self.group.device
-        ctx = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext()
-        with ctx:
+        with self.group.on_device():
             self.group.all_reduce_min(0)
 
     def _recv_data(
         self, request: BroadcastWeightUpdateRequest, ok: bool
     ) -> dict[str, torch.Tensor] | None:
-        import torch
-
-        dev = self.group.device
-        ctx = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext()
-        with ctx:
+        with self.group.on_device():
             if self.group.all_reduce_min(1 if ok else 0) == 0:
                 return None
             layout = plan_layout(request.metas(), request.align_bytes)
