@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from weightsync.demo.report import Progress, format_markdown_table, format_table
-    from weightsync.tiny_models import build_tiny_reward_model
+    from weightsync.testing.tiny_models import build_tiny_reward_model
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     methods = set(args.methods.split(","))

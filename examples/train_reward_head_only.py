@@ -24,7 +24,7 @@ async def main(strategy: str, rounds: int) -> None:
     from weightsync.demo.train import head_params, load_reward_model, pooled_features, train_head
     from weightsync.reward.client import VLLMRewardClient
     from weightsync.reward.types import RewardModelTrainingMode
-    from weightsync.tiny_models import build_tiny_reward_model
+    from weightsync.testing.tiny_models import build_tiny_reward_model
 
     torch.set_num_threads(1)  # leave the other core to the server
     with tempfile.TemporaryDirectory() as tmp:

@@ -95,7 +95,7 @@ class LoaderConfig:
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
-    """A whole preset: what ``configs/*.yaml`` hold."""
+    """A whole preset: what the shipped ``weightsync/configs/*.yaml`` hold."""
 
     strategy: dict[str, Any] = field(default_factory=lambda: {"type": "broadcast"})
     extractor: dict[str, Any] = field(default_factory=lambda: {"type": "hf"})
@@ -108,10 +108,10 @@ class WeightSyncConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def _to_plain(cfg: Any) -> dict[str, Any]:
+def to_plain(cfg: Any) -> dict[str, Any]:
     """Mapping / OmegaConf node / dataclass / YAML path -> plain dict."""
     if isinstance(cfg, (str, os.PathLike)):
-        return _to_plain(_read_yaml(cfg))
+        return to_plain(_read_yaml(cfg))
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         return dataclasses.asdict(cfg)
     if type(cfg).__module__.startswith("omegaconf"):
@@ -189,7 +189,7 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def _build(registry: Registry, cfg: Any, section: str, default_type: str, **kwargs: Any) -> Any:
-    data = _to_plain(cfg) if cfg is not None else {}
+    data = to_plain(cfg) if cfg is not None else {}
     if section in data and isinstance(data[section], Mapping) and "type" not in data:
         data = dict(data[section])  # a whole preset was given
     kind = data.get("type", default_type)
@@ -217,19 +217,53 @@ def build_loader(cfg: Any = None, **kwargs: Any) -> Any:
 
 
 def load_config(path: str | os.PathLike) -> WeightSyncConfig:
-    """Read a preset (``configs/*.yaml``) into a ``WeightSyncConfig``.
-
-    A bare name such as ``"broadcast_gloo"`` is looked up in the package's ``configs/``.
-    """
+    """Read a preset into a ``WeightSyncConfig``: a YAML path, or the bare name of a preset
+    shipped inside the package (``"broadcast_nccl"``, see ``preset_names()``; found through
+    ``importlib.resources``, so it works from an installed wheel and from any directory). An
+    existing file wins over a preset of the same name."""
     p = os.fspath(path)
-    if not os.path.exists(p):
-        candidate = os.path.join(CONFIG_DIR, p if p.endswith(".yaml") else p + ".yaml")
-        if os.path.exists(candidate):
-            p = candidate
-        else:
-            raise FileNotFoundError(f"no config at {p!r} nor a preset {candidate!r}")
-    data = _to_plain(p)
-    return make_config(WeightSyncConfig, data, what=f"config {p}")
+    if os.path.exists(p):
+        data, where = to_plain(p), p
+    else:
+        data, where = read_preset(p), f"preset {p!r}"
+    return make_config(WeightSyncConfig, data, what=f"config {where}")
 
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# --------------------------------------------------------------------------------------------
+# Presets shipped as package data (weightsync/configs/*.yaml)
+# --------------------------------------------------------------------------------------------
+
+
+def _preset_dir() -> Any:
+    from importlib.resources import files
+
+    return files("weightsync") / "configs"
+
+
+def preset_names() -> list[str]:
+    """Names of the YAML presets shipped in the package (``weightsync/configs/*.yaml``)."""
+    return sorted(e.name[: -len(".yaml")] for e in _preset_dir().iterdir()
+                  if e.name.endswith(".yaml"))
+
+
+def read_preset(name: str) -> dict[str, Any]:
+    """The shipped preset ``name`` (``"demo"`` or ``"demo.yaml"``) as a plain dict; an unknown
+    name raises ``FileNotFoundError`` listing the presets there are."""
+    base = os.path.basename(name)
+    stem = base[: -len(".yaml")] if base.endswith(".yaml") else base
+    entry = _preset_dir() / f"{stem}.yaml"
+    if base != name or not entry.is_file():
+        raise FileNotFoundError(
+            f"no config file at {name!r} and no preset of that name in the package; "
+            f"presets: {', '.join(preset_names())}"
+        )
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.create(entry.read_text()), resolve=True)  # type: ignore[return-value]
+
+
+def preset_path(name: str) -> str:
+    """File path of the shipped preset ``name``, for tools that take a path (``--config``)."""
+    read_preset(name)  # the same check and error
+    stem = name[: -len(".yaml")] if name.endswith(".yaml") else name
+    return str(_preset_dir() / f"{stem}.yaml")

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from weightsync import WeightChunk, build_strategy  # noqa: E402
 from weightsync.local import LocalEngineClient, LocalEngineProcess  # noqa: E402
 from weightsync.local.modules import qwen2_module  # noqa: E402
-from weightsync.local.worker import tensor_digest  # noqa: E402
+from weightsync.testing.digest import tensor_digest  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -84,7 +84,7 @@ def test_packed_cuda_ipc_cpu_tensors_into_gpu_engine():
 
 
 def test_cuda_handle_round_trip_in_process():
-    from weightsync.strategies._cuda_handles import encode
+    from weightsync._runtime.cuda_handles import encode
 
     t = torch.arange(1 << 20, dtype=torch.int32, device="cuda")[7:]
     h = encode(t.contiguous())

@@ -73,7 +73,7 @@ async def sync_loop(
     """Every rank: ``steps`` x (train, sync). Rank 0 owns the engine and writes the report."""
     from weightsync import build_strategy
     from weightsync.local import LocalEngineClient, LocalEngineProcess
-    from weightsync.local.worker import tensor_digest
+    from weightsync.testing.digest import tensor_digest
 
     metas = ext.metadata(model)  # no collective
     names = [m.name for m in metas]

@@ -130,7 +130,7 @@ def stop_reward_server(handle: RewardServerHandle) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from weightsync.tiny_models import build_tiny_reward_model
+    from weightsync.testing.tiny_models import build_tiny_reward_model
 
     return build_tiny_reward_model(tmp_path_factory.mktemp("tiny-rm") / "model", seed=0)
 

@@ -14,7 +14,7 @@ from weightsync.demo import data as dd
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from weightsync.tiny_models import build_tiny_reward_model
+    from weightsync.testing.tiny_models import build_tiny_reward_model
 
     return build_tiny_reward_model(tmp_path_factory.mktemp("demo-parts") / "m")
 
@@ -102,9 +102,10 @@ def test_train_head_rejects_mismatched_features(tiny_model_dir):
 
 def test_demo_config_defaults_match_yaml_and_overrides_apply(tmp_path):
     from weightsync import demo
-    from weightsync.demo.config import DEFAULT_CONFIG, DemoConfig, load_demo_config
+    from weightsync.config import preset_path
+    from weightsync.demo.config import DemoConfig, load_demo_config
 
-    assert load_demo_config(DEFAULT_CONFIG) == DemoConfig()
+    assert load_demo_config(preset_path("demo")) == DemoConfig() == load_demo_config()
     args = demo.build_parser().parse_args(
         ["--strategy", "packed_cuda_ipc", "--mode", "full", "--steps", "7", "--seed", "5"]
     )

@@ -13,7 +13,7 @@ import torch
 from weightsync import WeightSyncError
 from weightsync.local import LocalEngineClient, LocalEngineProcess
 from weightsync.local.modules import qwen2_metas, qwen2_module
-from weightsync.local.worker import tensor_digest
+from weightsync.testing.digest import tensor_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

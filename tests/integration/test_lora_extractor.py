@@ -165,7 +165,7 @@ def test_lora_sync_into_engine_process_is_bit_exact() -> None:
     """Merged weights through the real broadcast (gloo) strategy into a real engine process."""
     from weightsync import build_strategy
     from weightsync.local import LocalEngineClient, LocalEngineProcess
-    from weightsync.local.worker import tensor_digest
+    from weightsync.testing.digest import tensor_digest
 
     model = _peft_model(seed=6)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

@@ -39,8 +39,8 @@ async def _rank_async(rank: int, world: int, out_path: str) -> None:
 
     from weightsync.errors import WeightMismatchError
     from weightsync.local import LocalEngineClient, LocalEngineProcess
-    from weightsync.local.worker import tensor_digest
     from weightsync.reward.publisher import RewardModelPublisher
+    from weightsync.testing.digest import tensor_digest
 
     model = _model()
     names = list(model.state_dict())

@@ -187,7 +187,7 @@ def test_trainer_actor_syncs_vllm_engine_actor(ray_cluster, tmp_path):
 
     from weightsync.ray import run_sync, spawn_trainer_actor, wire_sync_group
     from weightsync.ray.vllm import VLLMEngineActor
-    from weightsync.tiny_models import build_tiny_reward_model
+    from weightsync.testing.tiny_models import build_tiny_reward_model
 
     base = build_tiny_reward_model(tmp_path / "base", seed=0, head_std=0.5)
     new = build_tiny_reward_model(tmp_path / "new", seed=7, head_std=0.5)

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from weightsync.config import CONFIG_DIR
+from weightsync.config import preset_path
 from weightsync.reward.server import RewardServerConfig, engine_args, parse_args
 
 
 def test_presets_load_and_flags_win(monkeypatch):
     monkeypatch.delenv("WEIGHTSYNC_API_KEY", raising=False)
-    cfg = parse_args(["--config", os.path.join(CONFIG_DIR, "reward_server.yaml"), "--model", "m",
+    cfg = parse_args(["--config", preset_path("reward_server"), "--model", "m",
                       "--port", "9001"])
     assert cfg.port == 9001 and cfg.model == "m" and cfg.device == "cpu"
     assert cfg.kv_cache_memory_bytes == 256 << 20 and cfg.api_key is None
-    gpu = parse_args(["--config", os.path.join(CONFIG_DIR, "reward_server_gpu.yaml"), "--model", "m"])
+    gpu = parse_args(["--config", preset_path("reward_server_gpu"), "--model", "m"])
     assert gpu.device == "cuda" and gpu.gpu_memory_utilization == 0.3 and gpu.enforce_eager is False
 
 

@@ -19,7 +19,7 @@ TEXTS = ["The answer is clear and polite.", "no", "Weights move from the trainer
 
 @pytest.fixture(scope="module")
 def server3(tmp_path_factory, reward_server_launcher):
-    from weightsync.tiny_models import build_tiny_reward_model
+    from weightsync.testing.tiny_models import build_tiny_reward_model
 
     root = tmp_path_factory.mktemp("rm3")
     model_dir = build_tiny_reward_model(root / "model", family="llama", num_labels=3, seed=3)

@@ -14,7 +14,7 @@ import torch
 from weightsync import WeightChunk, WeightMismatchError, build_strategy
 from weightsync.local import LocalEngineClient, LocalEngineProcess
 from weightsync.local.modules import qwen2_module
-from weightsync.local.worker import tensor_digest
+from weightsync.testing.digest import tensor_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

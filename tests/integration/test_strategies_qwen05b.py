@@ -16,7 +16,7 @@ from weightsync import WeightChunk, build_strategy
 from weightsync.interfaces import WeightExtractor
 from weightsync.local import LocalEngineClient, LocalEngineProcess
 from weightsync.local.modules import qwen2_module
-from weightsync.local.worker import tensor_digest
+from weightsync.testing.digest import tensor_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -16,8 +16,8 @@ import torch
 from weightsync import build_extractor, build_strategy
 from weightsync.local import LocalEngineClient, LocalEngineProcess
 from weightsync.local.modules import qwen2_module
-from weightsync.local.worker import tensor_digest
 from weightsync.strategies import locate_shared, share_cpu_weights
+from weightsync.testing.digest import tensor_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weightsync._runtime import vllm_compat as compat
 from weightsync.errors import UpdateIncompleteError, WeightMismatchError, WeightSyncError
-from weightsync.loaders import _vllm_compat as compat
 from weightsync.loaders.vllm import raise_for_results
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -25,7 +25,7 @@ def test_checkpoint_metadata_reads_headers(tmp_path):
 
 
 def test_tiny_model_checkpoint_names(tmp_path):
-    from weightsync.tiny_models import build_tiny_reward_model
+    from weightsync.testing.tiny_models import build_tiny_reward_model
 
     meta = compat.checkpoint_metadata(build_tiny_reward_model(tmp_path / "m"))
     assert meta["score.weight"] == ("float32", [1, 64])

@@ -29,8 +29,8 @@ def rm(tmp_path_factory):
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA is live in this process
     from vllm import LLM
 
-    from weightsync.loaders._vllm_compat import shutdown_llm
-    from weightsync.tiny_models import build_tiny_reward_model
+    from weightsync._runtime.vllm_compat import shutdown_llm
+    from weightsync.testing.tiny_models import build_tiny_reward_model
 
     root = tmp_path_factory.mktemp("gpu-rm")
     base = build_tiny_reward_model(root / "base", seed=0, head_std=1.0)

@@ -22,8 +22,8 @@ EXT = "weightsync.loaders.vllm.WeightSyncWorkerExtension"
 def lm(tmp_path_factory):
     from vllm import LLM
 
-    from weightsync.loaders._vllm_compat import shutdown_llm
-    from weightsync.tiny_models import build_tiny_causal_lm
+    from weightsync._runtime.vllm_compat import shutdown_llm
+    from weightsync.testing.tiny_models import build_tiny_causal_lm
 
     root = tmp_path_factory.mktemp("lm")
     base = build_tiny_causal_lm(root / "base", seed=0)

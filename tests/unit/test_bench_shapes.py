@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bench import BenchConfig, compare_digests, format_table, validate_config
+from weightsync.bench import BenchConfig, format_table, validate_config
 from weightsync.bench.shapes import build_module, shape_numel, shape_specs
+from weightsync.testing.digest import compare_digests
 
 
 @pytest.mark.parametrize(

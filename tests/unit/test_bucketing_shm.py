@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
+from weightsync._runtime.pool import BufferPool
+from weightsync._runtime.shm import AttachedSegments, SizedSegmentPool, attach_segment
 from weightsync.errors import WeightSyncError, WeightSyncTimeout
-from weightsync.strategies._pool import BufferPool
-from weightsync.strategies._shm import AttachedSegments, SizedSegmentPool, attach_segment
 
 
 def _exists(name: str) -> bool:

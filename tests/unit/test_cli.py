@@ -1,5 +1,5 @@
 """``weightsync`` CLI: argument errors name the argument and list the valid values; ``demo`` and
-``serve-reward`` hand their arguments to the other modules' ``main(argv)``."""
+``serve-reward`` (and ``bench``) hand their arguments to their modules' ``main(argv)``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from weightsync import cli
 from weightsync.bench import DEFAULT_STRATEGIES
+from weightsync.bench import cli as bench_cli
 
 
 def _error(capsys, argv):
@@ -50,11 +51,11 @@ def test_bad_bench_arguments(capsys, argv, expected):
 
 
 def test_strategy_all_and_lists_parse():
-    cfg = cli.parse_bench_args(["--shape", "tiny"])
+    cfg = bench_cli.parse_args(["--shape", "tiny"])
     assert cfg.strategies == DEFAULT_STRATEGIES and cfg.shape == "tiny"
     assert cfg.skip_slow_naive  # 'all' skips the per-tensor row on shapes where it takes minutes
-    assert not cli.parse_bench_args(["--strategy", "naive"]).skip_slow_naive
-    cfg = cli.parse_bench_args(
+    assert not bench_cli.parse_args(["--strategy", "naive"]).skip_slow_naive
+    cfg = bench_cli.parse_args(
         ["--strategy", "packed_cuda_ipc, cuda_ipc", "--bucket-mb", "64", "--dtype", "float32",
          "--repeats", "5", "--json", "out.json", "--backend", "gloo"]
     )

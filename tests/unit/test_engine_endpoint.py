@@ -570,7 +570,7 @@ def test_sender_keeps_at_most_its_window_in_flight(window):
 def test_serial_lane_runs_jobs_in_order_even_when_cancelled():
     import threading
 
-    from weightsync.strategies._threads import SerialLane
+    from weightsync._runtime.threads import SerialLane
 
     lane = SerialLane("test-lane")
     gate = threading.Event()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import weightsync as ws
-from weightsync.config import CONFIG_DIR
+from weightsync.config import preset_path
 from weightsync.extractors.hf import (
     HFHeadWeightExtractor,
     HFWeightExtractor,
@@ -313,8 +312,7 @@ def test_head_empty_patterns_refused():
     "preset,cls", [("extractor_hf", HFWeightExtractor), ("extractor_hf_head", HFHeadWeightExtractor)]
 )
 def test_presets_build(preset, cls):
-    path = os.path.join(CONFIG_DIR, f"{preset}.yaml")
-    ex = ws.build_extractor(path)
+    ex = ws.build_extractor(preset_path(preset))
     assert type(ex) is cls
     assert isinstance(ex.cfg, cls.config_cls)
     assert ws.load_config(preset).extractor["type"] == cls.name

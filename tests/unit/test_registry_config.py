@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
 import weightsync as ws
-from weightsync.config import CONFIG_DIR, WeightSyncConfig, make_config
+from weightsync.config import WeightSyncConfig, make_config, preset_names, read_preset
 from weightsync.interfaces import WeightTransferStrategy
 from weightsync.registry import EXTRACTORS, LOADERS, STRATEGIES, Registry
 
@@ -201,14 +199,12 @@ _SECTIONS = {f.name for f in dataclasses.fields(WeightSyncConfig)}
 
 
 def _sync_presets() -> list[str]:
-    """Presets in configs/ shaped as a WeightSyncConfig (others, e.g. demo.yaml, have their own)."""
-    from omegaconf import OmegaConf
-
+    """Shipped presets shaped as a WeightSyncConfig (others, e.g. demo.yaml, have their own)."""
     out = []
-    for path in sorted(glob.glob(os.path.join(CONFIG_DIR, "*.yaml"))):
-        data = OmegaConf.to_container(OmegaConf.load(path))
+    for name in preset_names():
+        data = read_preset(name)
         if isinstance(data, dict) and set(data) <= _SECTIONS and {"strategy", "extractor"} & set(data):
-            out.append(os.path.basename(path)[: -len(".yaml")])
+            out.append(name)
     return out
 
 
@@ -218,7 +214,7 @@ def test_my_presets_are_found():
 
 @pytest.mark.parametrize("preset", _sync_presets())
 def test_preset_loads_and_every_section_is_valid(preset):
-    cfg = ws.load_config(preset)  # a bare name is looked up in configs/
+    cfg = ws.load_config(preset)  # a bare name is looked up among the shipped presets
     assert isinstance(cfg, WeightSyncConfig)
     for section, reg in (("strategy", STRATEGIES), ("extractor", EXTRACTORS), ("loader", LOADERS)):
         data = getattr(cfg, section)
@@ -229,8 +225,16 @@ def test_preset_loads_and_every_section_is_valid(preset):
 
 
 def test_load_config_missing_preset_says_where_it_looked():
-    with pytest.raises(FileNotFoundError, match="no config at 'no_such_preset'.*configs"):
+    with pytest.raises(FileNotFoundError, match="no config file at 'no_such_preset'.*presets: .*broadcast_nccl"):
         ws.load_config("no_such_preset")
+
+
+def test_load_config_finds_presets_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert ws.load_config("broadcast_nccl").strategy["backend"] == "nccl"
+    assert ws.load_config("broadcast_gloo.yaml").strategy["backend"] == "gloo"
+    (tmp_path / "broadcast_nccl").write_text("strategy:\n  type: cuda_ipc\n")
+    assert ws.load_config("broadcast_nccl").strategy["type"] == "cuda_ipc"  # a file wins
 
 
 def test_load_config_unknown_section(tmp_path):

@@ -75,7 +75,7 @@ class Flaky:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[int, str]:
-    from weightsync.tiny_models import build_tiny_reward_model
+    from weightsync.testing.tiny_models import build_tiny_reward_model
 
     root = tmp_path_factory.mktemp("rm")
     return {

@@ -8,7 +8,11 @@ import os
 import pytest
 import torch
 
-from weightsync.tiny_models import build_tiny_causal_lm, build_tiny_reward_model, build_tokenizer
+from weightsync.testing.tiny_models import (
+    build_tiny_causal_lm,
+    build_tiny_reward_model,
+    build_tokenizer,
+)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])

@@ -73,7 +73,7 @@ def raw_broadcast_gbps(
     """Broadcast ``nbytes`` to a spawned peer process; median GB/s."""
     import multiprocessing as mp
 
-    from weightsync.strategies._process_group import build_group, make_master_store
+    from weightsync._runtime.process_group import build_group, make_master_store
     from weightsync.types import TorchDistributedWeightSyncInfo
 
     store = make_master_store(0, 2, timeout_s)
@@ -117,7 +117,7 @@ def _peer_main(info_dict: dict[str, Any], nbytes: int, repeats: int, device: str
 
     import torch
 
-    from weightsync.strategies._process_group import build_group
+    from weightsync._runtime.process_group import build_group
     from weightsync.types import TorchDistributedWeightSyncInfo
 
     info = TorchDistributedWeightSyncInfo.from_dict(info_dict)

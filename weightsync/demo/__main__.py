@@ -1,5 +1,5 @@
 """``python -m weightsync.demo``: the main job (see ``weightsync.demo``)."""
 
-from weightsync.demo import main
+from weightsync.demo.cli import main
 
 raise SystemExit(main())

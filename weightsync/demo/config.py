@@ -1,8 +1,8 @@
-"""Typed config of ``weightsync demo``: ``configs/demo.yaml`` + command-line overrides.
+"""Typed config of ``weightsync demo``: the ``demo`` preset (``weightsync/configs/demo.yaml``,
+shipped in the package) + command-line overrides.
 
-The dataclass defaults are the same as ``configs/demo.yaml``, so the demo also runs from an
-installed wheel without the repository's ``configs/``. Unknown keys in the YAML are an error that
-names them and lists the valid ones.
+The dataclass defaults are the same as the preset's values (a test checks it). Unknown keys in
+the YAML are an error that names them and lists the valid ones.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.config import CONFIG_DIR, _to_plain, make_config
+from weightsync.config import make_config, read_preset, to_plain
 
-DEFAULT_CONFIG = os.path.join(CONFIG_DIR, "demo.yaml")
+DEFAULT_PRESET = "demo"  # the shipped preset read when no --config is given
 
 # --strategy NAME -> strategy config; any other name is taken as {"type": NAME}
 STRATEGY_PRESETS: dict[str, dict[str, Any]] = {
@@ -127,14 +127,12 @@ def demo_config_from_mapping(data: Mapping[str, Any]) -> DemoConfig:
 
 
 def load_demo_config(path: str | None = None) -> DemoConfig:
-    """Read ``path`` (default ``configs/demo.yaml`` when present, else the built-in defaults)."""
+    """Read ``path`` (default: the shipped ``demo`` preset)."""
     if path is None:
-        if not os.path.exists(DEFAULT_CONFIG):
-            return DemoConfig()
-        path = DEFAULT_CONFIG
+        return demo_config_from_mapping(read_preset(DEFAULT_PRESET))
     if not os.path.exists(path):
         raise FileNotFoundError(f"demo config {path!r} does not exist")
-    return demo_config_from_mapping(_to_plain(path))
+    return demo_config_from_mapping(to_plain(path))
 
 
 def strategy_from_name(name: str) -> dict[str, Any]:
@@ -142,7 +140,7 @@ def strategy_from_name(name: str) -> dict[str, Any]:
     if name in STRATEGY_PRESETS:
         return dict(STRATEGY_PRESETS[name])
     if name.endswith((".yaml", ".yml")) or os.path.exists(name):
-        data = _to_plain(name)
+        data = to_plain(name)
         return dict(data["strategy"]) if "strategy" in data and "type" not in data else data
     from weightsync.registry import STRATEGIES
 

@@ -1,6 +1,6 @@
 """One train -> sync -> score cycle against a vLLM reward server: what ``weightsync demo`` runs.
 
-Caller: ``weightsync.demo.main`` (or library code: ``run_demo(cfg)``), in the trainer process.
+Caller: ``weightsync.demo.cli.main`` (or library code: ``run_demo(cfg)``), in the trainer process.
 The reward server is a subprocess this module starts and always stops (``finally``; SIGTERM and
 SIGHUP become ``SystemExit`` while it runs so the ``finally`` runs for them too).
 
@@ -172,7 +172,7 @@ class DemoRun:
 
     # -- steps --------------------------------------------------------------------------------
     def build_model(self, wd: str) -> str:
-        from weightsync.tiny_models import build_tiny_reward_model
+        from weightsync.testing.tiny_models import build_tiny_reward_model
 
         m = self.cfg.model
         model_dir = os.path.join(wd, "tiny-reward-model")

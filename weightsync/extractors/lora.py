@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.config import ExtractorConfig
 from weightsync.extractors._gather import _named_entries, name_filter
+from weightsync.extractors.lora_layers import lora_layers, refuse_variant
 from weightsync.interfaces import WeightExtractor
 from weightsync.naming import NamingError, engine_names, is_lora_param, tied_aliases
 from weightsync.types import TensorMeta, dtype_to_str, str_to_dtype
@@ -80,9 +81,9 @@ class LoraMergeWeightExtractor(WeightExtractor):
         adapter (``B = 0``). Returns the re-initialised adapter parameters (same objects as
         before); see the module docstring for the optimizer state."""
         params: list[torch.nn.Parameter] = []
-        for _, layer, adapters in _lora_layers(model, self.cfg.adapter_names):
+        for _, layer, adapters in lora_layers(model, self.cfg.adapter_names):
             for a in adapters:
-                _refuse_variant(layer, a)
+                refuse_variant(layer, a)
                 init = _init_kind(model, a)
                 layer.merge(safe_merge=True, adapter_names=[a])
                 if a in layer.merged_adapters:
@@ -126,7 +127,7 @@ class LoraMergeWeightExtractor(WeightExtractor):
                 f"{type(model).__name__}"
             )
         layers = {prefix: (layer, adapters)
-                  for prefix, layer, adapters in _lora_layers(model, self.cfg.adapter_names)}
+                  for prefix, layer, adapters in lora_layers(model, self.cfg.adapter_names)}
         entries = [(full, t, owner) for owner, full, t in
                    _named_entries(model, include_buffers=self.cfg.include_buffers)]
         plain = [(n, t) for n, t, _ in entries if not is_lora_param(n)]
@@ -150,7 +151,7 @@ class LoraMergeWeightExtractor(WeightExtractor):
             if lora is not None and not merged:
                 layer, adapters = lora
                 for a in adapters:
-                    _refuse_variant(layer, a)
+                    refuse_variant(layer, a)
                 produce = _merged_producer(layer, adapters, leaf, t)
             else:
                 if self.cfg.only_trained_modules and lora is None and not _trainable(t):
@@ -203,44 +204,11 @@ def _as_dtype(dtype: Any) -> Any:
     return str_to_dtype(dtype) if isinstance(dtype, str) else dtype
 
 
-def _lora_layers(model: Any, adapter_names: list[str] | None) -> list[tuple[str, Any, list[str]]]:
-    """``(prefix, layer, adapters to merge)`` for every LoRA layer with an adapter to merge."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # no peft: a model without LoRA layers
-        if any(is_lora_param(n) for n, _ in model.named_parameters()):
-            raise ImportError("lora_merge extractor: the model has LoRA tensors but peft is not "
-                              "installed (pip install 'weightsync[train]')") from None
-        return []
-    out = []
-    for prefix, mod in model.named_modules():
-        if not isinstance(mod, LoraLayer) or getattr(mod, "disable_adapters", False):
-            continue
-        present = set(getattr(mod, "lora_A", {})) | set(getattr(mod, "lora_embedding_A", {}))
-        wanted = adapter_names if adapter_names is not None else list(mod.active_adapters)
-        merged = set(getattr(mod, "merged_adapters", []))
-        adapters = [a for a in wanted if a in present and a not in merged]
-        if adapters:
-            out.append((prefix, mod, adapters))
-    return out
-
-
 def _owning_lora_layer(owner: str, layers: dict[str, tuple[Any, list[str]]]) -> Any:
     """The LoRA layer whose base layer owns a tensor (owner ``x.base_layer`` -> layer ``x``)."""
     if owner.endswith(".base_layer") or owner == "base_layer":
         return layers.get(owner[: -len(".base_layer")] if "." in owner else "")
     return None
-
-
-def _refuse_variant(layer: Any, adapter: str) -> None:
-    variants = getattr(layer, "lora_variant", {}) or {}
-    if adapter in variants or (getattr(layer, "use_dora", {}) or {}).get(adapter, False):
-        kind = type(variants.get(adapter)).__name__ if adapter in variants else "DoRA"
-        raise NotImplementedError(
-            f"lora_merge extractor: adapter {adapter!r} on {type(layer).__name__} is a LoRA "
-            f"variant ({kind}); only vanilla LoRA is merged here. Merge it with PEFT "
-            f"(merge_and_unload) and sync with the 'hf' extractor"
-        )
 
 
 def _merged_producer(

@@ -4,7 +4,7 @@ Runs in the engine process that owns the module (a ``weightsync.local`` engine, 
 test). ``expected_metadata()`` comes from the module's state dict (parameters and persistent
 buffers), so ``validate`` rejects unknown names, wrong shapes and wrong dtypes, all listed,
 before any byte moves. Loading is a copy into the existing tensors under ``torch.no_grad``
-(``strategies._copy.copy_many``: small tensors batched per dtype, large ones split across a few
+(``weightsync._runtime.copy.copy_many``: small tensors batched per dtype, large ones split across a few
 copy threads):
 the module keeps its storage (optimisers, CUDA graphs and views stay valid) and the received
 tensors, often views of transfer buffers, are not kept.
@@ -76,7 +76,7 @@ class TorchModuleWeightLoader(WeightLoader):
         """Validate then copy; nothing is copied if any tensor is rejected."""
         import torch
 
-        from weightsync.strategies._copy import copy_many
+        from weightsync._runtime.copy import copy_many
 
         if not self._matches(named_tensors):  # the full check names every offender
             self.validate(

@@ -16,7 +16,7 @@ Three pieces, three processes:
   handles, the bytes come over the strategy's data plane.
 * ``VLLMWeightLoader`` (registered as loader ``vllm``) loads through vLLM's own machinery:
   ``model.load_weights`` on GPU (QKV fusion, TP slicing), the layer-wise reload on CPU and for
-  quantized models (see ``_vllm_compat``). ``expected_metadata()`` is the served checkpoint
+  quantized models (see ``weightsync._runtime.vllm_compat``). ``expected_metadata()`` is the served checkpoint
   (safetensors headers, dtype = served dtype), so bad names / shapes / dtypes are refused
   before any byte moves.
 * ``VLLMEngineClient`` (an ``InferenceEngineClient``) drives one or more in-process ``LLM`` or
@@ -47,10 +47,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from weightsync._runtime import vllm_compat as compat
 from weightsync.config import LoaderConfig
 from weightsync.errors import UpdateIncompleteError, WeightMismatchError, WeightSyncError
 from weightsync.interfaces import InferenceEngineClient, WeightLoader
-from weightsync.loaders import _vllm_compat as compat
 from weightsync.types import TensorMeta, WeightUpdateFinish, WeightUpdateStart
 
 if TYPE_CHECKING:  # pragma: no cover

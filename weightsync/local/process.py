@@ -33,6 +33,7 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
+from weightsync._runtime.threads import SerialLane, in_thread
 from weightsync.errors import (
     EngineDiedError,
     WeightMismatchError,
@@ -40,7 +41,6 @@ from weightsync.errors import (
     WeightSyncTimeout,
 )
 from weightsync.local import _wire
-from weightsync.strategies._threads import SerialLane, in_thread
 
 
 class _Worker:

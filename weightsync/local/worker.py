@@ -13,7 +13,6 @@ can hang in interpreter shutdown.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import importlib
 import logging
 import os
@@ -34,17 +33,6 @@ def resolve_factory(spec: str) -> Any:
     if not callable(fn):
         raise TypeError(f"module_factory {spec!r} is not callable")
     return fn
-
-
-def tensor_digest(t: Any) -> str:
-    import torch
-
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    return hashlib.blake2b(raw.numpy().tobytes() if raw.numel() else b"", digest_size=16).hexdigest()
 
 
 class _Service:
@@ -81,15 +69,9 @@ class _Service:
                 "loads": self.loader.loads}
 
     def _m_state_digest(self, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
-        from weightsync.types import dtype_to_str
+        from weightsync.testing.digest import state_digest
 
-        sd = self.loader.state_dict()
-        keys = names if names is not None else list(sd)
-        return {
-            n: {"digest": tensor_digest(sd[n]), "dtype": dtype_to_str(sd[n].dtype),
-                "shape": list(sd[n].shape)}
-            for n in keys
-        }
+        return state_digest(self.loader.state_dict(), names)
 
     def _m_save_state_dict(self, path: str) -> dict[str, Any]:
         from safetensors.torch import save_file

@@ -3,7 +3,7 @@
 Runs in the driver (or any process that holds the actor handles). The heavy lifting happens in
 the actors; the controller only sends them plain configs and handles:
 
-    group = wire_sync_group(trainer, engines, "configs/broadcast_gloo.yaml")
+    group = wire_sync_group(trainer, engines, "broadcast_gloo")  # a preset name or a YAML path
     stats = run_sync(group)            # version 1
     stats = run_sync(group)            # version 2
     close_sync_group(group)
@@ -44,13 +44,13 @@ class SyncGroup:
 
 def split_config(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """A preset / mapping / YAML path -> (strategy dict, extractor dict)."""
-    from weightsync.config import WeightSyncConfig, _to_plain, load_config
+    from weightsync.config import WeightSyncConfig, load_config, to_plain
 
     if isinstance(cfg, str) and not cfg.strip().startswith("{"):
         cfg = load_config(cfg)
     if isinstance(cfg, WeightSyncConfig):
         return dict(cfg.strategy), dict(cfg.extractor)
-    data = _to_plain(cfg) if cfg is not None else {}
+    data = to_plain(cfg) if cfg is not None else {}
     if "strategy" in data and isinstance(data["strategy"], Mapping):
         return dict(data["strategy"]), dict(data.get("extractor") or {"type": "hf"})
     return dict(data) or {"type": "broadcast"}, {"type": "hf"}
@@ -73,9 +73,9 @@ async def wire_sync_group_async(
     """
     strategy_cfg, ex_cfg = split_config(cfg)
     if extractor_cfg is not None:
-        from weightsync.config import _to_plain
+        from weightsync.config import to_plain
 
-        ex_cfg = _to_plain(extractor_cfg)
+        ex_cfg = to_plain(extractor_cfg)
     trainers = list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
     if not trainers:
         raise ValueError("wire_sync_group: no trainer actor given")

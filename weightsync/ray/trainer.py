@@ -152,9 +152,9 @@ class WeightSyncTrainerMixin:
 
 
 def _with_sender_flag(extractor_cfg: Any, is_sender: bool) -> Any:
-    from weightsync.config import _to_plain
+    from weightsync.config import to_plain
 
-    data = _to_plain(extractor_cfg) if extractor_cfg is not None else {"type": "hf"}
+    data = to_plain(extractor_cfg) if extractor_cfg is not None else {"type": "hf"}
     if "extractor" in data and "type" not in data:
         data = dict(data["extractor"])
     data["is_sender"] = is_sender

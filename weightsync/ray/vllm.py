@@ -39,7 +39,7 @@ class VLLMEngineMixin(WeightSyncEngineMixin):
         return list(await asyncio.to_thread(fn, method, None, args))
 
     async def _weightsync_dispatch(self, method: str, kwargs: dict[str, Any]) -> Any:
-        from weightsync.loaders import _vllm_compat as compat
+        from weightsync._runtime import vllm_compat as compat
         from weightsync.loaders.vllm import raise_for_results
 
         answers = await self._weightsync_rpc("weightsync_call", method, kwargs)
@@ -104,6 +104,6 @@ class VLLMEngineActor(VLLMEngineMixin):
         return [list(o.outputs[0].token_ids) for o in outs]
 
     async def shutdown(self) -> None:
-        from weightsync.loaders._vllm_compat import shutdown_llm
+        from weightsync._runtime.vllm_compat import shutdown_llm
 
         shutdown_llm(self.llm)

@@ -165,7 +165,7 @@ class RewardService:
     async def _encode(self, index: int, text: str, use_activation: bool) -> tuple[Any, int]:
         from vllm import PoolingParams
 
-        from weightsync.loaders._vllm_compat import request_error_types
+        from weightsync._runtime.vllm_compat import request_error_types
 
         params = PoolingParams(task="classify", use_activation=use_activation)
         final = None
@@ -299,7 +299,7 @@ class RewardService:
             async with self._guard():
                 results = await self._call("finish_weight_update", {"finish": finish.to_dict()})
             if finish.ok:
-                from weightsync.loaders._vllm_compat import async_reset_prefix_cache
+                from weightsync._runtime.vllm_compat import async_reset_prefix_cache
 
                 await async_reset_prefix_cache(self.engine)
         finally:
@@ -336,7 +336,7 @@ class RewardService:
             )
 
     async def reset_prefix_cache(self) -> bool:
-        from weightsync.loaders._vllm_compat import async_reset_prefix_cache
+        from weightsync._runtime.vllm_compat import async_reset_prefix_cache
 
         return await async_reset_prefix_cache(self.engine)
 

@@ -115,7 +115,7 @@ class VLLMRewardClient:
 
     # -- configuration ------------------------------------------------------------------------
     def _strategy_cfg(self, strategy: Any, bucket_size_mb: float | None) -> dict:
-        from weightsync.config import _to_plain
+        from weightsync.config import to_plain
 
         if strategy is None:
             backend = "nccl" if str(self.device).startswith("cuda") else "gloo"
@@ -125,7 +125,7 @@ class VLLMRewardClient:
             if self.host in ("127.0.0.1", "localhost", "::1"):
                 cfg["master_addr"] = "127.0.0.1"
         else:
-            cfg = dict(_to_plain(strategy))
+            cfg = dict(to_plain(strategy))
             if "strategy" in cfg and "type" not in cfg:
                 cfg = dict(cfg["strategy"])
         if bucket_size_mb is not None:

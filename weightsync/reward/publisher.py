@@ -412,9 +412,9 @@ def _sharding(model: Any) -> str | None:
 
 
 def _has_active_lora(model: Any) -> bool:
-    from weightsync.extractors.lora import _lora_layers
+    from weightsync.extractors.lora_layers import has_active_lora
 
-    return bool(_lora_layers(model, None))
+    return has_active_lora(model)
 
 
 def _named_items(params: Any) -> list[tuple[str, Any]]:
@@ -439,7 +439,7 @@ def _expected_metadata(spec: Any) -> dict[str, TensorMeta] | None:
     if spec is None:
         return None
     if isinstance(spec, str):
-        from weightsync.loaders._vllm_compat import checkpoint_metadata
+        from weightsync._runtime.vllm_compat import checkpoint_metadata
 
         found = checkpoint_metadata(spec)
         if found is None:

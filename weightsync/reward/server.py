@@ -2,7 +2,7 @@
 
     python -m weightsync.reward.server --model DIR --port 8001 [--api-key KEY]
     weightsync serve-reward --model DIR --port 8001            (same thing)
-    weightsync serve-reward --config configs/reward_server.yaml --model DIR
+    weightsync serve-reward --config weightsync/configs/reward_server.yaml --model DIR
 
 Runs in its own process: vLLM's ``AsyncLLM`` (pooling runner, ``WeightSyncWorkerExtension`` in
 every worker) and a FastAPI app served by uvicorn on one asyncio loop. The routes are listed in
@@ -35,7 +35,7 @@ WORKER_EXTENSION = "weightsync.loaders.vllm.WeightSyncWorkerExtension"
 
 @dataclass(kw_only=True)
 class RewardServerConfig:
-    """Everything the reward server takes; ``configs/reward_server*.yaml`` hold these fields."""
+    """Everything the reward server takes; the shipped presets ``weightsync/configs/reward_server*.yaml`` hold these fields."""
 
     model: str = ""
     host: str = "127.0.0.1"
@@ -217,9 +217,9 @@ def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
 
     data: dict[str, Any] = {}
     if ns.config:
-        from weightsync.config import _to_plain, make_config
+        from weightsync.config import make_config, to_plain
 
-        data = dict(_to_plain(ns.config))
+        data = dict(to_plain(ns.config))
         make_config(RewardServerConfig, data, what=f"reward server config {ns.config}")
     for f in dataclasses.fields(RewardServerConfig):
         value = getattr(ns, f.name, None)

@@ -8,9 +8,9 @@
 ``share_cpu_weights`` (``shared_weights.py``): move a trainer's CPU weights into shared memory
 once, so the IPC strategies send handles to them instead of copying (zero copy on the sender).
 
-Shared helpers: ``_layout`` (packing offsets/alignment), ``_shm`` (segments, receiver cache),
-``_pool`` (the packed sender's buffer pool), ``_cuda_handles`` (CUDA IPC handles as plain fields),
-``_process_group`` (the private group), ``_threads`` (blocking calls off the event loop).
+Private helpers of this package: ``_layout`` (packing offsets/alignment), ``_ipc_open`` (the
+IPC receivers' handle opener). Machinery shared with other packages (threads, copies, shared
+memory, buffer pool, CUDA handles, the private process group) is in ``weightsync._runtime``.
 Nothing here is imported by ``import weightsync``.
 """
 

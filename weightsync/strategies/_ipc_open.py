@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from weightsync.strategies._shm import AttachedSegments
+from weightsync._runtime.shm import AttachedSegments
 from weightsync.types import IpcBufferHandle
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,7 +32,7 @@ class IpcBufferOpener:
             whole = self.segments.get(h.name, h.offset + h.nbytes)
             return whole[h.offset : h.offset + h.nbytes]
         if self._cuda is None:
-            from weightsync.strategies._cuda_handles import CudaHandleCache
+            from weightsync._runtime.cuda_handles import CudaHandleCache
 
             kwargs = {} if self._max_cuda_handles is None else {"max_handles": self._max_cuda_handles}
             self._cuda = CudaHandleCache(**kwargs)

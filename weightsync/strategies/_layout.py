@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from weightsync.strategies._copy import copy_many
+from weightsync._runtime.copy import copy_many
 from weightsync.types import TensorMeta, dtype_itemsize
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -28,6 +28,13 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from weightsync._runtime.process_group import (
+    Group,
+    build_group,
+    default_master_addr,
+    make_master_store,
+)
+from weightsync._runtime.threads import SerialLane, in_thread
 from weightsync.config import BroadcastConfig
 from weightsync.errors import (
     EngineDiedError,
@@ -49,13 +56,6 @@ from weightsync.strategies._layout import (
     pack_into,
     plan_layout,
 )
-from weightsync.strategies._process_group import (
-    Group,
-    build_group,
-    default_master_addr,
-    make_master_store,
-)
-from weightsync.strategies._threads import SerialLane, in_thread
 from weightsync.types import (
     BroadcastWeightUpdateRequest,
     TorchDistributedWeightSyncInfo,

@@ -1,12 +1,12 @@
 """``cuda_ipc``: one shared buffer per tensor, for engines on the same node as the trainer.
 
 - CUDA tensors: zero copy. The request carries the CUDA IPC handle of the allocation that holds
-  each tensor (``_cuda_handles.encode``); the engine opens it once (cached) and reads a view.
+  each tensor (``_runtime.cuda_handles.encode``); the engine opens it once (cached) and reads a view.
 - CPU tensors in shared weights (``shared_weights.share_cpu_weights`` was called on the model):
   zero copy as on GPU. The request names the segment that holds the tensor and its offset; the
   engine maps the segment once (kept across syncs while the trainer keeps it) and reads a view.
 - Other CPU tensors: POSIX shared memory. The sender copies each tensor into a segment taken
-  from a size-keyed pool (``_shm.SizedSegmentPool``: layers repeat shapes, so segments are reused across
+  from a size-keyed pool (``_runtime.shm.SizedSegmentPool``: layers repeat shapes, so segments are reused across
   chunks and syncs and their pages are touched once); the engine maps it by name (cached) and
   builds a dtype/shape view with ``torch.frombuffer``, no copy.
 
@@ -22,6 +22,8 @@ import asyncio
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from weightsync._runtime.copy import copy_into
+from weightsync._runtime.shm import AttachedSegments, Segment, SizedSegmentPool
 from weightsync.config import IpcConfig
 from weightsync.errors import WeightSyncError, WeightSyncTimeout
 from weightsync.interfaces import (
@@ -31,10 +33,8 @@ from weightsync.interfaces import (
     WeightTransferSender,
     WeightTransferStrategy,
 )
-from weightsync.strategies._copy import copy_into
 from weightsync.strategies._ipc_open import IpcBufferOpener
 from weightsync.strategies._layout import as_bytes, views_into
-from weightsync.strategies._shm import AttachedSegments, SizedSegmentPool, _Segment
 from weightsync.strategies.shared_weights import locate_many
 from weightsync.types import (
     CudaIpcWeightUpdateRequest,
@@ -85,7 +85,7 @@ class CudaIpcSender(WeightTransferSender):
         self._lock = threading.Lock()
 
     def create_request(self, chunk: WeightChunk) -> CudaIpcWeightUpdateRequest:
-        from weightsync.strategies import _cuda_handles
+        from weightsync._runtime import cuda_handles
 
         handles: list[IpcBufferHandle] = []
         held: list[Any] = []
@@ -95,7 +95,7 @@ class CudaIpcSender(WeightTransferSender):
                 if t.is_cuda:
                     t = t.detach().contiguous()
                     held.append(t)
-                    handles.append(_cuda_handles.encode(t))
+                    handles.append(cuda_handles.encode(t))
                 elif loc is not None:
                     held.append(t)  # the trainer's own memory: no copy
                     handles.append(
@@ -143,7 +143,7 @@ class CudaIpcSender(WeightTransferSender):
 
     def _give_back(self, held: list[Any]) -> None:
         for h in held:
-            if isinstance(h, _Segment):
+            if isinstance(h, Segment):
                 self.pool.release(h)
 
     async def close(self) -> None:

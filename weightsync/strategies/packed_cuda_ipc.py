@@ -27,6 +27,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from weightsync._runtime.pool import BufferPool
+from weightsync._runtime.shm import AttachedSegments
 from weightsync.config import PackedIpcConfig
 from weightsync.errors import WeightSyncError
 from weightsync.interfaces import (
@@ -37,8 +39,6 @@ from weightsync.interfaces import (
 )
 from weightsync.strategies._ipc_open import IpcBufferOpener
 from weightsync.strategies._layout import DEFAULT_ALIGN, pack_into, plan_layout, views_into
-from weightsync.strategies._pool import BufferPool
-from weightsync.strategies._shm import AttachedSegments
 from weightsync.strategies.cuda_ipc import CudaIpcStrategy, bucket_bytes, call_engines
 from weightsync.strategies.shared_weights import locate_many
 from weightsync.types import (

@@ -37,7 +37,7 @@ unlinked (its name removed; engines drop their mappings at their next sync) when
 exit, or by Python's resource tracker if the process dies. Unlinking never invalidates the
 trainer's tensors: the mapping lives as long as they do. Engines recognise these segments by
 their name prefix (``SHARED_PREFIX``) and keep them mapped across syncs while the segment exists
-(``_shm.AttachedSegments``).
+(``weightsync._runtime.shm.AttachedSegments``).
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from weightsync._runtime.shm import SHARED_PREFIX
 from weightsync.errors import WeightSyncError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-SHARED_PREFIX = "wsw_"  # segment names of shared weights (engines cache these across syncs)
 DEFAULT_SEGMENT_MB = 512
 _ALIGN = 256
 
@@ -349,7 +349,7 @@ def _whole(st: Any) -> torch.Tensor:
 
 
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    from weightsync.strategies._copy import copy_into
+    from weightsync._runtime.copy import copy_into
 
     copy_into(dst, src)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
+from weightsync._runtime.shm import Segment
 from weightsync.errors import WeightSyncTimeout
-from weightsync.strategies._shm import _Segment
 from weightsync.types import IpcBufferHandle
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -26,7 +26,7 @@ class _CudaSlot:
     def __init__(self, nbytes: int, device: torch.device) -> None:
         import torch
 
-        from weightsync.strategies._cuda_handles import encode
+        from weightsync._runtime.cuda_handles import encode
 
         self.capacity = int(nbytes)
         self.tensor = torch.empty(self.capacity, dtype=torch.uint8, device=device)
@@ -43,7 +43,7 @@ class _CudaSlot:
         self.tensor = None  # type: ignore[assignment]
 
 
-class _ShmSlot(_Segment):
+class _ShmSlot(Segment):
     def describe(self, start: int, nbytes: int) -> IpcBufferHandle:
         return IpcBufferHandle(
             kind="shm", nbytes=nbytes, name=self.name, offset=start, alloc_nbytes=self.capacity

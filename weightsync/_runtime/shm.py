@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 _PREFIX = "ws"
+SHARED_PREFIX = "wsw_"  # segments of a trainer's shared weights (``share_cpu_weights``)
 
 
 class Mapping:
@@ -98,7 +99,7 @@ def attach_segment(name: str) -> Mapping:
     return Mapping(name)
 
 
-class _Segment:
+class Segment:
     """A segment this process created and owns: registered with the resource tracker (so it is
     unlinked even if this process dies), unlinked by ``close``."""
 
@@ -156,14 +157,14 @@ class SizedSegmentPool:
     def __init__(self, max_free_bytes: int, *, room_for_largest: bool = False) -> None:
         self.max_free_bytes = int(max_free_bytes)
         self.room_for_largest = room_for_largest
-        self._free: list[tuple[int, int, _Segment]] = []  # (capacity, seq, seg), sorted
+        self._free: list[tuple[int, int, Segment]] = []  # (capacity, seq, seg), sorted
         self._free_bytes = 0
         self._seq = 0
         self._largest = 0
         self._lock = threading.Lock()
         self.created = 0
 
-    def acquire(self, nbytes: int) -> _Segment:
+    def acquire(self, nbytes: int) -> Segment:
         nbytes = max(int(nbytes), 1)
         with self._lock:
             i = bisect.bisect_left(self._free, (nbytes, -1))
@@ -172,9 +173,9 @@ class SizedSegmentPool:
                 self._free_bytes -= cap
                 return seg
         self.created += 1
-        return _Segment(nbytes)
+        return Segment(nbytes)
 
-    def release(self, seg: _Segment) -> None:
+    def release(self, seg: Segment) -> None:
         with self._lock:
             self._seq += 1
             bisect.insort(self._free, (seg.capacity, self._seq, seg))
@@ -210,7 +211,7 @@ class AttachedSegments:
       bound is ``max(max_bytes, min_slots x the largest segment seen)``, so a pool of
       ``min_slots - 1`` slots plus one regrown slot never re-maps in steady state, however much
       larger than the bucket a chunk (an embedding) is.
-    - **Shared weights** (names starting with ``shared_weights.SHARED_PREFIX``: the trainer's own
+    - **Shared weights** (names starting with ``SHARED_PREFIX``: the trainer's own
       parameters, see ``share_cpu_weights``): not counted against the bound (their pages are the
       trainer's, a mapping adds none) and kept across syncs for as long as the sender keeps the
       segment: ``begin_sync`` (called by receivers on each update's first chunk) drops mappings
@@ -234,8 +235,6 @@ class AttachedSegments:
         return max(self.max_bytes, self.min_slots * self._largest)
 
     def get(self, name: str, min_nbytes: int) -> torch.Tensor:
-        from weightsync.strategies.shared_weights import SHARED_PREFIX
-
         pinned = name.startswith(SHARED_PREFIX)
         hit = self._pinned.get(name) if pinned else self._open.get(name)
         if hit is not None and hit.size >= min_nbytes:
