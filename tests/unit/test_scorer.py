@@ -2,19 +2,21 @@
 
 ``HFForwardClient`` implements the scorer's client protocol in process: each ``score_batch`` is a
 real padded transformers forward (real compute, no network; the HTTP client and the vLLM server
-are tested in tests/integration). ``Flaky`` wraps it to inject a failure on chosen calls, a fault
-the real model cannot produce on demand (test double, said where used).
+are tested in tests/integration). ``Flaky`` and ``Delayed`` wrap it to cause a failure on chosen
+calls or to finish batches out of order, faults and timings the real model cannot produce on
+demand (test doubles, said where used).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import math
 import threading
 
 import pytest
 
-from weightsync.reward.scorer import RewardModelScorer, ScoringError
+from weightsync.reward.rollout import Rollout, Step
+from weightsync.reward.scorer import RewardModelScorer, ScoringError, rollout_text
 
 
 class HFForwardClient:
@@ -32,7 +34,8 @@ class HFForwardClient:
         self.calls = 0
         self.in_flight = 0
         self.max_in_flight = 0
-        self.batch_sizes: list[int] = []
+        self.batches: list[list[str]] = []
+        self.kwargs: list[dict] = []
         self._lock = threading.Lock()
 
     def forward(self, texts: list[str]) -> list:
@@ -44,9 +47,13 @@ class HFForwardClient:
         rows = logits.tolist()
         return [r[0] for r in rows] if logits.shape[-1] == 1 else rows
 
-    async def score_batch(self, texts: list[str]) -> list:
+    def one(self, text: str):
+        return self.forward([text])[0]  # unpadded, one text: the reference score
+
+    async def score_batch(self, texts: list[str], **kwargs) -> list:
         self.calls += 1
-        self.batch_sizes.append(len(texts))
+        self.batches.append(list(texts))
+        self.kwargs.append(kwargs)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -61,6 +68,8 @@ class HFForwardClient:
 
 class Flaky:
     """Test double (fault injection): raises on the listed call numbers, else delegates."""
+
+    base_url = "http://127.0.0.1:9"  # named in the error like a real reward server
 
     def __init__(self, inner: HFForwardClient, fail_calls: set[int], exc=None) -> None:
         self.inner, self.fail_calls, self.calls = inner, fail_calls, 0
@@ -89,14 +98,27 @@ def client1(model_dirs) -> HFForwardClient:
     return HFForwardClient(model_dirs[1], version=4)
 
 
-def _rollouts(n: int) -> list[dict]:
-    prompts = ["What is 2+2?", "Write a haiku about rain.", "Name a prime number."]
-    responses = [" 4", " Four.", " I think it is 5", " Rain falls softly down", " 7", " 9 is prime",
-                 " def add(a, b): return a + b", " The answer is 4.", " ok", " Seventeen."]
+PROMPTS = ["What is 2+2?", "Write a haiku about rain.", "Name a prime number."]
+RESPONSES = [" 4", " Four.", " I think it is 5", " Rain falls softly down", " 7", " 9 is prime",
+             " def add(a, b): return a + b", " The answer is 4.", " ok", " Seventeen."]
+
+
+def _rollouts(n: int) -> list[Rollout]:
     return [
-        {"prompt": prompts[i % 3], "response": responses[i % len(responses)], "metadata": {"i": i}}
+        Rollout(f"r{i}", [Step(0, PROMPTS[i % 3], RESPONSES[i % len(RESPONSES)])],
+                {"initial_obs": PROMPTS[i % 3], "i": i})
         for i in range(n)
     ]
+
+
+def _multi_step(n: int) -> list[Rollout]:
+    """Rollouts of 1..3 steps (an agent turn, the environment's answer, the next turn...)."""
+    out = []
+    for i in range(n):
+        steps = [Step(j, f"obs {i}.{j}: {PROMPTS[(i + j) % 3]}", RESPONSES[(i + 2 * j) % 10])
+                 for j in range(1 + i % 3)]
+        out.append(Rollout(f"m{i}", steps))
+    return out
 
 
 def _run(coro):
@@ -106,72 +128,126 @@ def _run(coro):
 # -- scores are the model's -------------------------------------------------------------------------
 
 
+def test_rollout_text_joins_non_empty_observations_and_actions():
+    r = Rollout("x", [Step(0, "Q: hi", " A: hello"), Step(1, "", "bye"), Step(2, "env says", "")])
+    assert rollout_text(r, r.steps) == "Q: hi\n A: hello\nbye\nenv says"
+    assert rollout_text(r, r.steps[:1]) == "Q: hi\n A: hello"
+
+
 @pytest.mark.slow  # builds two tiny models (tokenizer training) on first use
 @pytest.mark.parametrize("labels", [1, 3])
-def test_scores_equal_single_text_forward_and_land_in_metadata(model_dirs, labels):
+def test_sequence_scores_equal_single_text_forward_and_land_in_rollout_meta(model_dirs, labels):
     client = HFForwardClient(model_dirs[labels], version=2)
     rollouts = _rollouts(10)
-    scorer = RewardModelScorer(client, batch_size=4, max_concurrency=2)
-    scores = _run(scorer.score_rollouts(rollouts))
-    assert client.batch_sizes == [4, 4, 2]
-    for ro, s in zip(rollouts, scores, strict=True):
-        (ref,) = client.forward([ro["prompt"] + ro["response"]])  # unpadded, one text
-        assert ro["metadata"]["rm_score"] == s
-        assert ro["metadata"]["rm_score_version"] == 2
-        assert ro["metadata"]["i"] == rollouts.index(ro)  # other metadata kept
-        if labels == 1:
-            assert isinstance(s, float) and s == pytest.approx(ref, abs=1e-5)
-        else:
-            assert len(s) == 3 and s == pytest.approx(ref, abs=1e-5)
-    assert len({round(s if labels == 1 else s[0], 6) for s in scores}) > 3  # not a constant
+    scorer = RewardModelScorer(client, batch_size=4, max_concurrency=2, vector_key="rm_vector")
+    assert _run(scorer.score(rollouts)) is None  # in place, as the design says
+    assert [len(b) for b in client.batches] == [4, 4, 2]
+    for r in rollouts:
+        ref = client.one(rollout_text(r, r.steps))
+        vec = ref if labels > 1 else [ref]
+        assert r.meta["rm_vector"] == pytest.approx(vec, abs=1e-5)
+        assert r.meta["rm_score"] == pytest.approx(vec[0], abs=1e-5)  # aggregate "first"
+        assert isinstance(r.meta["rm_score"], float)
+        assert r.meta["rm_score_version"] == 2
+        assert r.meta["i"] == int(r.id[1:])  # other metadata kept
+        assert "rm_score" not in r.steps[0].meta
+    assert len({round(r.meta["rm_score"], 6) for r in rollouts}) > 3  # not a constant
     stats = scorer.last_stats
-    assert (stats.num_rollouts, stats.num_batches, stats.versions) == (10, 3, [2])
+    assert (stats.num_texts, stats.num_batches, stats.versions) == (10, 3, [2])
     assert not stats.mixed_versions
 
 
-def test_concurrency_is_bounded(client1):
+def test_step_level_scores_every_step_prefix(client1):
+    rollouts = _multi_step(5)  # 1, 2, 3, 1, 2 steps: 9 prefixes
+    scorer = RewardModelScorer(client1, score_level="step", batch_size=4)
+    _run(scorer.score(rollouts))
+    assert scorer.last_stats.num_texts == 9
+    for r in rollouts:
+        assert "rm_score" not in r.meta
+        for i, s in enumerate(r.steps):
+            prefix = rollout_text(r, r.steps[: i + 1])
+            assert s.meta["rm_score"] == pytest.approx(client1.one(prefix), abs=1e-5)
+            assert s.meta["rm_score_version"] == 4
+    # a longer prefix is another text: the scores of one rollout's steps differ
+    assert r.steps[0].meta["rm_score"] != r.steps[1].meta["rm_score"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "aggregate,reduce",
+    [
+        ("first", lambda v: v[0]), ("last", lambda v: v[2]), ("mean", lambda v: sum(v) / 3),
+        ("sum", lambda v: v[0] + v[1] + v[2]), ("max", max), ("min", min), (1, lambda v: v[1]),
+        (-1, lambda v: v[2]), (lambda v: v[0] - v[1], lambda v: v[0] - v[1]),
+    ],
+    ids=["first", "last", "mean", "sum", "max", "min", "index1", "index-1", "callable"],
+)
+def test_multi_label_scores_are_reduced_by_aggregate(model_dirs, aggregate, reduce):
+    client = HFForwardClient(model_dirs[3])
+    rollouts = _rollouts(4)
+    _run(RewardModelScorer(client, aggregate=aggregate, vector_key="vec").score(rollouts))
+    for r in rollouts:
+        vec = client.one(rollout_text(r, r.steps))
+        assert r.meta["vec"] == pytest.approx(vec, abs=1e-5)
+        assert r.meta["rm_score"] == pytest.approx(reduce(vec), abs=1e-5)
+    with pytest.raises(ScoringError, match=r"rollout 'r0': aggregate=5: the score has only 3 labels"):
+        _run(RewardModelScorer(client, aggregate=5).score(_rollouts(2)))
+
+
+def test_batches_in_flight_are_bounded_and_order_is_kept(client1):
+    class Delayed:
+        """Test double (timing): later batches return first, so order must be restored."""
+
+        def __init__(self):
+            self.calls = 0
+
+        async def score_batch(self, texts):
+            self.calls += 1
+            await asyncio.sleep(0.05 * (8 - self.calls))
+            return await client1.score_batch(texts)
+
     client1.max_in_flight = 0
-    scorer = RewardModelScorer(client1, batch_size=2, max_concurrency=3)
-    _run(scorer.score_rollouts(_rollouts(14)))
+    rollouts = _rollouts(14)
+    _run(RewardModelScorer(Delayed(), batch_size=2, max_concurrency=3).score(rollouts))
     assert client1.max_in_flight == 3  # 7 batches, never more than 3 at once (and 3 reached)
+    refs = [client1.one(rollout_text(r, r.steps)) for r in rollouts]
+    assert [r.meta["rm_score"] for r in rollouts] == pytest.approx(refs, abs=1e-5)
 
 
-@dataclasses.dataclass
-class Rollout:
-    prompt: str
-    response: str
-    metadata: dict | None = None
-
-
-def test_dataclass_rollouts_text_fn_and_missing_metadata(client1):
-    rollouts = [Rollout("Q: hi", " A: hello"), Rollout("Q: 2+2", " A: 4", {"keep": 1})]
+def test_text_fn_and_missing_meta(client1):
+    rollouts = _rollouts(2)
+    rollouts[0].meta = None
     template = "<user>{}</user><assistant>{}</assistant>"
-    scorer = RewardModelScorer(
-        client1, metadata_key="rm", text_fn=lambda r: template.format(r.prompt, r.response)
-    )
-    scores = _run(scorer.score_rollouts(rollouts))
-    refs = client1.forward([template.format(r.prompt, r.response) for r in rollouts])
-    assert scores == pytest.approx(refs, abs=1e-5)
-    assert rollouts[0].metadata == {"rm": scores[0], "rm_version": 4}
-    assert rollouts[1].metadata == {"keep": 1, "rm": scores[1], "rm_version": 4}
+
+    def text_fn(rollout, steps):
+        return "".join(template.format(s.prev_obs, s.action) for s in steps)
+
+    _run(RewardModelScorer(client1, "rm", text_fn=text_fn).score(rollouts))
+    refs = client1.forward([text_fn(r, r.steps) for r in rollouts])
+    assert rollouts[0].meta == {"rm": pytest.approx(refs[0], abs=1e-5), "rm_version": 4}
+    assert rollouts[1].meta["rm"] == pytest.approx(refs[1], abs=1e-5)
 
 
-def test_sync_wrapper(client1):
+def test_score_sync_and_empty_input(client1):
     rollouts = _rollouts(3)
-    scores = RewardModelScorer(client1).score_rollouts_sync(rollouts)
-    assert [r["metadata"]["rm_score"] for r in rollouts] == scores
+    assert RewardModelScorer(client1).score_sync(rollouts) is None
+    assert all(isinstance(r.meta["rm_score"], float) for r in rollouts)
 
     async def inside_a_loop():
-        RewardModelScorer(client1).score_rollouts_sync(rollouts)
+        RewardModelScorer(client1).score_sync(rollouts)
 
-    with pytest.raises(RuntimeError, match="await score_rollouts instead"):
+    with pytest.raises(RuntimeError, match=r"await score\(\) instead"):
         _run(inside_a_loop())
-
-
-def test_empty_input_makes_no_call(client1):
     calls = client1.calls
-    assert _run(RewardModelScorer(client1).score_rollouts([])) == []
+    _run(RewardModelScorer(client1).score([]))
     assert client1.calls == calls
+
+
+def test_normalize_is_passed_to_the_client(client1):
+    client1.kwargs.clear()
+    _run(RewardModelScorer(client1, normalize=False).score(_rollouts(1)))
+    _run(RewardModelScorer(client1).score(_rollouts(1)))
+    assert client1.kwargs == [{"normalize": False}, {}]  # None: the client's own default
 
 
 # -- versions ----------------------------------------------------------------------------------------
@@ -196,8 +272,8 @@ class VersionedClient:
 def test_per_batch_versions_from_responses(client1):
     rollouts = _rollouts(5)
     scorer = RewardModelScorer(VersionedClient(client1), batch_size=2, max_concurrency=1)
-    _run(scorer.score_rollouts(rollouts))
-    assert [r["metadata"]["rm_score_version"] for r in rollouts] == [7, 7, 8, 8, 9]
+    _run(scorer.score(rollouts))
+    assert [r.meta["rm_score_version"] for r in rollouts] == [7, 7, 8, 8, 9]
     assert scorer.last_stats.versions == [7, 8, 9] and scorer.last_stats.mixed_versions
 
 
@@ -212,129 +288,29 @@ def test_version_that_moves_mid_run_is_not_attributed(model_dirs):
     client.score_batch = bump_then_score
     rollouts = _rollouts(3)
     scorer = RewardModelScorer(client)
-    _run(scorer.score_rollouts(rollouts))
-    assert all(r["metadata"]["rm_score_version"] is None for r in rollouts)
+    _run(scorer.score(rollouts))
+    assert all(r.meta["rm_score_version"] is None for r in rollouts)
     assert scorer.last_stats.version_changed and scorer.last_stats.mixed_versions
 
 
-def test_client_without_version_records_none(client1):
+def test_client_without_version_or_with_a_failing_lookup_records_none(client1):
     class Bare:
         async def score_batch(self, texts):
             return await client1.score_batch(texts)
 
-    rollouts = _rollouts(2)
-    _run(RewardModelScorer(Bare()).score_rollouts(rollouts))
-    assert [r["metadata"]["rm_score_version"] for r in rollouts] == [None, None]
-    assert all(isinstance(r["metadata"]["rm_score"], float) for r in rollouts)
+    class NoVersion(Bare):
+        async def get_model_version(self):
+            raise ConnectionError("runtime_version unreachable")
 
-
-# -- failures write nothing ----------------------------------------------------------------------------
-
-
-def test_bad_rollout_found_before_any_request(client1):
-    calls = client1.calls
-    rollouts = _rollouts(3)
-    del rollouts[2]["response"]
-    with pytest.raises(ValueError, match="rollout 2: no 'response' field"):
-        _run(RewardModelScorer(client1).score_rollouts(rollouts))
-    rollouts = _rollouts(2)
-    rollouts[1]["prompt"] = ["not", "a", "string"]
-    with pytest.raises(ValueError, match="rollout 1: 'prompt' must be a string, got list"):
-        _run(RewardModelScorer(client1).score_rollouts(rollouts))
-    with pytest.raises(ValueError, match="rollout 0: text_fn returned int"):
-        _run(RewardModelScorer(client1, text_fn=lambda r: 3).score_rollouts(_rollouts(1)))
-    rollouts = _rollouts(1)
-    rollouts[0]["metadata"] = "tags"
-    with pytest.raises(ValueError, match="rollout 0: metadata must be a dict, got str"):
-        _run(RewardModelScorer(client1).score_rollouts(rollouts))
-    assert client1.calls == calls
-
-
-def test_failed_batch_writes_nothing_and_names_the_batch(client1):
-    rollouts = _rollouts(6)
-    flaky = Flaky(client1, fail_calls={2})  # test double: the second request fails
-    scorer = RewardModelScorer(flaky, batch_size=2, max_concurrency=1)
-    with pytest.raises(ScoringError, match=r"batch 1 \(2 texts\) failed after 1 attempt\(s\): ConnectionError: 503"):
-        _run(scorer.score_rollouts(rollouts))
-    assert all("rm_score" not in r["metadata"] for r in rollouts)
-
-
-def test_retry_recovers_from_a_transient_failure(client1):
-    rollouts = _rollouts(4)
-    flaky = Flaky(client1, fail_calls={1})  # test double: the first request fails once
-    scorer = RewardModelScorer(flaky, batch_size=2, max_retries=2, retry_backoff_s=0.01)
-    scores = _run(scorer.score_rollouts(rollouts))
-    assert scorer.last_stats.retries == 1 and flaky.calls == 3
-    assert scores == pytest.approx(client1.forward([r["prompt"] + r["response"] for r in rollouts]), abs=1e-5)
-
-
-def test_timeout(client1):
-    class Slow:
-        async def score_batch(self, texts):
-            await asyncio.sleep(5)
-
-    with pytest.raises(ScoringError, match="batch 0 .* timed out"):
-        _run(RewardModelScorer(Slow(), timeout_s=0.05).score_rollouts(_rollouts(1)))
-
-
-@pytest.mark.parametrize(
-    "returned,match",
-    [
-        ([1.0], "returned 1 scores for 2 texts"),
-        ([1.0, float("nan")], "text 1: non-finite score nan"),
-        ([1.0, "high"], "text 1: score is a str"),
-        ({"score": [1, 2]}, "dict without 'scores'"),
-        (None, "returned NoneType"),
-    ],
-)
-def test_unusable_scores_refused(returned, match):
-    class Bad:
-        async def score_batch(self, texts):
-            return returned
-
-    rollouts = _rollouts(2)
-    with pytest.raises(ScoringError, match=match):
-        _run(RewardModelScorer(Bad()).score_rollouts(rollouts))
-    assert all("rm_score" not in r["metadata"] for r in rollouts)
-
-
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        ({"batch_size": 0}, "batch_size must be an int >= 1"),
-        ({"max_concurrency": 1.5}, "max_concurrency must be an int >= 1"),
-        ({"metadata_key": ""}, "metadata_key must be a non-empty string"),
-        ({"timeout_s": 0}, "timeout_s must be > 0"),
-    ],
-)
-def test_bad_arguments(client1, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        RewardModelScorer(client1, **kwargs)
-
-
-def test_client_without_score_batch():
-    with pytest.raises(TypeError, match="async score_batch"):
-        RewardModelScorer(object())
-
-
-def test_scores_feed_credit_assignment(client1):
-    from weightsync.reward.credit import RewardModelCreditAssigner
-
-    rollouts = _rollouts(9)  # 3 prompts x 3 responses
-    for i, r in enumerate(rollouts):
-        r["reward"] = float(i % 2)  # a verifier's pass/fail
-    _run(RewardModelScorer(client1, batch_size=4).score_rollouts(rollouts))
-    credit = RewardModelCreditAssigner("add", weight=0.5, group_normalize=True)
-    out = credit.assign_rollouts(rollouts, output_key="advantage")
-    for prompt in {r["prompt"] for r in rollouts}:
-        group = [o for o, r in zip(out, rollouts, strict=True) if r["prompt"] == prompt]
-        assert abs(sum(group)) < 1e-6
-    r0 = rollouts[0]
-    assert r0["metadata"]["advantage"] == out[0]
+    for client in (Bare(), NoVersion()):
+        rollouts = _rollouts(2)
+        _run(RewardModelScorer(client).score(rollouts))
+        assert [r.meta["rm_score_version"] for r in rollouts] == [None, None]
+        assert all(isinstance(r.meta["rm_score"], float) for r in rollouts)
 
 
 class ProtocolClient:
-    """The full RewardModelClient shape over the real forward: ``score(ScoringRequest)`` returns
+    """The ``RewardModelClient`` shape over the real forward: ``score(ScoringRequest)`` returns
     ``(ScoringResponse, info)`` with the version; ``score_batch`` must then not be used."""
 
     def __init__(self, inner: HFForwardClient) -> None:
@@ -353,39 +329,130 @@ class ProtocolClient:
     async def get_model_version(self):
         return self.version
 
-    async def sync_weights(self, params, **kw):
-        raise NotImplementedError
-
-    def score_batch_sync(self, inputs):
-        raise NotImplementedError
-
 
 def test_reward_model_client_goes_through_score_with_versions(client1):
-    from weightsync.reward.client import RewardModelClient
-
     proto = ProtocolClient(client1)
-    assert isinstance(proto, RewardModelClient)  # the shape VLLMRewardClient has
     rollouts = _rollouts(5)
-    scorer = RewardModelScorer(proto, batch_size=2, use_activation=True)
+    scorer = RewardModelScorer(proto, batch_size=2)
     assert scorer.use_score_api
-    scores = _run(scorer.score_rollouts(rollouts))
+    _run(scorer.score(rollouts))
     assert [len(r) for r in proto.requests] == [2, 2, 1]
-    assert all(r.use_activation for r in proto.requests)
-    assert [r["metadata"]["rm_score_version"] for r in rollouts] == [11] * 5
-    assert scores == pytest.approx(client1.forward([r["prompt"] + r["response"] for r in rollouts]), abs=1e-5)
-    with pytest.raises(ValueError, match="use_activation=True needs a client with score"):
-        RewardModelScorer(client1, use_activation=True)
+    assert [r.meta["rm_score_version"] for r in rollouts] == [11] * 5
+    refs = client1.forward([rollout_text(r, r.steps) for r in rollouts])
+    assert [r.meta["rm_score"] for r in rollouts] == pytest.approx(refs, abs=1e-5)
 
 
-def test_failing_version_lookup_does_not_fail_scoring(client1):
-    class NoVersion:
+# -- failures write nothing ----------------------------------------------------------------------------
+
+
+def test_bad_rollouts_are_found_before_any_request(client1):
+    calls = client1.calls
+    cases = [
+        ([{"prompt": "a", "response": "b"}], {}, r"rollouts\[0\]: a dict is not a Rollout"),
+        ([Rollout("e", [])], {}, "rollout 'e': has no steps"),
+        (_rollouts(1), {"text_fn": lambda r, steps: 3}, "rollout 'r0': text_fn returned int"),
+        (_multi_step(2), {"text_fn": lambda r, steps: None if len(steps) == 2 else "t",
+                          "score_level": "step"}, "rollout 'm1' step 1: text_fn returned NoneType"),
+    ]
+    bad_meta = _rollouts(2)
+    bad_meta[1].meta = "tags"
+    cases.append((bad_meta, {}, "rollout 'r1': meta must be a dict, got str"))
+    for rollouts, kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            _run(RewardModelScorer(client1, **kwargs).score(rollouts))
+    assert client1.calls == calls
+
+
+def test_failed_batch_names_batch_texts_rollouts_and_server_and_writes_nothing(client1):
+    rollouts = _rollouts(6)
+    flaky = Flaky(client1, fail_calls={2})  # test double: the second request fails
+    scorer = RewardModelScorer(flaky, batch_size=2, max_concurrency=1)
+    with pytest.raises(ScoringError, match=(
+        r"scoring batch 1 \(texts 2..3 of 6: rollout 'r2' .. rollout 'r3'\) failed against "
+        r"reward server http://127.0.0.1:9 after 1 attempt\(s\): ConnectionError: 503")):
+        _run(scorer.score(rollouts))
+    assert all("rm_score" not in r.meta for r in rollouts)
+
+
+def test_retry_recovers_from_a_transient_failure(client1):
+    rollouts = _rollouts(4)
+    flaky = Flaky(client1, fail_calls={1})  # test double: the first request fails once
+    scorer = RewardModelScorer(flaky, batch_size=2, max_retries=2, retry_backoff_s=0.01)
+    _run(scorer.score(rollouts))
+    assert scorer.last_stats.retries == 1 and flaky.calls == 3
+    refs = client1.forward([rollout_text(r, r.steps) for r in rollouts])
+    assert [r.meta["rm_score"] for r in rollouts] == pytest.approx(refs, abs=1e-5)
+
+
+def test_timeout():
+    class Slow:
         async def score_batch(self, texts):
-            return await client1.score_batch(texts)
+            await asyncio.sleep(5)
 
-        async def get_model_version(self):
-            raise ConnectionError("runtime_version unreachable")
+    with pytest.raises(ScoringError, match=r"batch 0 .* against client Slow .* timed out"):
+        _run(RewardModelScorer(Slow(), timeout_s=0.05).score(_rollouts(1)))
+
+
+@pytest.mark.parametrize(
+    "returned,match",
+    [
+        ([1.0], "returned 1 scores for 2 texts"),
+        ([1.0, float("nan")], "rollout 'r1': non-finite score nan"),
+        ([1.0, "high"], "rollout 'r1': score is a str"),
+        ([[1.0], []], "rollout 'r1': empty score list"),
+        ({"score": [1, 2]}, "dict without 'scores'"),
+        (None, "returned NoneType"),
+    ],
+)
+def test_unusable_scores_refused(returned, match):
+    class Bad:
+        async def score_batch(self, texts):
+            return returned
 
     rollouts = _rollouts(2)
-    _run(RewardModelScorer(NoVersion()).score_rollouts(rollouts))
-    assert [r["metadata"]["rm_score_version"] for r in rollouts] == [None, None]
-    assert all(isinstance(r["metadata"]["rm_score"], float) for r in rollouts)
+    with pytest.raises(ScoringError, match=match):
+        _run(RewardModelScorer(Bad()).score(rollouts))
+    assert all("rm_score" not in r.meta for r in rollouts)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"batch_size": 0}, "batch_size must be an int >= 1"),
+        ({"max_concurrency": 1.5}, "max_concurrency must be an int >= 1"),
+        ({"score_key": ""}, "score_key must be a non-empty string"),
+        ({"score_level": "token"}, "score_level must be one of"),
+        ({"vector_key": "rm_score"}, "vector_key must differ from score_key"),
+        ({"timeout_s": 0}, "timeout_s must be > 0"),
+        ({"aggregate": "median"}, "aggregate: unknown name 'median'"),
+        ({"normalize": "yes"}, "normalize must be a bool or None"),
+    ],
+)
+def test_bad_arguments(client1, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RewardModelScorer(client1, **kwargs)
+
+
+def test_client_without_score_methods():
+    with pytest.raises(TypeError, match="async score_batch"):
+        RewardModelScorer(object())
+
+
+def test_scores_feed_the_grpo_preset(client1):
+    from weightsync.reward.presets import make_grpo_with_rm
+
+    algo = make_grpo_with_rm(3)  # 9 rollouts: 3 prompts x 3 responses
+    rollouts = _rollouts(9)
+    for r in rollouts:
+        r.steps[0].reward = float(int(r.id[1:]) % 2)  # a verifier's pass/fail
+    _run(algo.make_scorer(client1, batch_size=4).score(rollouts))
+    credit = algo.credit_assigner.compute(rollouts)
+    assert len(credit) == 9
+    for prompt in PROMPTS:
+        group = [credit[(r.id, 0)] for r in rollouts if r.meta["initial_obs"] == prompt]
+        assert abs(math.fsum(group)) < 1e-6 and len(group) == 3
+        # bonus: env + rm; the group's combined returns decide the order of the advantages
+        combined = [r.steps[0].reward + r.meta["rm_score"] for r in rollouts
+                    if r.meta["initial_obs"] == prompt]
+        assert sorted(range(3), key=lambda i: group[i]) == sorted(range(3),
+                                                                   key=lambda i: combined[i])

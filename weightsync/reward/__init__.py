@@ -1,4 +1,5 @@
-"""Reward models on vLLM: types, the server, the client (DESIGN.md section 6).
+"""Reward models on vLLM: rollout types, scoring, credit assignment and presets, the server,
+the client and the publisher.
 
 Importing this package is light (no vLLM, no httpx): the types are plain data and the client /
 server are imported on first attribute access.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from weightsync.reward.rollout import CreditAssigner, Rollout, RolloutStepKey, Step
 from weightsync.reward.types import (
     DEFAULT_HEAD_NAME_PATTERNS,
     PoolingType,
@@ -28,7 +30,22 @@ _LAZY = {
     "RewardModelPublisher": "weightsync.reward.publisher",
     "create_reward_publisher": "weightsync.reward.publisher",
     "RewardModelScorer": "weightsync.reward.scorer",
+    "ScoringError": "weightsync.reward.scorer",
+    "rollout_text": "weightsync.reward.scorer",
+    "AGGREGATIONS": "weightsync.reward.aggregate",
     "RewardModelCreditAssigner": "weightsync.reward.credit",
+    "make_rm_grpo_assigner": "weightsync.reward.credit",
+    "make_rm_scalerl_assigner": "weightsync.reward.credit",
+    "EpisodicReturn": "weightsync.reward.advantages",
+    "PerStepReward": "weightsync.reward.advantages",
+    "GRPOAssigner": "weightsync.reward.advantages",
+    "ScaleRLAssigner": "weightsync.reward.advantages",
+    "PolicyLoss": "weightsync.reward.losses",
+    "RLAlgorithm": "weightsync.reward.presets",
+    "ScorerSettings": "weightsync.reward.presets",
+    "make_reward_rl": "weightsync.reward.presets",
+    "make_grpo_with_rm": "weightsync.reward.presets",
+    "make_scalerl_with_rm": "weightsync.reward.presets",
 }
 
 
@@ -40,9 +57,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "DEFAULT_HEAD_NAME_PATTERNS", "HttpEngineClient", "PoolingType", "RewardModelClient",
-    "RewardModelCreditAssigner", "RewardModelPublisher", "RewardModelScorer",
-    "RewardModelTrainingMode", "RewardServerConfig", "ScoringRequest", "ScoringResponse",
-    "VLLMRewardClient", "create_reward_publisher", "is_head_param", "non_head_params",
-    "training_mode_offenders",
+    "AGGREGATIONS", "DEFAULT_HEAD_NAME_PATTERNS", "CreditAssigner", "EpisodicReturn",
+    "GRPOAssigner", "HttpEngineClient", "PerStepReward", "PolicyLoss", "PoolingType",
+    "RLAlgorithm", "RewardModelClient", "RewardModelCreditAssigner", "RewardModelPublisher",
+    "RewardModelScorer", "RewardModelTrainingMode", "RewardServerConfig", "Rollout",
+    "RolloutStepKey", "ScaleRLAssigner", "ScorerSettings", "ScoringError", "ScoringRequest",
+    "ScoringResponse", "Step", "VLLMRewardClient", "create_reward_publisher", "is_head_param",
+    "make_grpo_with_rm", "make_reward_rl", "make_rm_grpo_assigner", "make_rm_scalerl_assigner",
+    "make_scalerl_with_rm", "non_head_params", "rollout_text", "training_mode_offenders",
 ]

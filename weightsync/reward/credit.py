@@ -1,267 +1,236 @@
-"""``RewardModelCreditAssigner``: mix reward-model scores with environment rewards per rollout,
-optionally normalised GRPO-style within each prompt group.
+"""``RewardModelCreditAssigner``: combine reward-model scores with environment rewards, then
+assign per-step credit (optionally GRPO / ScaleRL normalised).
 
-Who calls: the RL loop, after ``RewardModelScorer`` wrote the scores and before advantages are
-computed. Pure Python over floats (no torch); deterministic.
+Who calls: the RL loop, in the trainer process, after ``RewardModelScorer.score(rollouts)`` wrote
+the scores and before the loss. ``compute(rollouts)`` is synchronous, pure Python over floats,
+deterministic, never modifies the rollouts, and returns a weight for every step of every
+rollout (the ``CreditAssigner`` contract).
 
-Modes (``s`` = reward-model score, ``r`` = environment reward):
+Modes (``env`` = environment reward, ``rm`` = reward-model score):
 
-============  =========================================  ======================================
-mode          reward                                     typical use
-============  =========================================  ======================================
-``replace``   ``s``                                      RLHF: the reward model is the reward
-``add``       ``r + weight * s``                         shaped reward on top of a verifier
-``multiply``  ``r * s``                                  gate the model score by success
-``weighted``  ``(1 - weight) * r + weight * s``          interpolate (``0 <= weight <= 1``)
-``bonus``     ``r + bonus`` if ``s > threshold`` else    a fixed bonus when the reward model
-              ``r``                                      approves (e.g. style / safety)
-============  =========================================  ======================================
+============  ==================================  =============================================
+mode          combined reward                     typical use
+============  ==================================  =============================================
+``replace``   ``rm``                              RLHF: the reward model is the reward
+``add``       ``env + rm``                        shaped reward on top of a verifier
+``multiply``  ``env * rm``                        gate the model score by success (or back)
+``weighted``  ``alpha * env + (1 - alpha) * rm``  interpolate, ``0 <= alpha <= 1``
+``bonus``     ``env + rm_coeff * rm``             a scaled reward-model bonus (the default)
+============  ==================================  =============================================
 
-``group_normalize=True`` then maps each reward to ``(x - mean_g) / (std_g + eps)`` over the
-rollouts of its group ``g`` (GRPO; groups are usually "same prompt"). ``std`` is the sample
-standard deviation (Bessel-corrected, as TRL and verl compute it); a group of one rollout has
-std 0 and normalises to 0. ``scale_by_std=False`` only subtracts the group mean (Dr. GRPO).
+``rm_coeff`` scales the score in ``bonus`` only and ``alpha`` is used by ``weighted`` only, as the
+design defines them; a non-default value given to a mode that does not use it is an error
+rather than silently ignored. (``add`` is ``bonus`` with ``rm_coeff = 1``.)
 
-Multi-label reward models (a list of scores per text) need ``label_index`` to pick the label.
+Score levels:
+
+- ``score_level="sequence"``: one score per rollout in ``rollout.meta[rm_score_key]``, combined
+  with the rollout's return ``R`` (sum of step rewards) into ``combine(R, rm)``. With no inner
+  assigner every step gets that value (outcome-level credit). With an inner assigner, the
+  sequence score is credited at the rollout's final step (the last of ``rollout.steps``: where
+  the outcome is known, as RLHF credits a reward model at the last token) and every step keeps
+  its environment reward times the mode's env factor (1 for add/bonus, ``alpha`` for weighted,
+  ``rm`` for multiply, 0 for replace), so the shaped return the inner assigner sees is exactly
+  ``combine(R, rm)`` and per-step env rewards still reach return-to-go style assigners.
+- ``score_level="step"``: one score per step in ``step.meta[rm_score_key]`` (a process reward
+  model), combined per step: ``combine(step.reward, rm_step)``. With no inner assigner each step
+  gets its own combined reward; an inner assigner sees the combined rewards as step rewards.
+
+Inner assigner (``inner_assigner``): any ``CreditAssigner``. It receives copies of the rollouts
+whose step rewards are the combined rewards above (ids, indices, observations and ``meta``
+unchanged, so grouping by ``meta["initial_obs"]`` works), and its weights are the result.
+``GRPOAssigner`` / ``ScaleRLAssigner`` (``weightsync.reward.advantages``) normalise the combined
+returns within prompt groups; ``make_rm_grpo_assigner`` / ``make_rm_scalerl_assigner`` build
+those pairs. ``replace`` never reads the environment rewards.
+
+Bad input raises ``ValueError`` before any arithmetic, naming the rollout (and step): a missing
+score ("run RewardModelScorer first"), a list of scores (reduce n_labels > 1 in the scorer with
+``aggregate=``), a NaN or infinite score or reward (it would poison its group), duplicate
+rollout ids or step indices, a rollout without steps.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-MODES = ("replace", "add", "multiply", "weighted", "bonus")
+from weightsync.reward._checks import (
+    GroupKey,
+    check_rollouts,
+    check_weights,
+    finite,
+    step_reward,
+)
+from weightsync.reward.advantages import (
+    DEFAULT_GROUP_KEY,
+    EpisodicReturn,
+    GRPOAssigner,
+    PerStepReward,
+    ScaleRLAssigner,
+)
+from weightsync.reward.rollout import CreditAssigner, Rollout, RolloutStepKey, Step
 
-_MISSING = object()
+# mode -> (rm, rm_coeff, alpha) -> (env factor a, score term b); combined = a * env + b
+_MODES: dict[str, Callable[[float, float, float], tuple[float, float]]] = {
+    "replace": lambda rm, coeff, alpha: (0.0, rm),
+    "add": lambda rm, coeff, alpha: (1.0, rm),
+    "multiply": lambda rm, coeff, alpha: (rm, 0.0),
+    "weighted": lambda rm, coeff, alpha: (alpha, (1.0 - alpha) * rm),
+    "bonus": lambda rm, coeff, alpha: (1.0, coeff * rm),
+}
+MODES = tuple(_MODES)
+SCORE_LEVELS = ("sequence", "step")
+DEFAULT_RM_COEFF = 1.0
+DEFAULT_ALPHA = 0.5
 
 
 class RewardModelCreditAssigner:
-    """Turn reward-model scores (+ environment rewards) into the per-rollout rewards RL uses."""
+    """See the module docstring. ``compute(rollouts) -> {(rollout.id, step.index): weight}``."""
 
     def __init__(
         self,
-        mode: str = "replace",
-        *,
-        weight: float = 1.0,
-        bonus: float = 1.0,
-        threshold: float = 0.0,
-        group_normalize: bool = False,
-        eps: float = 1e-6,
-        scale_by_std: bool = True,
-        label_index: int | None = None,
-        metadata_key: str = "rm_score",
+        mode: str = "bonus",
+        rm_coeff: float = DEFAULT_RM_COEFF,
+        alpha: float = DEFAULT_ALPHA,
+        rm_score_key: str = "rm_score",
+        score_level: str = "sequence",
+        inner_assigner: CreditAssigner | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown credit mode {mode!r}; valid modes: {', '.join(MODES)}")
-        for name, value in (("weight", weight), ("bonus", bonus), ("threshold", threshold),
-                            ("eps", eps)):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-            ):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if mode == "weighted" and not 0.0 <= weight <= 1.0:
-            raise ValueError(f"weighted mode needs 0 <= weight <= 1, got {weight}")
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if label_index is not None and (
-            isinstance(label_index, bool) or not isinstance(label_index, int) or label_index < 0
-        ):
-            raise ValueError(f"label_index must be an int >= 0 or None, got {label_index!r}")
+        if mode not in _MODES:
+            raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+        if score_level not in SCORE_LEVELS:
+            raise ValueError(f"score_level must be one of {SCORE_LEVELS}, got {score_level!r}")
+        rm_coeff = finite(rm_coeff, "rm_coeff")
+        alpha = finite(alpha, "alpha")
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        if rm_coeff != DEFAULT_RM_COEFF and mode != "bonus":
+            raise ValueError(
+                f"rm_coeff={rm_coeff} has no effect in mode {mode!r}; it scales the score in "
+                f"mode 'bonus' (env + rm_coeff * rm)"
+            )
+        if alpha != DEFAULT_ALPHA and mode != "weighted":
+            raise ValueError(
+                f"alpha={alpha} has no effect in mode {mode!r}; it is the env weight of mode "
+                f"'weighted' (alpha * env + (1 - alpha) * rm)"
+            )
+        if not isinstance(rm_score_key, str) or not rm_score_key:
+            raise ValueError(f"rm_score_key must be a non-empty string, got {rm_score_key!r}")
+        if inner_assigner is not None and not callable(getattr(inner_assigner, "compute", None)):
+            raise TypeError(
+                f"inner_assigner must be a CreditAssigner (compute(rollouts) -> dict); a "
+                f"{type(inner_assigner).__name__} has no compute()"
+            )
         self.mode = mode
-        self.weight = float(weight)
-        self.bonus = float(bonus)
-        self.threshold = float(threshold)
-        self.group_normalize = bool(group_normalize)
-        self.eps = float(eps)
-        self.scale_by_std = bool(scale_by_std)
-        self.label_index = label_index
-        self.metadata_key = metadata_key
+        self.rm_coeff = rm_coeff
+        self.alpha = alpha
+        self.rm_score_key = rm_score_key
+        self.score_level = score_level
+        self.inner_assigner = inner_assigner
 
-    @property
-    def needs_env_rewards(self) -> bool:
-        return self.mode != "replace"
+    def __repr__(self) -> str:
+        inner = type(self.inner_assigner).__name__ if self.inner_assigner else None
+        return (f"RewardModelCreditAssigner(mode={self.mode!r}, rm_coeff={self.rm_coeff}, "
+                f"alpha={self.alpha}, rm_score_key={self.rm_score_key!r}, "
+                f"score_level={self.score_level!r}, inner_assigner={inner})")
 
-    # -- on plain lists ------------------------------------------------------------------------
-    def assign(
-        self,
-        scores: Sequence[Any],
-        env_rewards: Sequence[Any] | None = None,
-        group_ids: Sequence[Hashable] | None = None,
-    ) -> list[float]:
-        """Rewards for ``len(scores)`` rollouts: combine, then normalise per group if enabled."""
-        s = self._scores(scores)
-        n = len(s)
-        r = self._env(env_rewards, n)
-        out = [self._combine(si, ri) for si, ri in zip(s, r, strict=True)]
-        if self.group_normalize:
-            if group_ids is None:
-                raise ValueError(
-                    "group_normalize=True needs group_ids (one per rollout, e.g. the prompt)"
-                )
-            out = group_normalize(out, group_ids, eps=self.eps, scale_by_std=self.scale_by_std)
-        return out
+    def combine(self, env: float, rm: float) -> float:
+        """The mode's combined reward for one environment reward and one score."""
+        a, b = self._factors(rm)
+        return a * env + b
 
-    def _combine(self, s: float, r: float | None) -> float:
-        if self.mode == "replace":
-            return s
-        assert r is not None
-        if self.mode == "add":
-            return r + self.weight * s
-        if self.mode == "multiply":
-            return r * s
-        if self.mode == "weighted":
-            return (1.0 - self.weight) * r + self.weight * s
-        return r + self.bonus if s > self.threshold else r  # bonus
+    def compute(self, rollouts: Sequence[Rollout]) -> dict[RolloutStepKey, float]:
+        rs = check_rollouts(rollouts)
+        shaped = [self._shape(r) for r in rs]
+        inner = self.inner_assigner
+        if inner is None:
+            inner = EpisodicReturn() if self.score_level == "sequence" else PerStepReward()
+        return check_weights(inner.compute(shaped), rs, type(inner).__name__)
 
-    def _scores(self, scores: Sequence[Any]) -> list[float]:
-        if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence):
-            raise ValueError(f"scores must be a sequence, got {type(scores).__name__}")
-        missing = [i for i, x in enumerate(scores) if x is None]
-        if missing:
-            raise ValueError(
-                f"missing reward-model scores for rollouts {_few(missing)} "
-                f"({len(missing)} of {len(scores)}); score them first (RewardModelScorer)"
-            )
-        return [self._one_score(i, x) for i, x in enumerate(scores)]
-
-    def _one_score(self, i: int, x: Any) -> float:
-        if isinstance(x, (list, tuple)):
-            if self.label_index is None:
-                if len(x) != 1:
-                    raise ValueError(
-                        f"rollout {i}: the reward model gives {len(x)} labels per text; set "
-                        f"label_index to pick one"
-                    )
-                x = x[0]
-            else:
-                if self.label_index >= len(x):
-                    raise ValueError(
-                        f"rollout {i}: label_index {self.label_index} but only {len(x)} labels"
-                    )
-                x = x[self.label_index]
-        return _number(x, f"rollout {i}: score")
-
-    def _env(self, env_rewards: Sequence[Any] | None, n: int) -> list[float | None]:
-        if env_rewards is None:
-            if self.needs_env_rewards:
-                raise ValueError(f"mode {self.mode!r} needs env_rewards (one per rollout)")
-            return [None] * n
-        if len(env_rewards) != n:
-            raise ValueError(
-                f"length mismatch: {n} scores but {len(env_rewards)} env_rewards"
-            )
-        if not self.needs_env_rewards:
-            return [None] * n
-        missing = [i for i, x in enumerate(env_rewards) if x is None]
-        if missing:
-            raise ValueError(
-                f"missing environment rewards for rollouts {_few(missing)} (mode {self.mode!r} "
-                f"needs them)"
-            )
-        return [
-            _number(x, f"rollout {i}: env reward", allow_bool=True)
-            for i, x in enumerate(env_rewards)
-        ]
-
-    # -- on rollouts ---------------------------------------------------------------------------
-    def assign_rollouts(
-        self,
-        rollouts: Sequence[Any],
-        *,
-        env_reward_key: str = "reward",
-        group_key: str | Callable[[Any], Hashable] = "prompt",
-        output_key: str | None = None,
-    ) -> list[float]:
-        """Read scores from ``metadata[metadata_key]``, env rewards from ``env_reward_key`` (a
-        field of the rollout, or of its metadata) and groups from ``group_key`` (a field name or a
-        function); optionally write the result to ``metadata[output_key]``."""
-        rollouts = list(rollouts)
-        scores = []
-        for ro in rollouts:
-            meta = _get(ro, "metadata")
-            if not isinstance(meta, Mapping) or self.metadata_key not in meta:
-                scores.append(None)
-                continue
-            scores.append(meta[self.metadata_key])
-        env = None
-        if self.needs_env_rewards:
-            env = []
-            for ro in rollouts:
-                v = _get(ro, env_reward_key)
-                if v is _MISSING or v is None:  # not on the rollout: look in its metadata
-                    meta = _get(ro, "metadata")
-                    v = meta.get(env_reward_key, None) if isinstance(meta, Mapping) else None
-                env.append(v)
-        groups = None
-        if self.group_normalize:
-            groups = []
-            for i, ro in enumerate(rollouts):
-                g = group_key(ro) if callable(group_key) else _get(ro, group_key)
-                if g is _MISSING:
-                    raise ValueError(f"rollout {i}: no group field {group_key!r} (group_key)")
-                try:
-                    hash(g)
-                except TypeError:
-                    raise ValueError(
-                        f"rollout {i}: group id of type {type(g).__name__} is not hashable"
-                    ) from None
-                groups.append(g)
-        out = self.assign(scores, env, groups)
-        if output_key is not None:
-            for ro, value in zip(rollouts, out, strict=True):
-                meta = _get(ro, "metadata")
-                if isinstance(meta, dict):
-                    meta[output_key] = value
-        return out
-
-
-def group_normalize(
-    values: Sequence[float],
-    group_ids: Sequence[Hashable],
-    *,
-    eps: float = 1e-6,
-    scale_by_std: bool = True,
-) -> list[float]:
-    """``(x - mean_g) / (std_g + eps)`` per group (sample std; a group of one gives 0)."""
-    if len(values) != len(group_ids):
-        raise ValueError(f"length mismatch: {len(values)} rewards but {len(group_ids)} group ids")
-    members: dict[Hashable, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        members.setdefault(g, []).append(i)
-    out = [0.0] * len(values)
-    for idx in members.values():
-        xs = [float(values[i]) for i in idx]
-        mean = math.fsum(xs) / len(xs)
-        if len(xs) > 1:
-            std = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+    # -- shaping -------------------------------------------------------------------------------
+    def _shape(self, r: Any) -> Rollout:
+        """A copy of ``r`` whose step rewards are the combined rewards (see the docstring)."""
+        if self.mode == "replace":  # never reads environment rewards
+            envs = [0.0] * len(r.steps)
         else:
-            std = 0.0
-        for i, x in zip(idx, xs, strict=True):
-            centred = x - mean
-            out[i] = centred / (std + eps) if scale_by_std and std + eps > 0 else centred
-    return out
+            envs = [step_reward(r, s) for s in r.steps]
+        if self.score_level == "step":
+            rewards = []
+            for s, env in zip(r.steps, envs, strict=True):
+                a, b = self._factors(_score(getattr(s, "meta", None), self.rm_score_key,
+                                            f"rollout {r.id!r} step {s.index}", "step"))
+                rewards.append(a * env + b)
+        else:
+            a, b = self._factors(_score(getattr(r, "meta", None), self.rm_score_key,
+                                        f"rollout {r.id!r}", "sequence"))
+            rewards = [a * env for env in envs]
+            rewards[-1] += b
+        for s, x in zip(r.steps, rewards, strict=True):
+            if not math.isfinite(x):  # e.g. a huge score times a huge reward
+                raise ValueError(f"rollout {r.id!r} step {s.index}: combined reward is {x}")
+        return Rollout(
+            id=r.id,
+            steps=[_step_with_reward(s, x) for s, x in zip(r.steps, rewards, strict=True)],
+            meta=getattr(r, "meta", None) or {},
+        )
+
+    def _factors(self, rm: float) -> tuple[float, float]:
+        return _MODES[self.mode](rm, self.rm_coeff, self.alpha)
 
 
-def _get(rollout: Any, key: str) -> Any:
-    if isinstance(rollout, Mapping):
-        return rollout.get(key, _MISSING)
-    return getattr(rollout, key, _MISSING)
+def _score(meta: Any, key: str, where: str, level: str) -> float:
+    holder = "rollout.meta" if level == "sequence" else "step.meta"
+    if not isinstance(meta, Mapping) or key not in meta or meta[key] is None:
+        raise ValueError(
+            f"{where}: no reward-model score in {holder}[{key!r}]; score the rollouts first "
+            f"(await RewardModelScorer(client, score_key={key!r}, score_level={level!r})"
+            f".score(rollouts))"
+        )
+    return finite(meta[key], f"{where}: {holder}[{key!r}]")
 
 
-def _number(x: Any, what: str, *, allow_bool: bool = False) -> float:
-    """A finite float; env rewards may be booleans (a verifier's pass/fail), scores may not."""
-    if hasattr(x, "item") and not isinstance(x, (int, float)):
-        x = x.item()
-    if (isinstance(x, bool) and not allow_bool) or not isinstance(x, (int, float)):
-        raise ValueError(f"{what} must be a number, got {type(x).__name__}")
-    f = float(x)
-    if not math.isfinite(f):
-        raise ValueError(f"{what} is not finite ({f})")
-    return f
+def _step_with_reward(s: Any, reward: float) -> Step:
+    if isinstance(s, Step):
+        return replace(s, reward=reward)
+    return Step(index=s.index, prev_obs=getattr(s, "prev_obs", ""),
+                action=getattr(s, "action", ""), next_obs=getattr(s, "next_obs", None),
+                reward=reward, truncated=getattr(s, "truncated", False),
+                terminated=getattr(s, "terminated", False), info=getattr(s, "info", None) or {},
+                meta=getattr(s, "meta", None) or {})
 
 
-def _few(idx: list[int], k: int = 10) -> str:
-    return str(idx[:k])[:-1] + (", ...]" if len(idx) > k else "]")
+# -- factories -------------------------------------------------------------------------------
+
+
+def make_rm_grpo_assigner(
+    group_size: int | None,
+    mode: str = "bonus",
+    rm_coeff: float = DEFAULT_RM_COEFF,
+    alpha: float = DEFAULT_ALPHA,
+    rm_score_key: str = "rm_score",
+    score_level: str = "sequence",
+    *,
+    group_key: GroupKey = DEFAULT_GROUP_KEY,
+    scale_by_std: bool = True,
+) -> RewardModelCreditAssigner:
+    """Combined rewards, then GRPO advantages within prompt groups of ``group_size``
+    (``None``: any size): ``(R - mean_g) / (std_g + 1e-8)``, ``R`` the combined return."""
+    inner = GRPOAssigner(group_size, group_key=group_key, scale_by_std=scale_by_std)
+    return RewardModelCreditAssigner(mode, rm_coeff, alpha, rm_score_key, score_level, inner)
+
+
+def make_rm_scalerl_assigner(
+    group_size: int | None,
+    mode: str = "bonus",
+    rm_coeff: float = DEFAULT_RM_COEFF,
+    alpha: float = DEFAULT_ALPHA,
+    rm_score_key: str = "rm_score",
+    score_level: str = "sequence",
+    *,
+    group_key: GroupKey = DEFAULT_GROUP_KEY,
+) -> RewardModelCreditAssigner:
+    """Combined rewards, then ScaleRL advantages: group-mean centring, batch-std scaling."""
+    inner = ScaleRLAssigner(group_size, group_key=group_key)
+    return RewardModelCreditAssigner(mode, rm_coeff, alpha, rm_score_key, score_level, inner)

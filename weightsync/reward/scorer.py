@@ -1,36 +1,45 @@
-"""``RewardModelScorer``: batched, concurrent reward-model scoring of RL rollouts.
+"""``RewardModelScorer``: score rollouts with a reward model, in batches, several in flight, and
+write the scores into rollout (or step) metadata in place.
 
-Who calls: the RL loop (trainer or rollout controller process), after generation and before the
-advantage computation. It turns each rollout into one text, scores the texts in batches of
-``batch_size`` with at most ``max_concurrency`` batches in flight, and writes each score (and the
-reward-model weight version that produced it) into the rollout's ``metadata`` dict.
+Who calls: the RL loop (trainer or rollout controller process), after sampling and before
+credit assignment: ``await scorer.score(rollouts)``, then ``assigner.compute(rollouts)``.
 
-A rollout is a dict or an object (dataclass) with ``prompt`` and ``response`` strings and a
-``metadata`` dict; ``text_fn(rollout) -> str`` replaces the default ``prompt + response`` (e.g.
-to apply a chat template). The client is anything with
+Score levels:
 
-    async score_batch(texts: list[str]) -> list[float | list[float]]
+- ``"sequence"`` (outcome reward): one text per rollout, ``text_fn(rollout, rollout.steps)``;
+  the score goes to ``rollout.meta[score_key]``.
+- ``"step"`` (process reward): one text per step prefix, ``text_fn(rollout, steps[: i + 1])``
+  for the i-th step, scored by the same sequence-level reward model; the score goes to
+  ``step.meta[score_key]``. (A server-side step pooler would score every step of a rollout in
+  one request; ours sends the prefixes, which needs no special model.)
 
-``score_batch`` may instead return the scores together with the weight version (a
-``ScoringResponse``, an object or dict with ``scores`` and ``version``, or a
-``(scores, version)`` pair). A full ``RewardModelClient`` (``score``, ``score_batch``,
-``get_model_version``, ``sync_weights``; e.g. ``weightsync.reward.VLLMRewardClient``) is called
-through ``score(ScoringRequest)`` instead (``use_score_api``, auto by default), so every batch
-carries the version that produced it. When the version does not come with the scores and the
-client has ``async get_model_version()``, the scorer reads it before and after the run and
-records it only if it did not change (a reward model updated mid-run gives ``None`` and
-``ScoringStats.version_changed``): scores are never silently attributed to the wrong weights.
+The default ``text_fn`` is ``rollout_text``: the non-empty ``prev_obs`` and ``action`` strings
+of the steps joined by newlines. Train the reward model on the same format, or pass your own
+``text_fn`` (e.g. a chat template).
 
-All-or-nothing: the texts are all built (and checked) before the first request, and metadata is
-written only after every batch succeeded; on failure the error names the batch and nothing is
-written. Transient errors (e.g. a 503 while the reward model swaps weights) can be retried with
-``max_retries``.
+Batches of ``batch_size`` texts go to the client with at most ``max_concurrency`` in flight;
+results are put back in input order. Fail-fast and all-or-nothing: every text is built and
+checked before the first request, nothing is written until every batch succeeded, and a failed
+batch raises ``ScoringError`` naming the batch (its text range and rollouts) and the server.
+``max_retries`` (backoff ``retry_backoff_s``, doubling) retries a failed batch first, e.g. a 503
+while the reward model swaps weights; ``timeout_s`` bounds each request.
+
+Multi-label models (``n_labels > 1``): each score vector is reduced to one number with
+``aggregate`` (``weightsync.reward.aggregate``; default ``"first"``) before it is written under
+``score_key``; ``vector_key`` also keeps the whole vector under that key.
+
+Versions: ``meta[f"{score_key}_version"]`` gets the reward model weight version that produced
+the score. A client with ``score(ScoringRequest)`` and ``get_model_version()`` (a
+``RewardModelClient`` such as ``VLLMRewardClient``) is called through ``score``, so every batch
+carries its version. Otherwise ``score_batch(texts)`` is used and, when the client has
+``get_model_version``, the version is read before and after the run and recorded only if it did
+not change (else None and ``last_stats.version_changed``): scores are never attributed to the
+wrong weights. ``normalize`` (None: the client's default) is passed to the client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -38,19 +47,29 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.reward.aggregate import (
+    DEFAULT_AGGREGATE,
+    Aggregate,
+    reduce_score,
+    resolve_aggregate,
+)
+
 Score = float | list[float]
+TextFn = Callable[[Any, Sequence[Any]], str]
+SCORE_LEVELS = ("sequence", "step")
 
 log = logging.getLogger(__name__)
 
+
 class ScoringError(RuntimeError):
-    """A scoring batch failed or returned unusable scores; no rollout metadata was written."""
+    """A scoring batch failed or returned unusable scores; no metadata was written."""
 
 
 @dataclass
 class ScoringStats:
-    """What one ``score_rollouts`` call did."""
+    """What one ``score`` call did."""
 
-    num_rollouts: int = 0
+    num_texts: int = 0
     num_batches: int = 0
     seconds: float = 0.0
     retries: int = 0
@@ -62,106 +81,126 @@ class ScoringStats:
         return self.version_changed or len(self.versions) > 1
 
 
-class RewardModelScorer:
-    """Score rollouts with a reward-model client and write the scores into their metadata.
+def rollout_text(rollout: Any, steps: Sequence[Any]) -> str:
+    """The default scoring text: non-empty ``prev_obs`` / ``action`` of ``steps``, newline-joined."""
+    parts = []
+    for s in steps:
+        for value in (s.prev_obs, s.action):
+            if value:
+                parts.append(str(value))
+    return "\n".join(parts)
 
-    ``metadata_key`` receives the score (a float, or a list for n_labels > 1) and
-    ``f"{metadata_key}_version"`` the weight version (an int, or None when unknown).
-    ``use_activation`` (score API only) asks the server for activated scores instead of raw
-    logits. ``max_retries`` / ``retry_backoff_s`` (doubling) retry a failed batch;
-    ``timeout_s`` bounds each request.
-    """
+
+class RewardModelScorer:
+    """See the module docstring."""
 
     def __init__(
         self,
         client: Any,
+        score_key: str = "rm_score",
+        score_level: str = "sequence",
+        batch_size: int = 64,
         *,
-        batch_size: int = 32,
         max_concurrency: int = 4,
-        metadata_key: str = "rm_score",
-        text_fn: Callable[[Any], str] | None = None,
+        text_fn: TextFn | None = None,
+        aggregate: Aggregate = DEFAULT_AGGREGATE,
+        vector_key: str | None = None,
+        normalize: bool | None = None,
         max_retries: int = 0,
         retry_backoff_s: float = 0.5,
         timeout_s: float | None = None,
-        use_score_api: bool | None = None,
-        use_activation: bool = False,
     ) -> None:
-        if not callable(getattr(client, "score_batch", None)):
+        if not callable(getattr(client, "score_batch", None)) and not callable(
+            getattr(client, "score", None)
+        ):
             raise TypeError(
-                f"client must have an async score_batch(texts) method; {type(client).__name__} "
-                f"has none"
+                f"client must have async score_batch(texts) or score(ScoringRequest); a "
+                f"{type(client).__name__} has neither"
             )
-        for name, value, low in (("batch_size", batch_size, 1), ("max_concurrency", max_concurrency, 1),
+        if score_level not in SCORE_LEVELS:
+            raise ValueError(f"score_level must be one of {SCORE_LEVELS}, got {score_level!r}")
+        for name, value, low in (("batch_size", batch_size, 1),
+                                 ("max_concurrency", max_concurrency, 1),
                                  ("max_retries", max_retries, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if not isinstance(metadata_key, str) or not metadata_key:
-            raise ValueError(f"metadata_key must be a non-empty string, got {metadata_key!r}")
+        if not isinstance(score_key, str) or not score_key:
+            raise ValueError(f"score_key must be a non-empty string, got {score_key!r}")
+        if vector_key is not None and (not isinstance(vector_key, str) or not vector_key):
+            raise ValueError(f"vector_key must be a non-empty string or None, got {vector_key!r}")
+        if vector_key == score_key:
+            raise ValueError(f"vector_key must differ from score_key ({score_key!r})")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        if normalize is not None and not isinstance(normalize, bool):
+            raise ValueError(f"normalize must be a bool or None, got {normalize!r}")
         self.client = client
+        self.score_key = score_key
+        self.score_level = score_level
         self.batch_size = batch_size
         self.max_concurrency = max_concurrency
-        self.metadata_key = metadata_key
-        self.version_key = f"{metadata_key}_version"
-        self.text_fn = text_fn
+        self.text_fn: TextFn = text_fn or rollout_text
+        self.aggregate = aggregate
+        self._reduce = resolve_aggregate(aggregate)
+        self.vector_key = vector_key
+        self.version_key = f"{score_key}_version"
+        self.normalize = normalize
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.timeout_s = timeout_s
-        if use_score_api is None:
-            use_score_api = all(
-                callable(getattr(client, m, None))
-                for m in ("score", "get_model_version", "sync_weights")
-            )
-        self.use_score_api = bool(use_score_api)
-        self.use_activation = bool(use_activation)
-        if self.use_activation and not self.use_score_api:
-            raise ValueError(
-                "use_activation=True needs a client with score(ScoringRequest) (use_score_api); "
-                "score_batch returns what the client returns"
-            )
+        self.use_score_api = all(
+            callable(getattr(client, m, None)) for m in ("score", "get_model_version")
+        )
         self.last_stats = ScoringStats()
 
     # -- public API ----------------------------------------------------------------------------
-    async def score_rollouts(self, rollouts: Sequence[Any]) -> list[Score]:
-        """Score every rollout and write ``metadata[metadata_key]``; returns the scores in order."""
+    async def score(self, rollouts: Sequence[Any]) -> None:
+        """Score every rollout (or step) and write the scores into its ``meta`` in place."""
         rollouts = list(rollouts)
-        texts = [self._text(i, r) for i, r in enumerate(rollouts)]
-        metas = [_metadata(i, r) for i, r in enumerate(rollouts)]
-        scores, versions = await self.score_texts(texts)
-        for meta, s, v in zip(metas, scores, versions, strict=True):
-            meta[self.metadata_key] = s
+        targets, texts, labels = self._texts(rollouts)
+        scores, versions = await self.score_texts(texts, labels)
+        scalars = []
+        for label, s in zip(labels, scores, strict=True):
+            try:
+                scalars.append(reduce_score(s, self._reduce))
+            except ValueError as e:
+                raise ScoringError(f"{label}: {e}; no scores were written") from e
+        for meta, s, x, v in zip(targets, scores, scalars, versions, strict=True):
+            meta[self.score_key] = x
             meta[self.version_key] = v
-        return scores
+            if self.vector_key is not None:
+                meta[self.vector_key] = list(s) if isinstance(s, list) else [s]
 
-    def score_rollouts_sync(self, rollouts: Sequence[Any]) -> list[Score]:
-        """Blocking form of ``score_rollouts`` for code without an event loop."""
+    def score_sync(self, rollouts: Sequence[Any]) -> None:
+        """Blocking twin of ``score`` for code without a running event loop."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(self.score_rollouts(rollouts))
-        raise RuntimeError(
-            "score_rollouts_sync called inside a running event loop; await score_rollouts instead"
-        )
+            return asyncio.run(self.score(rollouts))
+        raise RuntimeError("score_sync called inside a running event loop; await score() instead")
 
-    async def score_texts(self, texts: Sequence[str]) -> tuple[list[Score], list[int | None]]:
-        """Score texts in batches; returns the scores and, per text, the weight version."""
+    async def score_texts(
+        self, texts: Sequence[str], labels: Sequence[str] | None = None
+    ) -> tuple[list[Score], list[int | None]]:
+        """Score texts in batches (order kept); returns the raw scores (floats, or lists for
+        n_labels > 1) and, per text, the weight version. ``labels`` name the texts in errors."""
         texts = list(texts)
-        stats = ScoringStats(num_rollouts=len(texts))
+        labels = list(labels) if labels is not None else [f"text {i}" for i in range(len(texts))]
+        stats = ScoringStats(num_texts=len(texts))
         self.last_stats = stats
         if not texts:
             return [], []
         t0 = time.perf_counter()
         before = await self._client_version()
-        batches = [texts[i : i + self.batch_size] for i in range(0, len(texts), self.batch_size)]
-        stats.num_batches = len(batches)
+        starts = list(range(0, len(texts), self.batch_size))
+        stats.num_batches = len(starts)
         sem = asyncio.Semaphore(self.max_concurrency)
 
-        async def run(index: int, batch: list[str]) -> tuple[list[Score], int | None]:
+        async def run(index: int, start: int) -> tuple[list[Score], int | None]:
             async with sem:
-                return await self._score_batch(index, batch, stats)
+                return await self._score_batch(index, start, texts, labels, stats)
 
-        tasks = [asyncio.ensure_future(run(i, b)) for i, b in enumerate(batches)]
+        tasks = [asyncio.ensure_future(run(i, s)) for i, s in enumerate(starts)]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:
@@ -170,8 +209,7 @@ class RewardModelScorer:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         after = await self._client_version() if before is not None else None
-        if before is not None and after != before:
-            stats.version_changed = True
+        stats.version_changed = before is not None and after != before
         scores: list[Score] = []
         versions: list[int | None] = []
         for batch_scores, batch_version in results:
@@ -184,34 +222,42 @@ class RewardModelScorer:
         stats.seconds = time.perf_counter() - t0
         return scores, versions
 
-    # -- internals -------------------------------------------------------------------------------
-    def _text(self, index: int, rollout: Any) -> str:
-        if self.text_fn is not None:
-            text = self.text_fn(rollout)
-            if not isinstance(text, str):
+    # -- texts ---------------------------------------------------------------------------------
+    def _texts(self, rollouts: list[Any]) -> tuple[list[dict], list[str], list[str]]:
+        """(meta dict to write into, text, label) per scored unit, all checked up front."""
+        targets: list[dict] = []
+        texts: list[str] = []
+        labels: list[str] = []
+        for pos, r in enumerate(rollouts):
+            steps = getattr(r, "steps", None)
+            if steps is None or not hasattr(r, "meta"):
                 raise ValueError(
-                    f"rollout {index}: text_fn returned {type(text).__name__}, expected str"
+                    f"rollouts[{pos}]: a {type(r).__name__} is not a Rollout (id, steps, meta)"
                 )
-            return text
-        parts = []
-        for key in ("prompt", "response"):
-            value = _field(rollout, key)
-            if value is _MISSING:
-                raise ValueError(
-                    f"rollout {index}: no {key!r} field; give rollouts with prompt and response "
-                    f"strings or pass text_fn"
-                )
-            if not isinstance(value, str):
-                raise ValueError(
-                    f"rollout {index}: {key!r} must be a string, got {type(value).__name__} "
-                    f"(pass text_fn to build the text yourself)"
-                )
-            parts.append(value)
-        return parts[0] + parts[1]
+            rid = getattr(r, "id", pos)
+            if not steps:
+                raise ValueError(f"rollout {rid!r}: has no steps; nothing to score")
+            if self.score_level == "sequence":
+                units = [(r, f"rollout {rid!r}", steps)]
+            else:
+                units = [(s, f"rollout {rid!r} step {s.index}", steps[: i + 1])
+                         for i, s in enumerate(steps)]
+            for holder, label, prefix in units:
+                text = self.text_fn(r, prefix)
+                if not isinstance(text, str):
+                    raise ValueError(
+                        f"{label}: text_fn returned {type(text).__name__}, expected str"
+                    )
+                targets.append(_meta_of(holder, label))
+                texts.append(text)
+                labels.append(label)
+        return targets, texts, labels
 
+    # -- requests ------------------------------------------------------------------------------
     async def _score_batch(
-        self, index: int, batch: list[str], stats: ScoringStats
+        self, index: int, start: int, texts: list[str], labels: list[str], stats: ScoringStats
     ) -> tuple[list[Score], int | None]:
+        batch = texts[start:start + self.batch_size]
         attempt = 0
         while True:
             try:
@@ -224,8 +270,9 @@ class RewardModelScorer:
                 if attempt >= self.max_retries:
                     what = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
                     raise ScoringError(
-                        f"scoring batch {index} ({len(batch)} texts) failed after "
-                        f"{attempt + 1} attempt(s): {what}; no rollout metadata was written"
+                        f"{self._batch_name(index, start, len(batch), len(texts), labels)} failed "
+                        f"against {self._server()} after {attempt + 1} attempt(s): {what}; no "
+                        f"scores were written"
                     ) from e
                 attempt += 1
                 stats.retries += 1
@@ -233,17 +280,31 @@ class RewardModelScorer:
         scores, version = _unpack(raw)
         if len(scores) != len(batch):
             raise ScoringError(
-                f"scoring batch {index}: the client returned {len(scores)} scores for "
-                f"{len(batch)} texts"
+                f"{self._batch_name(index, start, len(batch), len(texts), labels)}: "
+                f"{self._server()} returned {len(scores)} scores for {len(batch)} texts"
             )
-        return [_check_score(index * self.batch_size + i, s) for i, s in enumerate(scores)], version
+        return [_check_score(labels[start + i], s) for i, s in enumerate(scores)], version
+
+    def _batch_name(self, index: int, start: int, n: int, total: int, labels: list[str]) -> str:
+        first, last = labels[start], labels[start + n - 1]
+        span = first if n == 1 else f"{first} .. {last}"
+        return f"scoring batch {index} (texts {start}..{start + n - 1} of {total}: {span})"
+
+    def _server(self) -> str:
+        url = getattr(self.client, "base_url", None)
+        return f"reward server {url}" if url else f"client {type(self.client).__name__}"
 
     async def _request(self, batch: list[str]) -> Any:
         if not self.use_score_api:
-            return await self.client.score_batch(batch)
+            if self.normalize is None:
+                return await self.client.score_batch(batch)
+            return await self.client.score_batch(batch, normalize=self.normalize)
         from weightsync.reward.types import ScoringRequest
 
-        result = await self.client.score(ScoringRequest(batch, self.use_activation))
+        kwargs: dict[str, Any] = {}
+        if self.normalize is not None:
+            kwargs["use_activation"] = self.normalize
+        result = await self.client.score(ScoringRequest(inputs=batch, **kwargs))
         return result[0] if isinstance(result, tuple) else result  # (response, info)
 
     async def _client_version(self) -> int | None:
@@ -255,45 +316,30 @@ class RewardModelScorer:
             if asyncio.iscoroutine(v) or isinstance(v, asyncio.Future):
                 v = await v
         except Exception as e:  # the version is bookkeeping: unknown, not a failed scoring run
-            log.warning("get_model_version failed (%s: %s); recording no version", type(e).__name__, e)
+            log.warning("get_model_version failed (%s: %s); recording no version",
+                        type(e).__name__, e)
             return None
         return _as_version(v)
 
 
 # -- helpers ------------------------------------------------------------------------------------
 
-_MISSING = object()
 
-
-def _field(rollout: Any, key: str) -> Any:
-    if isinstance(rollout, Mapping):
-        return rollout.get(key, _MISSING)
-    return getattr(rollout, key, _MISSING)
-
-
-def _metadata(index: int, rollout: Any) -> dict:
-    """The rollout's metadata dict, created when the rollout has none yet (None or absent)."""
-    meta = _field(rollout, "metadata")
-    if meta is _MISSING or meta is None:
+def _meta_of(holder: Any, label: str) -> dict:
+    """The ``meta`` dict of a rollout or step, created when it is None."""
+    meta = getattr(holder, "meta", None)
+    if meta is None:
         meta = {}
         try:
-            if isinstance(rollout, Mapping):
-                rollout["metadata"] = meta  # type: ignore[index]
-            else:
-                rollout.metadata = meta
-        except (TypeError, AttributeError, dataclasses.FrozenInstanceError) as e:
-            raise ValueError(
-                f"rollout {index}: has no metadata dict and none can be set on a "
-                f"{type(rollout).__name__}; give it a metadata dict"
-            ) from e
+            holder.meta = meta
+        except (AttributeError, TypeError) as e:
+            raise ValueError(f"{label}: has no meta dict and none can be set") from e
     if not isinstance(meta, dict):
-        raise ValueError(f"rollout {index}: metadata must be a dict, got {type(meta).__name__}")
+        raise ValueError(f"{label}: meta must be a dict, got {type(meta).__name__}")
     return meta
 
 
 def _as_version(v: Any) -> int | None:
-    if v is None:
-        return None
     if isinstance(v, Mapping):
         v = v.get("version")
     if isinstance(v, bool) or not isinstance(v, int):
@@ -302,10 +348,12 @@ def _as_version(v: Any) -> int | None:
 
 
 def _unpack(raw: Any) -> tuple[list[Any], int | None]:
-    """Scores (+ version) from what ``score_batch`` returned (see module docstring)."""
+    """Scores (+ version) from what the client returned: a ``ScoringResponse`` (or anything
+    with ``scores`` / ``version``), a dict with ``scores``, a ``(scores, version)`` pair, a list
+    or a tensor."""
     if isinstance(raw, Mapping):
         if "scores" not in raw:
-            raise ScoringError(f"score_batch returned a dict without 'scores': keys {sorted(raw)}")
+            raise ScoringError(f"the client returned a dict without 'scores': keys {sorted(raw)}")
         return list(raw["scores"]), _as_version(raw.get("version"))
     if hasattr(raw, "scores") and not isinstance(raw, (list, tuple)):
         return list(raw.scores), _as_version(getattr(raw, "version", None))
@@ -317,23 +365,23 @@ def _unpack(raw: Any) -> tuple[list[Any], int | None]:
         return list(raw), None
     if hasattr(raw, "tolist"):  # a tensor or an array
         return list(raw.tolist()), None
-    raise ScoringError(f"score_batch returned {type(raw).__name__}; expected a list of scores")
+    raise ScoringError(f"the client returned {type(raw).__name__}; expected a list of scores")
 
 
-def _check_score(i: int, s: Any) -> Score:
+def _check_score(label: str, s: Any) -> Score:
     if isinstance(s, (list, tuple)):
         if not s:
-            raise ScoringError(f"text {i}: empty score list")
-        return [_check_number(i, x) for x in s]
-    return _check_number(i, s)
+            raise ScoringError(f"{label}: empty score list")
+        return [_check_number(label, x) for x in s]
+    return _check_number(label, s)
 
 
-def _check_number(i: int, s: Any) -> float:
+def _check_number(label: str, s: Any) -> float:
     if hasattr(s, "item") and not isinstance(s, (int, float)):
         s = s.item()
     if isinstance(s, bool) or not isinstance(s, (int, float)):
-        raise ScoringError(f"text {i}: score is a {type(s).__name__}, expected a number")
+        raise ScoringError(f"{label}: score is a {type(s).__name__}, expected a number")
     f = float(s)
     if not math.isfinite(f):
-        raise ScoringError(f"text {i}: non-finite score {f}")
+        raise ScoringError(f"{label}: non-finite score {f}")
     return f
