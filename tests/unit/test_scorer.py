@@ -196,20 +196,27 @@ def test_multi_label_scores_are_reduced_by_aggregate(model_dirs, aggregate, redu
 
 def test_batches_in_flight_are_bounded_and_order_is_kept(client1):
     class Delayed:
-        """Test double (timing): later batches return first, so order must be restored."""
+        """Test double (timing): earlier batches take longer, so later ones return first and
+        the order must be restored; counts the batches in flight."""
 
         def __init__(self):
-            self.calls = 0
+            self.calls = self.in_flight = self.max_in_flight = 0
 
         async def score_batch(self, texts):
             self.calls += 1
-            await asyncio.sleep(0.05 * (8 - self.calls))
-            return await client1.score_batch(texts)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                await asyncio.sleep(0.05 * (8 - self.calls))
+                return await client1.score_batch(texts)
+            finally:
+                self.in_flight -= 1
 
-    client1.max_in_flight = 0
+    delayed = Delayed()
     rollouts = _rollouts(14)
-    _run(RewardModelScorer(Delayed(), batch_size=2, max_concurrency=3).score(rollouts))
-    assert client1.max_in_flight == 3  # 7 batches, never more than 3 at once (and 3 reached)
+    _run(RewardModelScorer(delayed, batch_size=2, max_concurrency=3).score(rollouts))
+    assert delayed.calls == 7
+    assert delayed.max_in_flight == 3  # never more than 3 at once (and 3 reached)
     refs = [client1.one(rollout_text(r, r.steps)) for r in rollouts]
     assert [r.meta["rm_score"] for r in rollouts] == pytest.approx(refs, abs=1e-5)
 
