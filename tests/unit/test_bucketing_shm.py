@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from weightsync._runtime.pool import BufferPool
-from weightsync._runtime.shm import AttachedSegments, SizedSegmentPool, attach_segment
+from weightsync._runtime.pool import BufferPool, SizedSegmentPool
+from weightsync._runtime.shm import AttachedSegments, attach_segment
 from weightsync.errors import WeightSyncError, WeightSyncTimeout
 
 
@@ -19,7 +19,7 @@ def _exists(name: str) -> bool:
 
 
 def test_buffer_pool_reuses_slots_and_grows_only_when_needed():
-    pool = BufferPool(2, timeout_s=5)
+    pool = BufferPool(2, timeout_s=5, shared=True)
     cpu = torch.device("cpu")
     try:
         k0, s0 = pool.acquire(1000, cpu)
@@ -46,7 +46,7 @@ def test_buffer_pool_reuses_slots_and_grows_only_when_needed():
 
 
 def test_buffer_pool_blocks_until_release_and_times_out():
-    pool = BufferPool(1, timeout_s=0.3)
+    pool = BufferPool(1, timeout_s=0.3, shared=True)
     cpu = torch.device("cpu")
     try:
         k, _ = pool.acquire(10, cpu)

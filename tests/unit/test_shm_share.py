@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from weightsync._runtime import copy as _copy
-from weightsync._runtime.shm import AttachedSegments, SizedSegmentPool
+from weightsync._runtime.pool import SizedSegmentPool
+from weightsync._runtime.shm import AttachedSegments
 from weightsync.strategies import SharedCpuWeights, locate_shared, share_cpu_weights
 from weightsync.strategies.shared_weights import SHARED_PREFIX, shared_segment_names
 from weightsync.types import str_to_dtype

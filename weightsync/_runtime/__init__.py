@@ -1,11 +1,13 @@
 """Machinery that several weightsync packages share (private to weightsync; one of each).
 
-- ``threads``: ``in_thread`` (a blocking call on a pooled daemon thread, awaited) and
-  ``SerialLane`` (one daemon thread running jobs in submission order).
-- ``copy``: barrier-free CPU byte copies (``copy_into``, ``copy_many``) on a small copy pool.
-- ``shm``: POSIX shared-memory segments (``Segment``, ``SizedSegmentPool``), the receiver's
-  mapping cache (``AttachedSegments``).
-- ``pool``: the packed sender's reusable transfer buffers (``BufferPool``).
+- ``threads``: every helper thread: one daemon pool (``in_thread``, ``spawn``), the ordered
+  ``SerialLane``, and ``LoopThread`` (the private loop of blocking ``*_sync`` twins).
+- ``copy``: barrier-free CPU byte copies (``copy_into``, ``copy_many``), large ones split over a
+  few helper threads from ``threads``.
+- ``shm``: POSIX shared memory: creating, mapping and unlinking segments (``create_mapped``,
+  ``unlink``, ``Segment``) and the receiver's mapping cache (``AttachedSegments``).
+- ``pool``: the senders' reusable transfer buffers (``BufferPool``: plain for ``broadcast``,
+  shared for ``packed_cuda_ipc``; ``SizedSegmentPool`` for ``cuda_ipc``).
 - ``cuda_handles``: CUDA IPC handles as plain fields and the receiver's handle cache.
 - ``process_group``: a private torch.distributed group (gloo / NCCL) with its own store.
 - ``vllm_compat``: the one place that knows vLLM's version-specific internals.

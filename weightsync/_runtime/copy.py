@@ -14,8 +14,10 @@ whatever process runs them. Three measured problems, three rules (2-core AMD EPY
    Those copies use numpy's vectorised ``bitwise_or(src, 0)`` loop over 8-byte words instead
    (~9.5 GB/s, any alignment).
 3. **Large copies in pieces on a few threads.** Copies above ``PARALLEL_MIN_BYTES`` are cut into
-   ``PIECE_BYTES`` pieces that the caller's thread and ``COPY_THREADS - 1`` pool threads pull
-   from a shared counter: no barrier per piece, a descheduled thread only delays its own piece.
+   ``PIECE_BYTES`` pieces that the caller's thread and up to ``COPY_THREADS - 1`` helper threads
+   (from ``threads.spawn``'s daemon pool; at most that many helpers copy at once, over every
+   caller) pull from a shared counter: no barrier per piece, a descheduled thread only delays
+   its own piece. Fork-safe: a forked child starts with no helpers in use and a fresh pool.
 
 Anything that is not a plain CPU-to-CPU same-dtype contiguous copy falls back to ``copy_``.
 """
@@ -27,6 +29,8 @@ import os
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from weightsync._runtime.threads import spawn
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -49,18 +53,33 @@ def _default_threads() -> int:
 
 
 COPY_THREADS = _default_threads()
-_pool: Any = None
-_pool_lock = threading.Lock()
+_helpers_busy = 0  # helper threads copying now, over every caller (at most COPY_THREADS - 1)
+_helpers_lock = threading.Lock()
 
 
-def _forget_pool() -> None:
-    """In a forked child the parent's pool threads do not exist: start a new pool on demand."""
-    global _pool
-    _pool = None
+def _forget_helpers() -> None:
+    """In a forked child the parent's helper threads do not exist."""
+    global _helpers_busy, _helpers_lock
+    _helpers_busy = 0
+    _helpers_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    os.register_at_fork(after_in_child=_forget_helpers)
+
+
+def _reserve_helpers(wanted: int) -> int:
+    global _helpers_busy
+    with _helpers_lock:
+        n = max(0, min(wanted, COPY_THREADS - 1 - _helpers_busy))
+        _helpers_busy += n
+    return n
+
+
+def _release_helpers(n: int) -> None:
+    global _helpers_busy
+    with _helpers_lock:
+        _helpers_busy -= n
 
 
 def _np_bytes(t: torch.Tensor):
@@ -97,22 +116,9 @@ def _copy_bytes(d, s) -> None:
     np.copyto(d, s)
 
 
-def _executor() -> Any:
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                _pool = ThreadPoolExecutor(
-                    max_workers=max(COPY_THREADS - 1, 1), thread_name_prefix="weightsync-copy"
-                )
-    return _pool
-
-
 def _run_pieces(pieces: list[tuple[Any, Any]]) -> None:
-    """Copy every (dst, src) numpy piece, on the caller's thread plus pool threads."""
-    helpers = min(COPY_THREADS - 1, len(pieces) - 1)
+    """Copy every (dst, src) numpy piece, on the caller's thread plus free helper threads."""
+    helpers = _reserve_helpers(len(pieces) - 1)
     if helpers <= 0:
         for d, s in pieces:
             _copy_bytes(d, s)
@@ -124,12 +130,20 @@ def _run_pieces(pieces: list[tuple[Any, Any]]) -> None:
             d, s = pieces[i]
             _copy_bytes(d, s)
 
-    futures = [_executor().submit(work) for _ in range(helpers)]
+    def helper() -> None:
+        try:
+            work()
+        finally:
+            _release_helpers(1)
+
+    futures = [spawn(helper, name="weightsync-copy") for _ in range(helpers)]
     try:
         work()
     finally:
         for f in futures:
-            if not f.cancel():  # a helper that never started has nothing left to do
+            if f.cancel():  # a helper that never started has nothing left to do
+                _release_helpers(1)
+            else:
                 f.result()
 
 

@@ -4,23 +4,23 @@ Sender side (the training process) creates segments, copies tensors in and sends
 *names*; receivers (engine processes) attach by name and build tensor views over the mapping
 with ``torch.frombuffer`` (no copy). Nothing is pickled.
 
-Ownership: the creating process owns a segment and unlinks it (``close``); Python's
-``resource_tracker`` also unlinks it if that process dies. An attaching process never unlinks
+Ownership: the creating process owns a segment (``create_mapped``) and unlinks it (``unlink``);
+Python's ``resource_tracker`` also unlinks it if that process dies. An attaching process never unlinks
 and never registers. Mappings are ``mmap`` objects that are never closed explicitly: they go
 when the last tensor viewing them does (``Mapping``), so a late view can never dangle.
 
-- ``SizedSegmentPool``: segments reused by size across chunks and syncs (``cuda_ipc``), free
-  bytes bounded.
+The one place that creates, maps and unlinks segments: the transfer buffers (``Segment``) and
+the trainer's shared weights (``strategies.shared_weights``) both go through ``create_mapped`` /
+``unlink``.
+
 - ``AttachedSegments``: the receiver's cache of mappings: transfer buffers bounded in bytes
   (LRU, sized from the largest segment seen), shared weights kept while the sender keeps them.
 """
 
 from __future__ import annotations
 
-import bisect
 import mmap
 import os
-import threading
 import uuid
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -34,6 +34,53 @@ _PREFIX = "ws"
 SHARED_PREFIX = "wsw_"  # segments of a trainer's shared weights (``share_cpu_weights``)
 
 
+def create_mapped(name: str, nbytes: int, *, hint: str) -> mmap.mmap:
+    """Create POSIX shm segment ``name`` of ``nbytes`` bytes (exclusive, mode 0600), map it
+    read-write and register it with Python's resource tracker (so it is unlinked even if this
+    process dies). The caller owns it and unlinks it with ``unlink``. On failure nothing is left
+    behind and the ``WeightSyncError`` names the segment; ``hint`` says what to lower when
+    /dev/shm is too small (e.g. ``"lower bucket_size_mb"``)."""
+    import _posixshmem
+    from multiprocessing import resource_tracker
+
+    path = "/" + name.lstrip("/")
+    nbytes = max(int(nbytes), 1)
+    try:
+        fd = _posixshmem.shm_open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    except OSError as e:
+        raise WeightSyncError(f"could not create shared-memory segment {name!r}: {e}") from e
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+    except OSError as e:
+        _posixshmem.shm_unlink(path)
+        raise WeightSyncError(
+            f"could not size and map a {nbytes}-byte shared-memory segment {name!r} ({e}); "
+            f"/dev/shm may be too small: {hint} or enlarge /dev/shm (docker: --shm-size)"
+        ) from e
+    finally:
+        os.close(fd)
+    resource_tracker.register(path, "shared_memory")
+    return mm
+
+
+def unlink(name: str) -> None:
+    """Remove segment ``name`` that this process created (``create_mapped``); existing mappings
+    stay valid. Idempotent."""
+    import _posixshmem
+    from multiprocessing import resource_tracker
+
+    path = "/" + name.lstrip("/")
+    try:
+        _posixshmem.shm_unlink(path)
+    except FileNotFoundError:
+        pass
+    try:
+        resource_tracker.unregister(path, "shared_memory")
+    except Exception:  # pragma: no cover - tracker gone at interpreter exit
+        pass
+
+
 class Mapping:
     """A ``mmap`` of a POSIX shm segment and a uint8 tensor over it (no copy).
 
@@ -43,44 +90,34 @@ class Mapping:
     the last tensor viewing it is garbage-collected.
     """
 
-    def __init__(self, name: str, *, create_nbytes: int | None = None) -> None:
-        import _posixshmem
-
-        path = "/" + name.lstrip("/")
+    def __init__(self, name: str, *, mm: mmap.mmap | None = None) -> None:
+        """Attach to the existing segment ``name``, or wrap ``mm``, a map of it already made
+        (``create_mapped``)."""
         self.name = name.lstrip("/")
-        if create_nbytes is not None:
-            flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
-            try:
-                fd = _posixshmem.shm_open(path, flags, mode=0o600)
-            except OSError as e:
-                raise WeightSyncError(f"could not create shared-memory segment {name!r}: {e}") from e
-            try:
-                os.ftruncate(fd, max(int(create_nbytes), 1))
-            except OSError as e:
-                os.close(fd)
-                _posixshmem.shm_unlink(path)
-                raise WeightSyncError(
-                    f"could not size a {create_nbytes}-byte shared-memory segment ({e}); "
-                    f"/dev/shm may be too small: lower bucket_size_mb or enlarge /dev/shm "
-                    f"(docker: --shm-size)"
-                ) from e
-        else:
-            try:
-                fd = _posixshmem.shm_open(path, os.O_RDWR, mode=0o600)
-            except FileNotFoundError:
-                raise WeightSyncError(
-                    f"shared-memory segment {name!r} does not exist: the sender released it or died"
-                ) from None
-        try:
-            self.size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, self.size) if self.size else None
-        finally:
-            os.close(fd)
+        if mm is None:
+            mm = _attach(self.name)
+        self.size = len(mm) if mm is not None else 0
         self.tensor: torch.Tensor | None = _tensor_over(mm, self.size)
 
     def release(self) -> None:
         """Drop our view; the map goes away with the last tensor that views it."""
         self.tensor = None
+
+
+def _attach(name: str) -> mmap.mmap | None:
+    import _posixshmem
+
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    except FileNotFoundError:
+        raise WeightSyncError(
+            f"shared-memory segment {name!r} does not exist: the sender released it or died"
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size) if size else None
+    finally:
+        os.close(fd)
 
 
 def _tensor_over(mm: mmap.mmap | None, n: int) -> torch.Tensor:
@@ -100,19 +137,17 @@ def attach_segment(name: str) -> Mapping:
 
 
 class Segment:
-    """A segment this process created and owns: registered with the resource tracker (so it is
-    unlinked even if this process dies), unlinked by ``close``."""
+    """A transfer buffer this process created and owns: registered with the resource tracker
+    (so it is unlinked even if this process dies), unlinked by ``close``."""
 
     __slots__ = ("mapping", "capacity", "_closed")
 
     def __init__(self, nbytes: int) -> None:
-        from multiprocessing import resource_tracker
-
         name = f"{_PREFIX}_{os.getpid()}_{uuid.uuid4().hex[:12]}"
-        self.mapping = Mapping(name, create_nbytes=max(int(nbytes), 1))
+        mm = create_mapped(name, nbytes, hint="lower bucket_size_mb")
+        self.mapping = Mapping(name, mm=mm)
         self.capacity = int(nbytes)
         self._closed = False
-        resource_tracker.register("/" + name, "shared_memory")
 
     @property
     def name(self) -> str:
@@ -128,77 +163,8 @@ class Segment:
         if self._closed:
             return
         self._closed = True
-        import _posixshmem
-        from multiprocessing import resource_tracker
-
         self.mapping.release()
-        try:
-            _posixshmem.shm_unlink("/" + self.name)
-        except FileNotFoundError:
-            pass
-        try:
-            resource_tracker.unregister("/" + self.name, "shared_memory")
-        except Exception:  # pragma: no cover - tracker gone at interpreter exit
-            pass
-
-
-class SizedSegmentPool:
-    """Segments reused by size (sender side of ``cuda_ipc``'s CPU path).
-
-    ``acquire(nbytes)`` returns a free segment of capacity in ``[nbytes, 2 * nbytes]`` or a new
-    one; ``release(seg)`` returns it. At most ``max_free_bytes`` (plus the largest segment seen,
-    with ``room_for_largest``) stay cached between chunks, the rest is unlinked. Models repeat the same shapes layer after
-    layer, so nearly every segment is reused from the second chunk on. When over the bound the
-    most recently released segment goes first: a sync walks the model in the same order every
-    time, so the segments released early in one sync (an embedding larger than the bucket) are
-    the ones the next sync asks for first; dropping the oldest would recreate them every sync.
-    """
-
-    def __init__(self, max_free_bytes: int, *, room_for_largest: bool = False) -> None:
-        self.max_free_bytes = int(max_free_bytes)
-        self.room_for_largest = room_for_largest
-        self._free: list[tuple[int, int, Segment]] = []  # (capacity, seq, seg), sorted
-        self._free_bytes = 0
-        self._seq = 0
-        self._largest = 0
-        self._lock = threading.Lock()
-        self.created = 0
-
-    def acquire(self, nbytes: int) -> Segment:
-        nbytes = max(int(nbytes), 1)
-        with self._lock:
-            i = bisect.bisect_left(self._free, (nbytes, -1))
-            if i < len(self._free) and self._free[i][0] <= 2 * nbytes:
-                cap, _, seg = self._free.pop(i)
-                self._free_bytes -= cap
-                return seg
-        self.created += 1
-        return Segment(nbytes)
-
-    def release(self, seg: Segment) -> None:
-        with self._lock:
-            self._seq += 1
-            bisect.insort(self._free, (seg.capacity, self._seq, seg))
-            self._free_bytes += seg.capacity
-            if self.room_for_largest:
-                self._largest = max(self._largest, seg.capacity)
-            while self._free_bytes > self.max_free_bytes + self._largest and self._free:
-                # drop the most recently released segment (see the class docstring)
-                j = max(range(len(self._free)), key=lambda k: self._free[k][1])
-                cap, _, old = self._free.pop(j)
-                self._free_bytes -= cap
-                old.close()
-
-    @property
-    def free_bytes(self) -> int:
-        return self._free_bytes
-
-    def close(self) -> None:
-        with self._lock:
-            for _, _, seg in self._free:
-                seg.close()
-            self._free.clear()
-            self._free_bytes = 0
+        unlink(self.name)
 
 
 class AttachedSegments:

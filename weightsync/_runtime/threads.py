@@ -1,44 +1,62 @@
-"""Run a blocking call (a collective, a pipe read) in a daemon thread and await it.
+"""Every helper thread weightsync starts: one pool of daemon threads, the ordered lane, and a
+private event loop for blocking twins of async APIs.
 
-Why not ``asyncio.to_thread``: a collective stuck on a dead peer keeps its thread busy until the
-transport's own timeout, and the default executor's threads are joined when ``asyncio.run``
-ends and at interpreter exit. Daemon threads (pooled) never hold up either; its result (or
-exception) is delivered to the awaiting task if that task still waits, else dropped.
+- ``in_thread(fn, *args)``: await a blocking call (a collective, a pipe read) run on the pool.
+- ``spawn(fn, *args)``: run ``fn`` on the pool, get a ``concurrent.futures.Future`` (cancelling
+  it before a thread picked the job up means the job never runs); the copy helpers use it.
+- ``SerialLane``: one daemon thread running jobs in submission order.
+- ``LoopThread``: a private asyncio loop on a daemon thread; ``run(coro)`` blocks until done.
+
+Why daemon threads and not ``asyncio.to_thread`` / a ``ThreadPoolExecutor``: a collective stuck
+on a dead peer keeps its thread busy until the transport's own timeout, and an executor's threads
+are joined when ``asyncio.run`` ends and at interpreter exit. Daemon threads never hold up
+either; a result that nobody waits for any more is dropped.
+
+Fork safety: threads do not survive ``fork``. A forked child starts with an empty pool (reset by
+``os.register_at_fork``), so it never queues work for a thread that exists only in its parent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-class _DaemonPool:
+class DaemonPool:
     """Reusable daemon threads: starting a thread per call costs ~1 ms under load (measured:
     2 of the 7 ms a chunk took); a parked worker picks a job up in microseconds. A worker stuck
     in a dead collective simply stays busy; the pool starts another for the next job."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every thread (after ``fork``: the child has none of its parent's threads)."""
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._idle = 0
         self._lock = threading.Lock()
         self._count = 0
 
     def submit(self, job: Callable[[], None], name: str) -> None:
+        """Run ``job()`` on an idle worker, or on a new one named ``name-N``; ``job`` must not
+        raise (wrap it: ``in_thread`` and ``spawn`` deliver results and exceptions)."""
         with self._lock:
-            spawn = self._idle == 0
-            if not spawn:
-                self._idle -= 1
-            else:
+            spawn_one = self._idle == 0
+            if spawn_one:
                 self._count += 1
+            else:
+                self._idle -= 1
+            count = self._count
         self._jobs.put(job)
-        if spawn:
-            threading.Thread(target=self._work, name=f"{name}-{self._count}", daemon=True).start()
+        if spawn_one:
+            threading.Thread(target=self._work, name=f"{name}-{count}", daemon=True).start()
 
     def _work(self) -> None:
         while True:
@@ -49,10 +67,14 @@ class _DaemonPool:
                 self._idle += 1
 
 
-_POOL = _DaemonPool()
+_POOL = DaemonPool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL.reset)
 
 
 async def in_thread(fn: Callable[..., T], *args: Any, name: str = "weightsync-io") -> T:
+    """Await ``fn(*args)`` run on a pooled daemon thread. The call always runs, even if the
+    awaiting task is cancelled meanwhile (a peer may be waiting for its part of a collective)."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()
 
@@ -78,6 +100,25 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "weightsync-io
 
     _POOL.submit(run, name)
     return await fut
+
+
+def spawn(fn: Callable[..., T], *args: Any, name: str = "weightsync-io") -> concurrent.futures.Future[T]:
+    """Run ``fn(*args)`` on a pooled daemon thread. The future's ``cancel()`` succeeds while no
+    thread has picked the job up, and then the job never runs."""
+    fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(*args)
+        except BaseException as e:  # delivered to whoever waits on the future
+            fut.set_exception(e)
+        else:
+            fut.set_result(result)
+
+    _POOL.submit(run, name)
+    return fut
 
 
 class SerialLane:
@@ -131,3 +172,44 @@ class SerialLane:
             if not self._closed and self._thread is not None:
                 self._jobs.put(None)
             self._closed = True
+
+
+class LoopThread:
+    """A private asyncio event loop on a daemon thread, started on first use: the blocking twin
+    of an async API (``client.score_sync``, ``publisher.publish_sync``) runs its coroutine here
+    with ``run(coro)``, which works from plain code and from inside another running loop. Keeps
+    the loop between calls, so objects bound to it (HTTP connections, a sender) stay usable.
+    ``close()`` stops the loop; a later ``run`` starts a new one."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._loop.run_forever, name=self.name, daemon=True
+                )
+                self._thread.start()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(timeout=timeout_s)
+            if not thread.is_alive():
+                loop.close()

@@ -16,11 +16,11 @@ on one private event loop thread, so the sender's state stays on one loop across
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
+from weightsync._runtime.threads import LoopThread
 from weightsync.errors import UpdateIncompleteError, WeightSyncError
 from weightsync.reward.http_engine_client import (
     CommunicatorReplacedError,
@@ -109,8 +109,7 @@ class VLLMRewardClient:
         self._strategy: Any = None
         self._sender: Any = None
         self._server_up = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
+        self._twin = LoopThread("weightsync-reward-client")  # runs the *_sync methods
         self._sync_lock: asyncio.Lock | None = None
 
     # -- configuration ------------------------------------------------------------------------
@@ -327,21 +326,12 @@ class VLLMRewardClient:
                 pass
 
     def close_sync(self) -> None:
-        if self._loop is not None:
+        if self._twin.started:
             self._run(self.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            if self._loop_thread is not None:
-                self._loop_thread.join(timeout=10)
-            self._loop = None
+            self._twin.close()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            self._loop_thread = threading.Thread(
-                target=self._loop.run_forever, name="weightsync-reward-client", daemon=True
-            )
-            self._loop_thread.start()
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._twin.run(coro)
 
     async def __aenter__(self) -> VLLMRewardClient:
         return self

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from weightsync._runtime.threads import LoopThread
 from weightsync.errors import WeightMismatchError
 from weightsync.naming import NamingError, engine_names, is_lora_param
 from weightsync.reward.types import (
@@ -97,8 +97,7 @@ class RewardModelPublisher:
         self.last_extractor: WeightExtractor | None = None
         self._sender: Any = None
         self._engine_client: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
+        self._twin = LoopThread("weightsync-publisher")  # runs the *_sync methods
 
     # -- ranks ---------------------------------------------------------------------------------
     @property
@@ -352,21 +351,13 @@ class RewardModelPublisher:
 
     def close_sync(self) -> None:
         """Blocking ``close`` for ``publish_sync`` users; also stops the private loop thread."""
-        if self._loop is None:
+        if not self._twin.started:
             return
         self._run(self.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._loop_thread is not None:
-            self._loop_thread.join(timeout=10)
-        self._loop, self._loop_thread = None, None
+        self._twin.close()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            self._loop_thread = threading.Thread(
-                target=self._loop.run_forever, name="weightsync-publisher", daemon=True)
-            self._loop_thread.start()
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._twin.run(coro)
 
 
 def create_reward_publisher(

@@ -28,6 +28,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from weightsync._runtime.pool import BufferPool
 from weightsync._runtime.process_group import (
     Group,
     build_group,
@@ -169,7 +170,7 @@ class BroadcastSender(WeightTransferSender):
         self._failed_update: str | None = None
         # one thread runs every vote and broadcast, in the order the requests were issued
         self._lane = SerialLane("ws-broadcast-lane")
-        self._buffers = _PackBuffers(2, timeout_s=cfg.timeout_s)
+        self._buffers = BufferPool(2, timeout_s=cfg.timeout_s, shared=False)
         self._inflight: dict[int, tuple[int | None, torch.Tensor | None, PackedLayout | None]] = {}
         self._lock = threading.Lock()
 
@@ -183,7 +184,8 @@ class BroadcastSender(WeightTransferSender):
         if self.packed:
             layout = plan_layout(req.metas(), self.align_bytes)
             device = self._device_for(chunk)
-            slot, buf = self._buffers.acquire(layout.total_nbytes, device)
+            slot, held = self._buffers.acquire(layout.total_nbytes, device)
+            buf = held.tensor[: layout.total_nbytes]
             pack_into(layout, chunk.tensors, layout.split(buf))
             if buf.is_cuda:
                 import torch
@@ -295,40 +297,6 @@ class BroadcastSender(WeightTransferSender):
         self._lane.close()
         self._buffers.close()
         self.group.close()
-
-
-class _PackBuffers:
-    """``n`` reusable uint8 pack buffers (sender side), grown on demand, one chunk each."""
-
-    def __init__(self, n: int, *, timeout_s: float) -> None:
-        self._bufs: list[Any] = [None] * n
-        self._free = list(range(n))
-        self._cond = threading.Condition()
-        self.timeout_s = timeout_s
-
-    def acquire(self, nbytes: int, device: Any) -> tuple[int, torch.Tensor]:
-        import torch
-
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._free, timeout=self.timeout_s):
-                raise WeightSyncTimeout(
-                    f"no free pack buffer within {self.timeout_s:g}s (earlier chunks not released)"
-                )
-            slot = self._free.pop(0)
-        buf = self._bufs[slot]
-        if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-            self._bufs[slot] = buf
-        return slot, buf[:nbytes]
-
-    def release(self, slot: int) -> None:
-        with self._cond:
-            if slot not in self._free:
-                self._free.append(slot)
-                self._cond.notify()
-
-    def close(self) -> None:
-        self._bufs = [None] * len(self._bufs)
 
 
 # --------------------------------------------------------------------------------------------

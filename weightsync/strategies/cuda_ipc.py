@@ -6,7 +6,7 @@
   zero copy as on GPU. The request names the segment that holds the tensor and its offset; the
   engine maps the segment once (kept across syncs while the trainer keeps it) and reads a view.
 - Other CPU tensors: POSIX shared memory. The sender copies each tensor into a segment taken
-  from a size-keyed pool (``_runtime.shm.SizedSegmentPool``: layers repeat shapes, so segments are reused across
+  from a size-keyed pool (``_runtime.pool.SizedSegmentPool``: layers repeat shapes, so segments are reused across
   chunks and syncs and their pages are touched once); the engine maps it by name (cached) and
   builds a dtype/shape view with ``torch.frombuffer``, no copy.
 
@@ -23,7 +23,8 @@ import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightsync._runtime.copy import copy_into
-from weightsync._runtime.shm import AttachedSegments, Segment, SizedSegmentPool
+from weightsync._runtime.pool import SizedSegmentPool
+from weightsync._runtime.shm import AttachedSegments, Segment
 from weightsync.config import IpcConfig
 from weightsync.errors import WeightSyncError, WeightSyncTimeout
 from weightsync.interfaces import (

@@ -60,7 +60,7 @@ class PackedCudaIpcSender(WeightTransferSender):
     def __init__(self, cfg: PackedIpcConfig) -> None:
         self.cfg = cfg
         self.align_bytes = DEFAULT_ALIGN
-        self.pool = BufferPool(int(cfg.num_buffers), timeout_s=cfg.timeout_s)
+        self.pool = BufferPool(int(cfg.num_buffers), timeout_s=cfg.timeout_s, shared=True)
         self.shared_tensors = 0  # tensors sent from shared weights (no copy)
         self.packed_tensors = 0  # tensors copied into a pool slot
         self._slot_of: dict[int, int] = {}

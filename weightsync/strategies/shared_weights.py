@@ -51,8 +51,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from weightsync._runtime import shm
 from weightsync._runtime.shm import SHARED_PREFIX
-from weightsync.errors import WeightSyncError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -147,31 +147,11 @@ class _SharedSegment:
     Only weak references to the ``mmap`` are kept, so the segment goes away with the tensors."""
 
     def __init__(self, nbytes: int) -> None:
-        import _posixshmem
-        import mmap
-        from multiprocessing import resource_tracker
-
         import torch
 
         self.name = f"{SHARED_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}"
         self.nbytes = int(nbytes)
-        path = "/" + self.name
-        try:
-            fd = _posixshmem.shm_open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-        except OSError as e:
-            raise WeightSyncError(f"could not create shared-memory segment {self.name!r}: {e}") from e
-        try:
-            os.ftruncate(fd, self.nbytes)
-            mm = mmap.mmap(fd, self.nbytes)
-        except OSError as e:
-            _posixshmem.shm_unlink(path)
-            raise WeightSyncError(
-                f"could not map a {self.nbytes}-byte shared-memory segment for the weights ({e}); "
-                f"/dev/shm may be too small (docker: --shm-size) or lower segment_mb"
-            ) from e
-        finally:
-            os.close(fd)
-        resource_tracker.register(path, "shared_memory")
+        mm = shm.create_mapped(self.name, self.nbytes, hint="lower segment_mb")
         self.tensor: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8, count=self.nbytes)
         _REGISTRY.add(self.tensor.data_ptr(), self.nbytes, self.name)
         # runs when the last tensor viewing the map is freed, on drop(), or at exit
@@ -184,19 +164,8 @@ class _SharedSegment:
 
 def _unlink(name: str, owner_pid: int) -> None:
     _REGISTRY.remove(name)
-    if os.getpid() != owner_pid:  # a forked child never unlinks its parent's segments
-        return
-    import _posixshmem
-    from multiprocessing import resource_tracker
-
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass
-    try:
-        resource_tracker.unregister("/" + name, "shared_memory")
-    except Exception:  # pragma: no cover - tracker gone at interpreter exit
-        pass
+    if os.getpid() == owner_pid:  # a forked child never unlinks its parent's segments
+        shm.unlink(name)
 
 
 class SharedCpuWeights:
