@@ -18,17 +18,18 @@ from weightsync.config import (
     build_strategy,
     load_config,
 )
-from weightsync.engine import WeightUpdateEndpoint
+from weightsync.engine import EndpointState, EndpointStatus, WeightUpdateEndpoint
 from weightsync.errors import (
+    CommunicatorReplacedError,
     EngineDiedError,
     UpdateIncompleteError,
+    UpdateRefusedError,
     WeightMismatchError,
     WeightSyncError,
     WeightSyncTimeout,
 )
 from weightsync.interfaces import (
     InferenceEngineClient,
-    SyncStats,
     WeightExtractor,
     WeightLoader,
     WeightTransferReceiver,
@@ -42,8 +43,10 @@ from weightsync.types import (
     EmptyWeightSyncInfo,
     IpcBufferHandle,
     PackedCudaIpcWeightUpdateRequest,
+    SyncStats,
     TensorMeta,
     TorchDistributedWeightSyncInfo,
+    TrainingMode,
     WeightChunk,
     WeightSyncInfo,
     WeightUpdateFinish,
@@ -54,11 +57,13 @@ from weightsync.types import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BroadcastConfig", "BroadcastWeightUpdateRequest", "CudaIpcWeightUpdateRequest",
-    "EmptyWeightSyncInfo", "EngineDiedError", "ExtractorConfig", "HeadExtractorConfig", "InferenceEngineClient",
+    "BroadcastConfig", "BroadcastWeightUpdateRequest", "CommunicatorReplacedError",
+    "CudaIpcWeightUpdateRequest", "EmptyWeightSyncInfo", "EndpointState", "EndpointStatus",
+    "EngineDiedError", "ExtractorConfig", "HeadExtractorConfig", "InferenceEngineClient",
     "IpcBufferHandle", "IpcConfig", "LoaderConfig", "PackedCudaIpcWeightUpdateRequest",
     "PackedIpcConfig", "StrategyConfig", "SyncStats", "TensorMeta",
-    "TorchDistributedWeightSyncInfo", "UpdateIncompleteError", "WeightChunk",
+    "TorchDistributedWeightSyncInfo", "TrainingMode", "UpdateIncompleteError",
+    "UpdateRefusedError", "WeightChunk",
     "WeightExtractor", "WeightLoader", "WeightMismatchError", "WeightSyncConfig",
     "WeightSyncError", "WeightSyncInfo", "WeightSyncTimeout", "WeightTransferReceiver",
     "WeightTransferSender", "WeightTransferStrategy", "WeightUpdateEndpoint",

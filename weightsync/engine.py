@@ -1,57 +1,176 @@
-"""Engine-side endpoint: the state machine that every receiving engine runs.
+"""Engine-side endpoint: the update lifecycle that every receiving engine runs.
 
 ``WeightUpdateEndpoint`` lives in the engine process (or a vLLM worker). Whatever carries the
-control plane (a Ray actor, a local serving loop, the reward server's HTTP routes, a vLLM worker
-extension) forwards the client's plain-dict calls to it:
+control plane (a Ray actor, a local serving loop, an HTTP server's routes, a vLLM worker
+extension, an in-process channel) forwards the client's plain-dict calls to it, usually through
+``call(method, kwargs)``:
 
-    init_weight_transfer(strategy_cfg, sync_info, rank_offset)
-    start_weight_update(start)    -> validates the whole manifest before any byte moves
-    update_named_weights(request) -> receives one chunk and loads it
-    finish_weight_update(finish)  -> publishes the new version if every chunk landed
+    init_weight_transfer(strategy_cfg, sync_info, rank_offset)  build the receiver
+    start_weight_update(start)     validate the whole manifest (names, shapes, dtypes, the
+                                   training mode's name policy) before any byte moves
+    update_named_weights(request)  validate one chunk, receive its bytes, load them
+    finish_weight_update(finish)   run the finish hook, publish the version if every chunk landed
+    close_weight_transfer()        drop the receiver (the endpoint can be initialised again)
+    status()                       state, version, last error, the update in progress
 
-Versions are monotonic. While an update is half-applied the endpoint is ``torn`` and
-``check_serving()`` raises ``UpdateIncompleteError``: the engine never serves a silent mix of
-old and new weights; it serves again once a complete update lands.
+The endpoint runs every loader hook itself (``validate``, ``start_update``, the receiver's load,
+``finish_update``) and owns one explicit state (``EndpointState``)::
+
+    IDLE --start--> RECEIVING --finish--> FINISHING --hook ok--> IDLE (version published)
+                        |                     '--hook raised--> TORN
+                        '--a chunk failed after another landed, abort, abandon--> TORN
+    TORN --start--> TORN (repairing) --finish--> FINISHING --> IDLE
+    any --close()--> CLOSED (every later call is refused)
+
+Serving: ``check_serving()`` passes in IDLE and RECEIVING (between chunks of a live update the
+weights may be partly new: a server that serves concurrently holds requests during an update,
+as the reward server's gate does) and raises in FINISHING and TORN (``UpdateIncompleteError``)
+and CLOSED: the engine never serves a silent mix of old and new weights; it serves again once a
+complete update lands. Versions are monotonic and published only by a complete update.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.errors import UpdateIncompleteError, WeightMismatchError, WeightSyncError
+from weightsync.errors import (
+    UpdateIncompleteError,
+    UpdateRefusedError,
+    WeightMismatchError,
+    WeightSyncError,
+)
 from weightsync.interfaces import WeightLoader, WeightTransferReceiver
-from weightsync.types import WeightUpdateFinish, WeightUpdateStart
+from weightsync.types import TensorMeta, WeightUpdateFinish, WeightUpdateStart
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Active:
+class EndpointState(enum.StrEnum):
+    """Where an endpoint is in the update lifecycle (see the module docstring)."""
+
+    IDLE = "idle"
+    RECEIVING = "receiving"
+    FINISHING = "finishing"
+    TORN = "torn"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class UpdateProgress:
+    """The update in progress: its id and version, chunks loaded, and why it failed (if a chunk
+    failed: later chunks are refused)."""
+
     update_id: str
     version: int | None
+    chunks_done: int = 0
+    failed: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"update_id": self.update_id, "version": self.version,
+                "chunks_done": self.chunks_done, "failed": self.failed}
+
+
+@dataclass(frozen=True)
+class EndpointStatus:
+    """A snapshot of one endpoint: ``state``, the served ``version``, ``last_error`` (why the
+    weights are torn, or why the last update failed; empty after a complete update) and the
+    ``update`` in progress."""
+
+    name: str
+    state: EndpointState
+    version: int
+    last_error: str
+    update: UpdateProgress | None
+    has_receiver: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "state": self.state.value, "version": self.version,
+                "last_error": self.last_error,
+                "update": self.update.to_dict() if self.update else None,
+                "has_receiver": self.has_receiver}
+
+
+@dataclass
+class _Update:
+    """Book-keeping of the update in progress (private to the endpoint)."""
+
+    start: WeightUpdateStart
     chunks_done: int = 0
     touched: bool = False  # a chunk was (possibly partly) loaded
     failed: str = ""  # why a chunk of this update failed; later chunks are refused
 
+    def progress(self) -> UpdateProgress:
+        return UpdateProgress(self.start.update_id, self.start.version, self.chunks_done,
+                              self.failed)
+
 
 class WeightUpdateEndpoint:
-    """Receiver + loader + version bookkeeping for one engine (worker)."""
+    """Receiver + loader + version bookkeeping for one engine (worker).
+
+    ``loader``: the engine's ``WeightLoader``; ``version``: the version the engine serves at
+    start; ``name``: how the engine is named in errors. Calls are serialised (one at a time, in
+    the order they arrive on the endpoint's event loop).
+    """
 
     def __init__(self, loader: WeightLoader, *, version: int = 0, name: str = "engine") -> None:
         self.loader = loader
-        self.receiver: WeightTransferReceiver | None = None
-        self.strategy: Any = None
-        self.version = version
         self.name = name
-        self.state = "ready"  # ready | updating | torn
-        self.last_error = ""
-        self._active: _Active | None = None
+        self._receiver: WeightTransferReceiver | None = None
+        self._version = int(version)
+        self._state = EndpointState.IDLE
+        self._last_error = ""
+        self._update: _Update | None = None
         self._lock = asyncio.Lock()
+
+    # -- read-only views ------------------------------------------------------------------------
+    @property
+    def state(self) -> EndpointState:
+        return self._state
+
+    @property
+    def version(self) -> int:
+        """The version of the last complete update (what the engine serves)."""
+        return self._version
+
+    @property
+    def last_error(self) -> str:
+        return self._last_error
+
+    @property
+    def receiver(self) -> WeightTransferReceiver | None:
+        return self._receiver
+
+    def status(self) -> EndpointStatus:
+        return EndpointStatus(
+            name=self.name, state=self._state, version=self._version,
+            last_error=self._last_error,
+            update=self._update.progress() if self._update is not None else None,
+            has_receiver=self._receiver is not None,
+        )
+
+    def check_serving(self) -> None:
+        """Raise unless the weights are one complete version (callers: the engine's request
+        path). ``UpdateIncompleteError`` while torn or finishing an update."""
+        if self._state is EndpointState.TORN:
+            raise UpdateIncompleteError(
+                f"{self.name}: weights are incomplete after a failed update "
+                f"({self._last_error}); refusing to serve until a complete update lands (last "
+                f"complete version {self._version})"
+            )
+        if self._state is EndpointState.FINISHING:
+            assert self._update is not None
+            raise UpdateIncompleteError(
+                f"{self.name}: update {self._update.start.update_id} is being finished; retry "
+                f"in a moment (serving version {self._version} resumes or the new one starts)"
+            )
+        if self._state is EndpointState.CLOSED:
+            raise WeightSyncError(f"{self.name}: the endpoint is closed")
 
     # -- set-up -----------------------------------------------------------------------------
     async def init_weight_transfer(
@@ -60,135 +179,241 @@ class WeightUpdateEndpoint:
         from weightsync.config import build_strategy
         from weightsync.types import WeightSyncInfo
 
-        if self.receiver is not None:
-            self.receiver.close()
-            self.receiver = None
-        self.strategy = build_strategy(strategy_cfg)
-        info = WeightSyncInfo.from_dict(sync_info)
-        self.receiver = await self.strategy.create_receiver(None, info, rank_offset)
+        async with self._lock:
+            self._refuse_if_closed("init_weight_transfer")
+            self._drop_receiver()
+            strategy = build_strategy(strategy_cfg)
+            info = WeightSyncInfo.from_dict(sync_info)
+            self._receiver = await strategy.create_receiver(None, info, rank_offset)
 
     async def close_weight_transfer(self) -> None:
-        if self.receiver is not None:
-            self.receiver.close()
-            self.receiver = None
+        """Drop the receiver; the endpoint may be initialised again (a new sender)."""
+        async with self._lock:
+            self._drop_receiver()
+
+    async def close(self) -> None:
+        """Close for good (the engine shuts down): drop the receiver; an update in progress is
+        abandoned (the state does not matter any more); every later call is refused."""
+        async with self._lock:
+            self._drop_receiver()
+            if self._update is not None and self._update.touched:
+                self._last_error = (
+                    f"closed during update {self._update.start.update_id} after "
+                    f"{self._update.chunks_done} chunk(s) loaded"
+                )
+            self._update = None
+            self._state = EndpointState.CLOSED
 
     # -- one update ---------------------------------------------------------------------------
     async def start_weight_update(self, start: dict) -> None:
+        """Validate the whole update before any byte moves; raise (nothing changes) if the
+        manifest or the version is refused."""
         msg = WeightUpdateStart.from_dict(start)
-        if self._active is not None and self._active.touched:
-            self._mark_torn(
-                f"update {self._active.update_id} was abandoned after "
-                f"{self._active.chunks_done} chunk(s) loaded"
-            )
-        if msg.manifest is not None:
-            self.loader.validate(msg.manifest)  # raises before anything changes
-        if msg.version is not None and msg.version <= self.version:
-            raise WeightSyncError(
-                f"{self.name}: update version {msg.version} is not newer than the served "
-                f"version {self.version}; versions must increase"
-            )
-        self._active = _Active(msg.update_id, msg.version)
-        if self.state != "torn":
-            self.state = "updating"
-        await self.loader.start_update(msg)
+        async with self._lock:
+            self._refuse_if_closed("start_weight_update")
+            self._abandon_current(f"superseded by update {msg.update_id}")
+            if msg.manifest is not None:
+                self._validate(msg.manifest, msg, whole_update=True)
+            if msg.version is not None and msg.version <= self._version:
+                raise UpdateRefusedError(
+                    f"{self.name}: update version {msg.version} is not newer than the served "
+                    f"version {self._version}; versions must increase"
+                )
+            await self.loader.start_update(msg)  # may refuse too (nothing loaded yet)
+            self._update = _Update(msg)
+            if self._state is EndpointState.IDLE:
+                self._state = EndpointState.RECEIVING
 
     async def update_named_weights(self, request: dict) -> None:
         """Receive and load one chunk; chunks must come in ``chunk_index`` order (put a
         ``ChunkTurnstile`` in front on a transport that may reorder calls). A chunk that is not
         loaded is still ``refuse``d to the receiver, so a collective strategy's peers are
         released."""
-        if self.receiver is None:
-            raise WeightSyncError(
-                f"{self.name}: no receiver; call init_weight_transfer before updating weights"
-            )
-        req = self.receiver.parse_request(request)
-        active = self._active
-        problem = ""
-        if active is None or req.update_id != active.update_id:
-            problem = (
-                f"chunk {req.chunk_index} of update {req.update_id!r} arrived without a "
-                f"matching start_weight_update"
-            )
-        elif active.failed:
-            problem = (
-                f"chunk {req.chunk_index} refused: an earlier chunk of this update failed "
-                f"({active.failed})"
-            )
-        elif req.chunk_index != active.chunks_done:
-            problem = f"expected chunk {active.chunks_done}, got {req.chunk_index}"
-        if problem:
-            try:
-                await self.receiver.refuse(req)
-            except Exception as e:  # the data plane is gone too; the problem is the news
-                log.warning("%s: refusing chunk %s failed: %s", self.name, req.chunk_index, e)
-            raise WeightSyncError(f"{self.name}: {problem}")
-        assert active is not None
         async with self._lock:
+            self._refuse_if_closed("update_named_weights")
+            receiver = self._receiver
+            if receiver is None:
+                raise WeightSyncError(
+                    f"{self.name}: no receiver; call init_weight_transfer before updating weights"
+                )
+            req = receiver.parse_request(request)
+            update = self._update
+            problem = ""
+            if update is None or req.update_id != update.start.update_id:
+                problem = (
+                    f"chunk {req.chunk_index} of update {req.update_id!r} arrived without a "
+                    f"matching start_weight_update"
+                )
+            elif update.failed:
+                problem = (
+                    f"chunk {req.chunk_index} refused: an earlier chunk of this update failed "
+                    f"({update.failed})"
+                )
+            elif req.chunk_index != update.chunks_done:
+                problem = f"expected chunk {update.chunks_done}, got {req.chunk_index}"
+            if problem:
+                await self._refuse(receiver, req)
+                raise UpdateRefusedError(f"{self.name}: {problem}")
+            assert update is not None
             try:
-                # the receiver validates req against the loader before any byte moves
-                await self.receiver.receive_and_load_weights(req, self.loader)
+                if update.start.training_mode is not None:
+                    try:
+                        self._check_policy(req.metas(), update.start)
+                    except WeightMismatchError:
+                        await self._refuse(receiver, req)  # its peers still get a no
+                        raise
+                # the receiver validates the chunk against the loader before any byte moves
+                await receiver.receive_and_load_weights(req, self.loader)
             except BaseException as e:
-                active.failed = f"chunk {req.chunk_index}: {type(e).__name__}: {e}"[:500]
+                update.failed = f"chunk {req.chunk_index}: {type(e).__name__}: {e}"[:500]
                 if not isinstance(e, WeightMismatchError):
                     self._mark_torn(f"chunk {req.chunk_index} failed: {type(e).__name__}: {e}")
-                elif active.touched:
-                    self._mark_torn(f"chunk {req.chunk_index} rejected after earlier chunks loaded")
+                elif update.touched:
+                    self._mark_torn(
+                        f"chunk {req.chunk_index} rejected after earlier chunks loaded"
+                    )
                 raise
-            active.touched = True
-            active.chunks_done += 1
+            update.touched = True
+            update.chunks_done += 1
 
     async def finish_weight_update(self, finish: dict) -> int:
+        """Close an update: publish its version if every chunk landed and the finish hook ran;
+        returns the served version. A sender's abort (``ok=False``) returns the old version
+        without raising; an incomplete update or a failing finish hook raises. Either leaves
+        the weights torn if a chunk had landed."""
         msg = WeightUpdateFinish.from_dict(finish)
-        active = self._active
-        if active is None or active.update_id != msg.update_id:
-            raise WeightSyncError(f"{self.name}: finish for unknown update {msg.update_id!r}")
-        self._active = None
-        if not msg.ok or active.chunks_done != msg.num_chunks:
-            reason = msg.error or (
-                f"{active.chunks_done} of {msg.num_chunks} chunks landed"
+        async with self._lock:
+            self._refuse_if_closed("finish_weight_update")
+            update = self._update
+            if update is None or update.start.update_id != msg.update_id:
+                raise UpdateRefusedError(
+                    f"{self.name}: finish for unknown update {msg.update_id!r}"
+                )
+            complete = msg.ok and not update.failed and update.chunks_done == msg.num_chunks
+            if not complete:
+                self._update = None
+                reason = msg.error or update.failed or (
+                    f"{update.chunks_done} of {msg.num_chunks} chunks landed"
+                )
+                if update.touched:
+                    self._mark_torn(f"update {msg.update_id} aborted: {reason}")
+                elif self._state is EndpointState.RECEIVING:
+                    self._state = EndpointState.IDLE
+                if msg.ok:
+                    raise WeightSyncError(f"{self.name}: incomplete update: {reason}")
+                return self._version
+            was_torn = self._state is EndpointState.TORN
+            self._state = EndpointState.FINISHING
+            try:
+                await self.loader.finish_update(msg)
+            except BaseException as e:
+                self._update = None
+                if update.touched or was_torn:
+                    self._mark_torn(
+                        f"finishing update {msg.update_id} failed: {type(e).__name__}: {e}"
+                    )
+                else:  # nothing was loaded: the weights are still the last complete version
+                    self._state = EndpointState.IDLE
+                raise
+            self._update = None
+            version = msg.version if msg.version is not None else (
+                update.start.version if update.start.version is not None else self._version + 1
             )
-            if active.touched:
-                self._mark_torn(f"update {msg.update_id} aborted: {reason}")
-            else:
-                self.state = "ready" if self.state != "torn" else "torn"
-            if msg.ok:
-                raise WeightSyncError(f"{self.name}: incomplete update: {reason}")
-            return self.version
-        await self.loader.finish_update(msg)
-        self.version = msg.version if msg.version is not None else self.version + 1
-        self.state = "ready"
-        self.last_error = ""
-        return self.version
-
-    # -- serving side ----------------------------------------------------------------------------
-    def check_serving(self) -> None:
-        """Raise if the weights are a partial update (callers: the engine's request path)."""
-        if self.state == "torn":
-            raise UpdateIncompleteError(
-                f"{self.name}: weights are incomplete after a failed update ({self.last_error}); "
-                f"refusing to serve until a complete update lands (last complete version "
-                f"{self.version})"
-            )
-
-    def _mark_torn(self, why: str) -> None:
-        self.state = "torn"
-        self.last_error = why
-        log.error("%s: %s", self.name, why)
+            self._version = max(int(version), self._version)
+            self._state = EndpointState.IDLE
+            self._last_error = ""
+            return self._version
 
     # -- dispatch for transports that carry (method, kwargs) ---------------------------------
-    async def call(self, method: str, kwargs: dict) -> Any:
-        if method not in _METHODS:
-            raise WeightSyncError(f"unknown endpoint method {method!r}; known: {sorted(_METHODS)}")
-        return await getattr(self, method)(**kwargs)
+    async def call(self, method: str, kwargs: dict | None = None) -> Any:
+        """One endpoint method by name (``METHODS``) with plain-data kwargs; ``status``
+        answers a plain dict."""
+        if method not in METHODS:
+            raise WeightSyncError(
+                f"{self.name}: unknown endpoint method {method!r}; known: {sorted(METHODS)}"
+            )
+        if method == "status":
+            return self.status().to_dict()
+        return await getattr(self, method)(**(kwargs or {}))
+
+    # -- internals ---------------------------------------------------------------------------
+    def _validate(
+        self, metas: list[TensorMeta], start: WeightUpdateStart, *, whole_update: bool
+    ) -> None:
+        """The loader's check and the training mode's name policy, as one error that lists
+        every offender of both."""
+        offenders: list[str] = []
+        target = "target model"
+        try:
+            self.loader.validate(metas)
+        except WeightMismatchError as e:
+            offenders += e.offenders
+            target = e.target
+        if start.training_mode is not None:
+            from weightsync.validation import training_mode_offenders
+
+            offenders += training_mode_offenders(
+                [m.name for m in metas], start.training_mode, start.head_name_patterns,
+                whole_update=whole_update,
+            )
+        if offenders:
+            raise WeightMismatchError(offenders, target=target)
+
+    def _check_policy(self, metas: list[TensorMeta], start: WeightUpdateStart) -> None:
+        """One chunk against the update's training mode (the whole manifest was checked at
+        start, when there was one)."""
+        from weightsync.validation import training_mode_offenders
+
+        assert start.training_mode is not None
+        offenders = training_mode_offenders(
+            [m.name for m in metas], start.training_mode, start.head_name_patterns
+        )
+        if offenders:
+            raise WeightMismatchError(offenders, target=f"{start.training_mode.value} update")
+
+    def _abandon_current(self, why: str) -> None:
+        update = self._update
+        if update is None:
+            return
+        self._update = None
+        if update.touched:
+            self._mark_torn(
+                f"update {update.start.update_id} was abandoned after {update.chunks_done} "
+                f"chunk(s) loaded ({why})"
+            )
+        elif self._state is EndpointState.RECEIVING:
+            self._state = EndpointState.IDLE
+
+    async def _refuse(self, receiver: WeightTransferReceiver, req: Any) -> None:
+        try:
+            await receiver.refuse(req)
+        except Exception as e:  # the data plane is gone too; the refusal is the news
+            log.warning("%s: refusing chunk %s failed: %s", self.name, req.chunk_index, e)
+
+    def _drop_receiver(self) -> None:
+        if self._receiver is not None:
+            receiver, self._receiver = self._receiver, None
+            receiver.close()
+
+    def _refuse_if_closed(self, method: str) -> None:
+        if self._state is EndpointState.CLOSED:
+            raise UpdateRefusedError(f"{self.name}: the endpoint is closed; cannot {method}")
+
+    def _mark_torn(self, why: str) -> None:
+        self._state = EndpointState.TORN
+        self._last_error = why
+        log.error("%s: %s", self.name, why)
 
 
-_METHODS = {
+#: what ``WeightUpdateEndpoint.call`` dispatches (the endpoint protocol every channel speaks)
+METHODS = frozenset({
     "init_weight_transfer",
     "close_weight_transfer",
     "start_weight_update",
     "update_named_weights",
     "finish_weight_update",
-}
+    "status",
+})
 
 
 class ChunkTurnstile:

@@ -1,8 +1,22 @@
-"""Exceptions with messages that say what was expected, what came, and what to do."""
+"""Exceptions with messages that say what was expected, what came, and what to do, and the one
+codec that carries them across process boundaries.
+
+Who uses the codec: every place where an error leaves one process and is raised in another (a
+local engine's child process, a vLLM worker answering ``collective_rpc``, a Ray actor, an HTTP
+control plane). The wire form is one JSON dict::
+
+    {"error_type": "WeightMismatchError", "error": "<message>", "offenders": ["<line>", ...]}
+
+``error_to_dict`` makes it, ``error_from_dict`` rebuilds the matching exception (naming the
+engine and the method it failed in), ``http_status`` / ``error_from_http`` map it to and from an
+HTTP answer. ``most_telling`` picks which of several engines' failures to raise (the one policy
+every fan-out follows). Pure Python; no heavy imports.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 
 class WeightSyncError(RuntimeError):
@@ -46,3 +60,150 @@ class UpdateIncompleteError(WeightSyncError):
 class EngineDiedError(WeightSyncError):
     """An engine (process, worker or actor) is gone. Preferred over the follow-on errors its
     death causes on the other engines (e.g. their collective failing)."""
+
+
+class UpdateRefusedError(WeightSyncError):
+    """The engine refused a control call for its current state (an older version, a chunk
+    without its start, a closed endpoint, ...); the data plane did not move (HTTP 409)."""
+
+
+class CommunicatorReplacedError(UpdateRefusedError):
+    """The engine's receivers now belong to another sender (or were closed); connect again."""
+
+
+# --------------------------------------------------------------------------------------------
+# codec: exception <-> JSON dict <-> HTTP status
+# --------------------------------------------------------------------------------------------
+
+#: error_type -> class rebuilt on the receiving side (anything else becomes a WeightSyncError)
+ERROR_TYPES: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in (
+        WeightSyncError, WeightMismatchError, WeightSyncTimeout, UpdateIncompleteError,
+        EngineDiedError, UpdateRefusedError, CommunicatorReplacedError, ValueError, TypeError,
+    )
+}
+ERROR_TYPES["TimeoutError"] = WeightSyncTimeout
+
+#: HTTP status of each error class; the most specific class in the MRO wins, anything else 500
+_HTTP_STATUS: dict[type[BaseException], int] = {
+    WeightMismatchError: 400,
+    ValueError: 400,
+    TypeError: 400,
+    UpdateIncompleteError: 503,
+    WeightSyncTimeout: 504,
+    TimeoutError: 504,
+    EngineDiedError: 502,
+    UpdateRefusedError: 409,
+    WeightSyncError: 409,
+}
+
+
+def error_to_dict(e: BaseException) -> dict[str, Any]:
+    """``{"error_type", "error", "offenders"}`` for any exception (plain JSON data)."""
+    return {
+        "error_type": type(e).__name__,
+        "error": str(e)[:4000],
+        "offenders": [str(o) for o in getattr(e, "offenders", None) or []][:500],
+    }
+
+
+def error_from_dict(
+    d: Mapping[str, Any], *, engine: str | None = None, method: str | None = None
+) -> BaseException:
+    """The exception for a wire dict, its message prefixed with ``engine`` and ``method``.
+
+    Known types come back as themselves (``WeightMismatchError`` with its offenders); a type
+    this side does not know becomes a ``WeightSyncError`` that keeps the remote type's name.
+    """
+    kind = str(d.get("error_type") or "WeightSyncError")
+    msg = str(d.get("error", d.get("message", "")))
+    where = _where(engine, method)
+    cls = ERROR_TYPES.get(kind)
+    if cls is WeightMismatchError or (cls is None and d.get("offenders")):
+        target = f"model of {where}" if where else "target model"
+        return WeightMismatchError(list(d.get("offenders") or [msg]), target=target)
+    prefix = f"{where}: " if where else ""
+    if cls is None:
+        return WeightSyncError(f"{prefix}{kind}: {msg}")
+    return cls(f"{prefix}{msg}")
+
+
+def http_status(e: BaseException | type[BaseException] | str) -> int:
+    """The HTTP status that answers ``e`` (an exception, its class or its ``error_type``)."""
+    cls = ERROR_TYPES.get(e, WeightSyncError) if isinstance(e, str) else (
+        e if isinstance(e, type) else type(e)
+    )
+    if isinstance(e, str) and e not in ERROR_TYPES:
+        return 500
+    for base in cls.__mro__:
+        if base in _HTTP_STATUS:
+            return _HTTP_STATUS[base]
+    return 500
+
+
+def error_from_http(status: int, body: Any, *, where: str) -> BaseException:
+    """The exception for an HTTP error answer ``{"detail", "error_type"?, "offenders"?}``.
+
+    With ``error_type`` the exact class comes back; without it the status decides: 400 with
+    offenders -> ``WeightMismatchError``, 400 -> ``ValueError``, 409 -> ``UpdateRefusedError``
+    (``CommunicatorReplacedError`` when the reason says the communicator was replaced), 502 ->
+    ``EngineDiedError``, 503 -> ``UpdateIncompleteError``, 504 -> ``WeightSyncTimeout``,
+    anything else ``WeightSyncError``.
+    """
+    data = body if isinstance(body, Mapping) else {"detail": str(body)[:2000]}
+    detail = str(data.get("detail", data.get("error", "")))
+    offenders = list(data.get("offenders") or [])
+    kind = data.get("error_type")
+    if not kind:
+        kind = _TYPE_BY_STATUS.get(status, "")
+        if status == 400 and offenders:
+            kind = "WeightMismatchError"
+        elif status == 409 and "communicator was replaced" in detail:
+            kind = "CommunicatorReplacedError"
+    if not kind:
+        return WeightSyncError(f"{where}: HTTP {status}: {detail}")
+    return error_from_dict({"error_type": kind, "error": detail, "offenders": offenders},
+                           engine=where)
+
+
+_TYPE_BY_STATUS = {
+    400: "ValueError",
+    409: "UpdateRefusedError",
+    502: "EngineDiedError",
+    503: "UpdateIncompleteError",
+    504: "WeightSyncTimeout",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# which failure to raise when several engines failed at once
+# --------------------------------------------------------------------------------------------
+
+#: most telling first: a refusal names the culprit tensors; a dead engine explains the broken
+#: collectives of the others; a timeout says who hung; anything else last
+_RANK: tuple[type[BaseException], ...] = (WeightMismatchError, EngineDiedError, TimeoutError)
+
+
+def telling_rank(e: BaseException) -> int:
+    """0 for a ``WeightMismatchError``, 1 a dead engine, 2 a timeout, 3 anything else."""
+    return next((i for i, cls in enumerate(_RANK) if isinstance(e, cls)), len(_RANK))
+
+
+def most_telling(errors: Iterable[BaseException]) -> BaseException:
+    """The failure to raise out of several (ties: the first given, i.e. engine order). The
+    others are attached to it as notes, so nothing is lost."""
+    errs = list(errors)
+    if not errs:
+        raise ValueError("most_telling: no errors given")
+    best = min(errs, key=telling_rank)
+    for other in errs:
+        if other is not best:
+            best.add_note(f"also: {type(other).__name__}: {str(other)[:500]}")
+    return best
+
+
+def _where(engine: str | None, method: str | None) -> str:
+    if engine and method:
+        return f"{engine} ({method})"
+    return engine or method or ""

@@ -17,15 +17,15 @@ import abc
 import asyncio
 import collections
 import contextlib
-import re
 import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightsync.types import (
+    SyncStats,
     TensorMeta,
+    TrainingMode,
     WeightChunk,
     WeightSyncInfo,
     WeightUpdateFinish,
@@ -153,14 +153,6 @@ def _module_label(modules: list[str]) -> str | None:
     return modules[0] if len(modules) == 1 else f"{modules[0]}..{modules[-1]}"
 
 
-def compile_patterns(patterns: Iterable[str]) -> list[re.Pattern[str]]:
-    """Name patterns: a plain string matches as a substring; ``re:...`` is a regular expression."""
-    out = []
-    for p in patterns:
-        out.append(re.compile(p[3:]) if p.startswith("re:") else re.compile(re.escape(p)))
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # Engine client (what the sender talks to)
 # --------------------------------------------------------------------------------------------
@@ -248,22 +240,6 @@ class WeightLoader(abc.ABC):
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class SyncStats:
-    """What one ``send_chunks`` call did."""
-
-    update_id: str
-    num_chunks: int = 0
-    num_tensors: int = 0
-    total_bytes: int = 0
-    seconds: float = 0.0
-    versions: list[int | None] = field(default_factory=list)
-
-    @property
-    def gbps(self) -> float:
-        return self.total_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
 class WeightTransferSender(abc.ABC):
     """Ships chunks to every engine. Lives in the sending training process (rank 0).
 
@@ -300,14 +276,23 @@ class WeightTransferSender(abc.ABC):
         *,
         version: int | None = None,
         manifest: list[TensorMeta] | None = None,
+        training_mode: TrainingMode | str | None = None,
+        head_name_patterns: list[str] | None = None,
         extras: dict | None = None,
     ) -> SyncStats:
+        """One whole update. ``manifest`` (derived from a list of chunks when not given) lets
+        every engine refuse bad names/shapes/dtypes before any byte moves; ``training_mode`` and
+        ``head_name_patterns`` travel in the start (the engines enforce the mode's name policy);
+        ``extras`` is free-form data for custom loaders."""
         if manifest is None and isinstance(chunks, (list, tuple)):
             manifest = [m for c in chunks for m in c.metas()]
         stats = SyncStats(update_id=uuid.uuid4().hex)
         t0 = time.perf_counter()
         start = WeightUpdateStart(
-            update_id=stats.update_id, version=version, manifest=manifest, extras=extras or {}
+            update_id=stats.update_id, version=version, manifest=manifest,
+            training_mode=training_mode,
+            head_name_patterns=list(head_name_patterns) if head_name_patterns else None,
+            extras=extras or {},
         )
         await inference_client.start_weight_update(start.to_dict())
         try:

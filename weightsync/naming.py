@@ -60,6 +60,28 @@ def is_lora_param(name: str) -> bool:
     return _LORA_RE.search(name) is not None
 
 
+#: Names of reward-head parameters (substring match; ``re:...`` for a regular expression): what a
+#: ``head_only`` update may carry when it names no patterns of its own.
+DEFAULT_HEAD_NAME_PATTERNS: tuple[str, ...] = ("score.", "classifier.", "v_head.")
+
+
+def compile_patterns(patterns: Iterable[str]) -> list[re.Pattern[str]]:
+    """Name patterns: a plain string matches as a substring; ``re:...`` is a regular expression."""
+    return [re.compile(p[3:]) if p.startswith("re:") else re.compile(re.escape(p)) for p in patterns]
+
+
+def is_head_param(name: str, patterns: Iterable[str] | None = None) -> bool:
+    """True when ``name`` matches one of the head patterns (default: score./classifier./v_head.)."""
+    compiled = compile_patterns(DEFAULT_HEAD_NAME_PATTERNS if patterns is None else patterns)
+    return any(p.search(name) for p in compiled)
+
+
+def non_head_params(names: Iterable[str], patterns: Iterable[str] | None = None) -> list[str]:
+    """The names that are not head parameters (what a HEAD_ONLY update must not carry)."""
+    compiled = compile_patterns(DEFAULT_HEAD_NAME_PATTERNS if patterns is None else patterns)
+    return [n for n in names if not any(p.search(n) for p in compiled)]
+
+
 def is_peft_original_copy(name: str) -> bool:
     """True for PEFT's frozen copy of a ``modules_to_save`` module (never sent: the trained copy
     under ``modules_to_save.<adapter>`` is)."""

@@ -11,6 +11,7 @@ This module does not import torch at import time, so ``import weightsync`` stays
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -198,6 +199,8 @@ class _Tagged:
 
 
 def _to_jsonable(v: Any) -> Any:
+    if isinstance(v, enum.Enum):
+        return v.value
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return v.to_dict() if hasattr(v, "to_dict") else dataclasses.asdict(v)
     if isinstance(v, (list, tuple)):
@@ -402,22 +405,72 @@ class TorchDistributedWeightSyncInfo(WeightSyncInfo):
 # --------------------------------------------------------------------------------------------
 
 
+class TrainingMode(enum.StrEnum):
+    """Which parameter names one update may carry (the per-update name policy, checked by the
+    engine against the start's manifest and every chunk before any byte moves).
+
+    HEAD_ONLY: only names matching the head patterns (``head_name_patterns``, default
+    ``weightsync.naming.DEFAULT_HEAD_NAME_PATTERNS``: ``score.``, ``classifier.``, ``v_head.``).
+    LORA: merged weights: no unmerged adapter tensor (``lora_A`` / ``lora_B`` / DoRA ...).
+    FULL: no unmerged adapter tensor, and a whole update carries backbone weights, not only the
+    head. ``weightsync.reward`` calls this enum ``RewardModelTrainingMode``.
+    """
+
+    HEAD_ONLY = "head_only"
+    LORA = "lora"
+    FULL = "full"
+
+    @classmethod
+    def parse(cls, value: Any) -> TrainingMode:
+        """Accept a member or its value / name (case-insensitive); anything else names the
+        choices."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            key = value.strip().lower()
+            for m in cls:
+                if key in (m.value, m.name.lower()):
+                    return m
+        raise ValueError(f"training_mode must be one of {[m.value for m in cls]}, got {value!r}")
+
+
 @dataclass(kw_only=True)
 class WeightUpdateStart(_Tagged):
     """Announces an update. ``manifest`` (when known) lists every tensor the update will carry,
-    so engines validate names/shapes/dtypes before any byte moves."""
+    so engines validate names/shapes/dtypes before any byte moves.
+
+    Per-update options: ``training_mode`` (None: no name policy) and ``head_name_patterns``
+    (for HEAD_ONLY; None: the defaults). ``extras``: free-form, for third-party loaders.
+    """
 
     TYPE: ClassVar[str] = "start"
     update_id: str
     version: int | None = None
     manifest: list[TensorMeta] | None = None
+    training_mode: TrainingMode | None = None
+    head_name_patterns: list[str] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.training_mode is not None:
+            self.training_mode = TrainingMode.parse(self.training_mode)
 
     def _coerce(self) -> None:
         if self.manifest is not None:
             self.manifest = [
                 m if isinstance(m, TensorMeta) else TensorMeta.from_dict(m) for m in self.manifest
             ]
+        if self.head_name_patterns is not None:
+            if not isinstance(self.head_name_patterns, (list, tuple)) or not all(
+                isinstance(p, str) and p for p in self.head_name_patterns
+            ):
+                raise ValueError(
+                    f"head_name_patterns must be a list of non-empty strings, got "
+                    f"{self.head_name_patterns!r}"
+                )
+            self.head_name_patterns = list(self.head_name_patterns)
+        if not isinstance(self.extras, dict):
+            raise ValueError(f"extras must be an object, got {type(self.extras).__name__}")
 
 
 @dataclass(kw_only=True)
@@ -430,3 +483,30 @@ class WeightUpdateFinish(_Tagged):
     num_chunks: int = 0
     ok: bool = True
     error: str = ""
+
+
+# --------------------------------------------------------------------------------------------
+# What one update did (returned to the trainer)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SyncStats:
+    """What one update did: returned by ``WeightTransferSender.send_chunks`` and by the front
+    door's ``push``. ``versions[i]`` is what engine ``i`` (``engines[i]``, when known) serves
+    now."""
+
+    update_id: str
+    num_chunks: int = 0
+    num_tensors: int = 0
+    total_bytes: int = 0
+    seconds: float = 0.0
+    versions: list[int | None] = field(default_factory=list)
+    engines: list[str] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.total_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "gbps": self.gbps}

@@ -1,16 +1,17 @@
 """Metadata checks run before the data plane moves a byte.
 
-Callers: engine-side endpoints (``WeightUpdateEndpoint.start_weight_update`` and per chunk) and
-loaders' ``validate``. Pure functions over ``TensorMeta``; no torch needed.
+Callers: engine-side endpoints (``WeightUpdateEndpoint.start_weight_update`` and per chunk),
+loaders' ``validate`` and trainer-side pre-checks. Pure functions over ``TensorMeta`` and names;
+no torch needed.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from weightsync.errors import WeightMismatchError
-from weightsync.types import TensorMeta
+from weightsync.types import TensorMeta, TrainingMode
 
 
 def find_mismatches(
@@ -52,6 +53,43 @@ def check_metadata(
         offenders += find_mismatches(incoming, expected, check_dtype=check_dtype)
     if offenders:
         raise WeightMismatchError(offenders, target=target)
+
+
+def training_mode_offenders(
+    names: Sequence[str],
+    mode: TrainingMode | str,
+    head_patterns: Iterable[str] | None = None,
+    *,
+    whole_update: bool = False,
+) -> list[str]:
+    """One line per name the training mode forbids (empty: allowed); see ``TrainingMode``.
+
+    Every mode refuses unmerged adapter tensors (an engine cannot load them). HEAD_ONLY: only
+    head parameters. FULL with ``whole_update`` (the manifest of a whole update): at least one
+    backbone parameter. Callers: ``WeightUpdateEndpoint`` (engine side, on the start's manifest
+    and on every chunk) and trainer-side checks (the front door, the reward publisher).
+    """
+    from weightsync.naming import DEFAULT_HEAD_NAME_PATTERNS, is_lora_param, non_head_params
+
+    mode = TrainingMode.parse(mode)
+    patterns = DEFAULT_HEAD_NAME_PATTERNS if head_patterns is None else tuple(head_patterns)
+    out = [
+        f"{n}: an unmerged LoRA tensor; merge the adapters (lora_merge extractor) and send "
+        f"engine weights"
+        for n in names if is_lora_param(n)
+    ]
+    if mode is TrainingMode.HEAD_ONLY:
+        out += [
+            f"{n}: not a head parameter (head patterns {list(patterns)}); a head_only update "
+            f"may carry only the reward head"
+            for n in non_head_params(names, patterns) if not is_lora_param(n)
+        ]
+    elif mode is TrainingMode.FULL and whole_update and names and not non_head_params(names, patterns):
+        out.append(
+            f"update carries only head parameters {sorted(names)[:5]}; full mode requires "
+            f"backbone weights (use head_only when only the head is trained)"
+        )
+    return out
 
 
 def _closest(name: str, expected: Mapping[str, TensorMeta]) -> str | None:

@@ -34,7 +34,7 @@ def test_ping_version_world_size(engine):
         assert pong["pid"] == engine.pids[0] and pong["name"] == "eng-a"
         assert await engine.call("get_version") == 0
         assert await engine.call("get_world_size") == 1
-        assert (await engine.call("get_state"))["state"] == "ready"
+        assert (await engine.call("get_state"))["state"] == "idle"
 
     asyncio.run(run())
 

@@ -92,7 +92,7 @@ def test_trainer_syncs_two_engines_twice(actors, strategy_cfg):
         assert _digests(engines) == [want, want]  # bit-exact: same blake2b of every tensor
         assert _versions(engines) == [v0 + step] * 2
     states = ray.get([e.get_weight_sync_state.remote() for e in engines])
-    assert [s["state"] for s in states] == ["ready", "ready"]
+    assert [s["state"] for s in states] == ["idle", "idle"]
     close_sync_group(group)
 
 
@@ -222,7 +222,7 @@ def test_trainer_actor_syncs_vllm_engine_actor(ray_cluster, tmp_path):
         assert stats["versions"] == [2]
         assert ray.get(engine.get_weight_version.remote()) == 2
         state = ray.get(engine.get_weight_sync_state.remote())
-        assert state["state"] == "ready" and len(state["workers"]) == 1
+        assert state["state"] == "idle" and len(state["workers"]) == 1
         got2 = ray.get(engine.classify.remote(TEXTS))
         assert not close(got2, got)
         ray.get(engine.shutdown.remote())

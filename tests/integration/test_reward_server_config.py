@@ -39,7 +39,7 @@ def test_engine_args_cpu_defaults(tiny_reward_model_dir):
     args = engine_args(RewardServerConfig(model=d, device="cpu", pooling_type="mean"))
     assert args.runner == "pooling" and args.dtype == "float32" and args.enforce_eager is True
     assert args.kv_cache_memory_bytes == 256 << 20
-    assert args.worker_extension_cls == "weightsync.loaders.vllm.WeightSyncWorkerExtension"
+    assert args.worker_extension_cls == "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
     pooler = args.pooler_config
     assert "MEAN" in (getattr(pooler, "seq_pooling_type", None), getattr(pooler, "pooling_type", None))
     gpu = engine_args(RewardServerConfig(model=d, device="cuda", gpu_memory_utilization=0.25))

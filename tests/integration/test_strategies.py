@@ -171,7 +171,7 @@ def test_bad_input_rejected_before_any_byte_moves(engines, models, cfg, with_man
             for e, b, v in zip(engines, before, versions, strict=True):
                 assert await engine_digests(e) == b
                 assert await e.call("get_version") == v
-                assert (await e.call("get_state"))["state"] == "ready"
+                assert (await e.call("get_state"))["state"] == "idle"
             # the transport still works after a refusal
             stats = await sender.send_chunks(chunks_of(models[1], 50), client, version=versions[0] + 1)
             assert stats.versions == [versions[0] + 1] * 2
@@ -239,7 +239,7 @@ def test_chunk_rejected_mid_stream_with_the_next_in_flight(engines, models, cfg)
             assert stats.versions == [v + 2] * 2
             for e in engines:
                 assert await engine_digests(e) == digests_of(models[1])
-                assert (await e.call("get_state"))["state"] == "ready"
+                assert (await e.call("get_state"))["state"] == "idle"
         finally:
             await sender.close()
 

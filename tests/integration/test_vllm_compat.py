@@ -8,7 +8,7 @@ import torch
 
 from weightsync._runtime import vllm_compat as compat
 from weightsync.errors import UpdateIncompleteError, WeightMismatchError, WeightSyncError
-from weightsync.loaders.vllm import raise_for_results
+from weightsync.loaders.vllm_worker import raise_for_results
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

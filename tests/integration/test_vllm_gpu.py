@@ -16,7 +16,7 @@ from weightsync.errors import WeightMismatchError
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 TEXTS = ["The model is helpful today.", "hi", "Question: what is 2 + 2? Answer: 4."]
-EXT = "weightsync.loaders.vllm.WeightSyncWorkerExtension"
+EXT = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
 
 
 def close(got, want) -> bool:

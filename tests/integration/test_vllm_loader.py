@@ -15,7 +15,7 @@ from weightsync.errors import WeightMismatchError
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The model is", "Weights move from", "Question: name a colour. Answer:"]
-EXT = "weightsync.loaders.vllm.WeightSyncWorkerExtension"
+EXT = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def chunks_of(sd, per):
 def test_worker_extension_reports(lm):
     llm, base, _ = lm
     (state,) = llm.collective_rpc("weightsync_state")
-    assert state["version"] == 0 and state["state"] == "ready" and state["world_size"] == 1
+    assert state["version"] == 0 and state["state"] == "idle" and state["world_size"] == 1
     assert state["load_mode"] == "reload"  # CPU: layer-wise reload
     (meta,) = llm.collective_rpc("weightsync_expected_metadata")
     names = {m["name"] for m in meta}
@@ -128,4 +128,4 @@ def test_sync_into_generative_llm_matches_transformers(lm):
     assert after_bad == tokens  # refused updates changed nothing
     assert back.versions == [2] and vllm_greedy(llm)[0] == before
     (state,) = llm.collective_rpc("weightsync_state")
-    assert state["version"] == 2 and state["state"] == "ready" and not state["has_receiver"]
+    assert state["version"] == 2 and state["state"] == "idle" and not state["has_receiver"]

@@ -49,6 +49,10 @@ class WireReceiver(WeightTransferReceiver):
     def __init__(self, rank_offset: int) -> None:
         self.rank_offset = rank_offset
         self.closed = False
+        self.refused: list[int] = []  # chunks the endpoint refused (the collective hook)
+
+    async def refuse(self, request) -> None:
+        self.refused.append(request.chunk_index)
 
     async def receive_and_load_weights(self, request, loader) -> None:
         loader.validate(request.metas())  # the receiver contract: validate before any byte
@@ -156,8 +160,8 @@ def _run(coro):
 class Engine:
     """An endpoint + torch_module loader on a real module, and helpers to drive one update."""
 
-    def __init__(self) -> None:
-        self.module = _model(0)
+    def __init__(self, module: torch.nn.Module | None = None) -> None:
+        self.module = module if module is not None else _model(0)
         self.ep = WeightUpdateEndpoint(TorchModuleWeightLoader(module=self.module), name="eng0")
         _run(self.ep.init_weight_transfer({"type": STRATEGY}, ws.EmptyWeightSyncInfo().to_dict(), 1))
 
@@ -205,12 +209,12 @@ def test_complete_update_publishes_version_and_weights():
     new = _new_weights()
     manifest = [ws.TensorMeta(n, "float32", list(t.shape)) for n, t in new.items()]
     e.start("u1", 5, manifest)
-    assert e.ep.state == "updating"
+    assert e.ep.state == "receiving"
     a, b = _split(new)
     e.chunk("u1", 0, a)
     e.chunk("u1", 1, b)
     assert e.finish("u1", 5, 2) == 5
-    assert (e.ep.version, e.ep.state) == (5, "ready")
+    assert (e.ep.version, e.ep.state) == (5, "idle")
     _assert_weights(e.module, new)
     e.ep.check_serving()
 
@@ -233,7 +237,7 @@ def test_versions_must_increase():
     for stale in (3, 2):
         with pytest.raises(WeightSyncError, match=f"update version {stale} is not newer than the served version 3"):
             e.start(f"s{stale}", stale)
-    assert (e.ep.version, e.ep.state) == (3, "ready")
+    assert (e.ep.version, e.ep.state) == (3, "idle")
     _assert_weights(e.module, before)
 
 
@@ -253,7 +257,7 @@ def test_start_with_bad_manifest_leaves_version_and_weights_untouched():
         e.start("bad", 1, manifest)
     assert len(err.value.offenders) == 3
     assert "0.wieght" in str(err.value) and "2.weight: shape [3, 8]" in str(err.value)
-    assert (e.ep.version, e.ep.state) == (0, "ready")
+    assert (e.ep.version, e.ep.state) == (0, "idle")
     _assert_weights(e.module, before)
     e.ep.check_serving()
     with pytest.raises(WeightSyncError, match="without a matching start_weight_update"):
@@ -269,7 +273,7 @@ def test_first_chunk_rejected_by_validation_is_not_torn():
         e.chunk("u", 0, {"0.weight": torch.ones(8, 4), "2.bias": torch.ones(5)})
     _assert_weights(e.module, before)  # nothing of the chunk was loaded
     e.finish("u", 1, 1, ok=False)
-    assert (e.ep.version, e.ep.state) == (0, "ready")
+    assert (e.ep.version, e.ep.state) == (0, "idle")
     e.ep.check_serving()
 
 
@@ -324,7 +328,7 @@ def test_finish_with_missing_chunks_is_torn_until_a_complete_update():
     e.chunk("u2", 0, a2)
     e.chunk("u2", 1, b2)
     assert e.finish("u2", 2, 2) == 2
-    assert (e.ep.version, e.ep.state) == (2, "ready")
+    assert (e.ep.version, e.ep.state) == (2, "idle")
     e.ep.check_serving()
     _assert_weights(e.module, newer)
 
@@ -361,14 +365,14 @@ def test_new_start_over_a_half_applied_update_is_torn():
     with pytest.raises(UpdateIncompleteError, match="update u1 was abandoned after 1 chunk"):
         e.ep.check_serving()
     e.chunk("u2", 0, _new_weights(3))
-    assert e.finish("u2", 2, 1) == 2 and e.ep.state == "ready"
+    assert e.finish("u2", 2, 1) == 2 and e.ep.state == "idle"
 
 
 def test_abort_before_any_chunk_stays_ready():
     e = Engine()
     e.start("u", 1)
     assert e.finish("u", 1, 3, ok=False) == 0
-    assert (e.ep.version, e.ep.state) == (0, "ready")
+    assert (e.ep.version, e.ep.state) == (0, "idle")
 
 
 # -- dispatch -----------------------------------------------------------------------------------------
@@ -378,7 +382,7 @@ def test_call_dispatch():
     e = Engine()
     start = ws.WeightUpdateStart(update_id="u", version=1).to_dict()
     _run(e.ep.call("start_weight_update", {"start": start}))
-    assert e.ep.state == "updating"
+    assert e.ep.state == "receiving"
     with pytest.raises(WeightSyncError, match="unknown endpoint method 'check_serving'"):
         _run(e.ep.call("check_serving", {}))
     receiver = e.ep.receiver
@@ -432,7 +436,7 @@ def test_sender_failure_mid_update_leaves_engines_torn_and_raises():
         e.ep.check_serving()
     WIRE.clear()
     stats = _send(WireSender(), _model(8), client, version=2)
-    assert stats.versions == [2] and e.ep.state == "ready"
+    assert stats.versions == [2] and e.ep.state == "idle"
     _assert_weights(e.module, _model(8).state_dict())
 
 
@@ -445,27 +449,15 @@ def test_sender_with_bad_manifest_moves_nothing():
     with pytest.raises(WeightMismatchError, match="2.weight: shape \\[3, 8\\] but target has \\[2, 8\\]"):
         _send(sender, wrong, client, version=1)
     assert sender.released == 0 and not WIRE  # no chunk was even prepared for the wire
-    assert (e.ep.version, e.ep.state) == (0, "ready")
+    assert (e.ep.version, e.ep.state) == (0, "idle")
     _assert_weights(e.module, before)
 
 
 # -- pipelining: two chunks in flight ---------------------------------------------------------------
 
 
-class CountingReceiver(WireReceiver):
-    """WireReceiver that records the chunks it was asked to refuse (the collective hook)."""
-
-    def __init__(self, rank_offset: int = 1) -> None:
-        super().__init__(rank_offset)
-        self.refused: list[int] = []
-
-    async def refuse(self, request) -> None:
-        self.refused.append(request.chunk_index)
-
-
 def test_chunk_after_a_failed_chunk_is_refused_and_released():
     e = Engine()
-    e.ep.receiver = CountingReceiver()
     e.start("u", 1)
     a, b = _split(_new_weights())
     bad = {"2.bias": torch.zeros(5)}
@@ -475,11 +467,11 @@ def test_chunk_after_a_failed_chunk_is_refused_and_released():
     with pytest.raises(WeightSyncError, match="chunk 1 refused: an earlier chunk of this update failed"):
         e.chunk("u", 1, b)
     assert e.ep.receiver.refused == [1]
+    assert e.finish("u", 1, 2, ok=False) == 0 and e.ep.state == "idle"
+    e.start("u2", 1)
     with pytest.raises(WeightSyncError, match="expected chunk 0, got 3"):
-        e.ep._active.failed = ""  # only to reach the next check: an out-of-order chunk
-        e.chunk("u", 3, b)
+        e.chunk("u2", 3, b)
     assert e.ep.receiver.refused == [1, 3]
-    assert e.finish("u", 1, 2, ok=False) == 0 and e.ep.state == "ready"
 
 
 def test_turnstile_lets_chunks_through_in_order():
@@ -547,13 +539,11 @@ class SlowOrderedClient(DirectClient):
 
 @pytest.mark.parametrize("window", [1, 2])
 def test_sender_keeps_at_most_its_window_in_flight(window):
-    engines = [Engine()]
+    engines = [Engine(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)]))]
     client = SlowOrderedClient([e.ep for e in engines])
     sender = WireSender()
     sender.max_inflight = window
     src = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
-    engines[0].module = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
-    engines[0].ep.loader = TorchModuleWeightLoader(module=engines[0].module)
 
     async def go():
         ex = ws.build_extractor({"type": "hf", "bucket_size_mb": 1e-4, "group_by_module": True})
@@ -586,3 +576,207 @@ def test_serial_lane_runs_jobs_in_order_even_when_cancelled():
     lane.close()
     with pytest.raises(RuntimeError, match="lane is closed"):
         lane.submit(ran.append, 9)
+
+
+# -- the lifecycle: every state, every transition ------------------------------------------------
+
+
+class HookedLoader(TorchModuleWeightLoader):
+    """A real torch_module loader whose finish hook can fail (a fault a plain module cannot
+    cause by itself, e.g. re-packing kernels after a load) and that records what the endpoint
+    looked like while its hooks ran."""
+
+    def __init__(self, module) -> None:
+        super().__init__(module=module)
+        self.endpoint: WeightUpdateEndpoint | None = None
+        self.fail_finish: str = ""
+        self.fail_start: str = ""
+        self.seen: list[tuple[str, str]] = []
+
+    async def start_update(self, start) -> None:
+        self.seen.append(("start", self.endpoint.state))
+        if self.fail_start:
+            raise WeightMismatchError([self.fail_start], target="hooked model")
+
+    async def finish_update(self, finish) -> None:
+        ep = self.endpoint
+        self.seen.append(("finish", ep.state))
+        with pytest.raises(UpdateIncompleteError, match="is being finished"):
+            ep.check_serving()  # nobody serves while the finish hook runs
+        if self.fail_finish:
+            raise RuntimeError(self.fail_finish)
+
+
+def _hooked_engine() -> tuple[Engine, HookedLoader]:
+    e = Engine()
+    loader = HookedLoader(e.module)
+    e.ep = WeightUpdateEndpoint(loader, name="eng0")
+    loader.endpoint = e.ep
+    _run(e.ep.init_weight_transfer({"type": STRATEGY}, ws.EmptyWeightSyncInfo().to_dict(), 1))
+    return e, loader
+
+
+def test_states_and_status_through_one_update():
+    from weightsync.engine import EndpointState
+
+    e, loader = _hooked_engine()
+    st = e.ep.status()
+    assert (st.state, st.version, st.update, st.last_error) == (EndpointState.IDLE, 0, None, "")
+    new = _new_weights()
+    a, b = _split(new)
+    e.start("u1", 4)
+    st = e.ep.status()
+    assert st.state is EndpointState.RECEIVING and st.update.update_id == "u1"
+    assert (st.update.version, st.update.chunks_done) == (4, 0)
+    e.chunk("u1", 0, a)
+    assert e.ep.status().update.chunks_done == 1
+    e.ep.check_serving()  # between chunks of a live update: the server's gate decides
+    e.chunk("u1", 1, b)
+    assert e.finish("u1", 4, 2) == 4
+    assert loader.seen == [("start", "idle"), ("finish", "finishing")]  # start: nothing changed yet
+    st = e.ep.status()
+    assert (st.state, st.version, st.update) == (EndpointState.IDLE, 4, None)
+    d = st.to_dict()
+    assert json.loads(json.dumps(d)) == d and d["state"] == "idle" and d["has_receiver"]
+    _assert_weights(e.module, new)
+
+
+def test_finish_hook_failure_after_chunks_landed_is_torn_until_a_complete_update():
+    """Acceptance (issue 10): the finish hook raises after chunks landed -> the endpoint
+    refuses to serve; the next complete update restores it."""
+    e, loader = _hooked_engine()
+    a, b = _split(_new_weights())
+    e.start("u1", 1)
+    e.chunk("u1", 0, a)
+    e.chunk("u1", 1, b)
+    loader.fail_finish = "kernel re-pack failed"
+    with pytest.raises(RuntimeError, match="kernel re-pack failed"):
+        e.finish("u1", 1, 2)
+    st = e.ep.status()
+    assert (st.state, st.version, st.update) == ("torn", 0, None)
+    assert "finishing update u1 failed: RuntimeError: kernel re-pack failed" in st.last_error
+    with pytest.raises(UpdateIncompleteError, match="kernel re-pack failed"):
+        e.ep.check_serving()
+    loader.fail_finish = ""
+    newer = _new_weights(2)
+    e.start("u2", 2)
+    assert e.ep.state == "torn"  # repairing: still refusing
+    e.chunk("u2", 0, newer)
+    assert e.finish("u2", 2, 1) == 2
+    assert (e.ep.state, e.ep.last_error) == ("idle", "")
+    e.ep.check_serving()
+    _assert_weights(e.module, newer)
+    assert ("finish", "finishing") in loader.seen
+
+
+def test_finish_hook_failure_with_nothing_loaded_keeps_serving():
+    e, loader = _hooked_engine()
+    e.start("u", 1)
+    loader.fail_finish = "boom"
+    with pytest.raises(RuntimeError):
+        e.finish("u", 1, 0)
+    assert (e.ep.state, e.ep.version) == ("idle", 0)
+    e.ep.check_serving()
+
+
+def test_start_hook_refusal_changes_nothing():
+    e, loader = _hooked_engine()
+    loader.fail_start = "model.layers.0.qkv_proj: incomplete"
+    with pytest.raises(WeightMismatchError, match="qkv_proj: incomplete"):
+        e.start("u", 1)
+    assert (e.ep.state, e.ep.status().update) == ("idle", None)
+    with pytest.raises(WeightSyncError, match="without a matching start_weight_update"):
+        e.chunk("u", 0, _new_weights())
+
+
+def test_close_is_final():
+    e = Engine()
+    receiver = e.ep.receiver
+    e.start("u", 1)
+    e.chunk("u", 0, _split(_new_weights())[0])
+    _run(e.ep.close())
+    assert e.ep.state == "closed" and receiver.closed and e.ep.receiver is None
+    assert "closed during update u" in e.ep.last_error
+    with pytest.raises(WeightSyncError, match="endpoint is closed"):
+        e.ep.check_serving()
+    for call in (lambda: e.start("v", 2), lambda: e.finish("u", 1, 1),
+                 lambda: _run(e.ep.init_weight_transfer({"type": STRATEGY}, {}, 1))):
+        with pytest.raises(WeightSyncError, match="closed; cannot"):
+            call()
+    assert e.ep.status().to_dict()["state"] == "closed"
+
+
+def test_close_weight_transfer_keeps_the_endpoint_usable():
+    e = Engine()
+    _run(e.ep.call("close_weight_transfer"))
+    assert e.ep.receiver is None and e.ep.state == "idle"
+    _run(e.ep.init_weight_transfer({"type": STRATEGY}, ws.EmptyWeightSyncInfo().to_dict(), 1))
+    e.start("u", 1)
+    e.chunk("u", 0, _new_weights())
+    assert e.finish("u", 1, 1) == 1
+
+
+def test_status_through_call_is_plain_data():
+    e = Engine()
+    d = _run(e.ep.call("status"))
+    assert d == e.ep.status().to_dict() and d["state"] == "idle" and d["version"] == 0
+
+
+# -- the training mode travels in the start and is enforced by the endpoint -----------------------
+
+
+def _head_engine() -> Engine:
+    m = torch.nn.Module()
+    m.backbone = torch.nn.Linear(4, 4)
+    m.score = torch.nn.Linear(4, 1)
+    return Engine(m)
+
+
+def test_head_only_manifest_with_backbone_names_is_refused_with_every_offender():
+    e = _head_engine()
+    before = e.snapshot()
+    manifest = [ws.TensorMeta("backbone.weight", "float32", [4, 4]),
+                ws.TensorMeta("score.weight", "float32", [2, 4]),  # wrong shape too
+                ws.TensorMeta("score.bias", "float32", [1])]
+    d = ws.WeightUpdateStart(update_id="u", version=1, manifest=manifest,
+                             training_mode="head_only").to_dict()
+    assert d["training_mode"] == "head_only"
+    with pytest.raises(WeightMismatchError) as ei:
+        _run(e.ep.start_weight_update(_j(d)))
+    lines = ei.value.offenders
+    assert any("backbone.weight: not a head parameter" in o for o in lines)
+    assert any("score.weight: shape [2, 4]" in o for o in lines) and len(lines) == 2
+    assert (e.ep.state, e.ep.status().update) == ("idle", None)
+    _assert_weights(e.module, before)
+
+
+def test_training_mode_checked_per_chunk_without_a_manifest():
+    e = _head_engine()
+    before = e.snapshot()
+    d = ws.WeightUpdateStart(update_id="u", version=1, training_mode="head_only",
+                             head_name_patterns=["score."]).to_dict()
+    _run(e.ep.start_weight_update(_j(d)))
+    with pytest.raises(WeightMismatchError, match="backbone.bias: not a head parameter"):
+        e.chunk("u", 0, {"backbone.bias": torch.ones(4)})
+    assert e.ep.receiver.refused == [0]  # its peers were told no before any byte moved
+    _assert_weights(e.module, before)
+    assert e.finish("u", 1, 1, ok=False) == 0 and e.ep.state == "idle"
+    d = ws.WeightUpdateStart(update_id="v", version=1, training_mode="head_only").to_dict()
+    _run(e.ep.start_weight_update(_j(d)))
+    e.chunk("v", 0, {"score.weight": torch.ones(1, 4), "score.bias": torch.ones(1)})
+    assert e.finish("v", 1, 1) == 1
+    assert torch.equal(e.module.score.weight, torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("mode, names, needle", [
+    ("full", ["score.weight", "score.bias"], "full mode requires backbone"),
+    ("lora", ["backbone.lora_A.default.weight"], "unmerged LoRA"),
+    ("full", ["backbone.lora_B.default.weight"], "unmerged LoRA"),
+])
+def test_training_mode_policy(mode, names, needle):
+    from weightsync.validation import training_mode_offenders
+
+    assert any(needle in o for o in training_mode_offenders(names, mode, whole_update=True))
+    assert training_mode_offenders(["backbone.weight", "score.weight"], "full",
+                                   whole_update=True) == []
+    assert training_mode_offenders(["score.weight"], ws.TrainingMode.HEAD_ONLY) == []

@@ -96,6 +96,22 @@ def test_start_and_finish_round_trip_through_json():
     assert WeightUpdateFinish.from_dict(_json(finish.to_dict())) == finish
 
 
+def test_start_options_are_typed_and_round_trip():
+    from weightsync.types import TrainingMode
+
+    start = WeightUpdateStart(update_id="u", training_mode="HEAD_ONLY", head_name_patterns=["v_head."])
+    assert start.training_mode is TrainingMode.HEAD_ONLY
+    d = _json(start.to_dict())
+    assert d["training_mode"] == "head_only" and d["head_name_patterns"] == ["v_head."]
+    back = WeightUpdateStart.from_dict(d)
+    assert back == start and back.training_mode is TrainingMode.HEAD_ONLY
+    assert WeightUpdateStart.from_dict(_json(WeightUpdateStart(update_id="v").to_dict())).training_mode is None
+    with pytest.raises(ValueError, match="training_mode must be one of"):
+        WeightUpdateStart.from_dict({"type": "start", "update_id": "u", "training_mode": "partial"})
+    with pytest.raises(ValueError, match="head_name_patterns"):
+        WeightUpdateStart.from_dict({"type": "start", "update_id": "u", "head_name_patterns": "score."})
+
+
 def test_to_dict_is_plain_json_data():
     for req in _requests():
         d = req.to_dict()

@@ -387,7 +387,7 @@ def name_filter(patterns: list[str] | None) -> Any:
     (``compile_patterns``: substring, or ``re:<regex>``)."""
     if not patterns:
         return lambda name: True
-    from weightsync.interfaces import compile_patterns
+    from weightsync.naming import compile_patterns
 
     compiled = compile_patterns(patterns)
     return lambda name: any(p.search(name) for p in compiled)

@@ -31,7 +31,8 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from weightsync.config import ExtractorConfig, HeadExtractorConfig
-from weightsync.interfaces import WeightExtractor, compile_patterns
+from weightsync.interfaces import WeightExtractor
+from weightsync.naming import compile_patterns
 from weightsync.registry import register_extractor
 from weightsync.types import TensorMeta, WeightChunk, dtype_to_str, str_to_dtype
 

@@ -1,24 +1,14 @@
-"""vLLM as the receiving engine: a worker extension, its loader, and a driver-side client.
+"""vLLM as the receiving engine: the loader (this module) and, in ``vllm_worker.py``, the worker
+extension that hosts it.
 
-Three pieces, three processes:
-
-* ``WeightSyncWorkerExtension`` (pass ``worker_extension_cls=
-  "weightsync.loaders.vllm.WeightSyncWorkerExtension"`` to ``LLM`` / ``AsyncEngineArgs`` /
-  ``vllm serve``) is mixed into every vLLM worker. It owns one ``WeightUpdateEndpoint`` with a
-  ``VLLMWeightLoader`` inside and exposes JSON-safe methods reachable through
-  ``collective_rpc``: ``weightsync_call(method, kwargs)`` forwards an endpoint call (init /
-  start / chunk / finish / close) and answers ``{"ok", "result" | "error", "state"}`` instead of
-  raising, so the driver can tell a refused update (400) from a broken one;
-  ``weightsync_world_size()``, ``weightsync_version()``, ``weightsync_state()``,
-  ``weightsync_expected_metadata()``. The worker's receiver rank is the engine's
-  ``rank_offset`` plus the worker's rank inside the engine (TP x PP). Tensors never travel
-  through ``collective_rpc`` (msgpack turns them into lists): requests carry metadata and
-  handles, the bytes come over the strategy's data plane.
-* ``VLLMWeightLoader`` (registered as loader ``vllm``) loads through vLLM's own machinery:
-  ``model.load_weights`` on GPU (QKV fusion, TP slicing), the layer-wise reload on CPU and for
-  quantized models (see ``weightsync._runtime.vllm_compat``). ``expected_metadata()`` is the served checkpoint
-  (safetensors headers, dtype = served dtype), so bad names / shapes / dtypes are refused
-  before any byte moves.
+* ``VLLMWeightLoader`` (registered as loader ``vllm``) runs inside each vLLM worker and loads
+  through vLLM's own machinery: ``model.load_weights`` on GPU (QKV fusion, TP slicing), the
+  layer-wise reload on CPU and for quantized models (see ``weightsync._runtime.vllm_compat``).
+  ``expected_metadata()`` is the served checkpoint (safetensors headers, dtype = served dtype),
+  so bad names / shapes / dtypes are refused before any byte moves.
+* ``weightsync.loaders.vllm_worker.WeightSyncWorkerExtension`` (pass it as vLLM's
+  ``worker_extension_cls``) owns one ``WeightUpdateEndpoint`` with this loader inside and
+  answers ``collective_rpc`` calls.
 * ``VLLMEngineClient`` (an ``InferenceEngineClient``) drives one or more in-process ``LLM`` or
   ``AsyncLLM`` objects: a trainer that owns its engines (colocated RL, tests) syncs them with the
   same ``send_chunks`` as any other engine. After a successful finish it resets the engine's
@@ -49,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync._runtime import vllm_compat as compat
 from weightsync.config import LoaderConfig
-from weightsync.errors import UpdateIncompleteError, WeightMismatchError, WeightSyncError
+from weightsync.errors import WeightMismatchError
 from weightsync.interfaces import InferenceEngineClient, WeightLoader
 from weightsync.types import TensorMeta, WeightUpdateFinish, WeightUpdateStart
 
@@ -125,22 +115,9 @@ class VLLMWeightLoader(WeightLoader):
     def expected_metadata(self) -> Mapping[str, TensorMeta] | None:
         return self._meta
 
-    def set_update_policy(
-        self, training_mode: str | None, head_patterns: Sequence[str] | None = None
-    ) -> None:
-        """Training mode of the coming update (reward models): ``validate`` then refuses the
-        names that mode forbids (e.g. backbone weights in a ``head_only`` update)."""
-        if training_mode is not None:
-            from weightsync.reward.types import RewardModelTrainingMode
-
-            training_mode = RewardModelTrainingMode.parse(training_mode).value
-        self.training_mode = training_mode
-        self.head_patterns = list(head_patterns) if head_patterns else None
-
-    training_mode: str | None = None
-    head_patterns: list[str] | None = None
-
-    def validate(self, metas, *, whole_update: bool = False) -> None:  # type: ignore[override]
+    def validate(self, metas) -> None:  # type: ignore[override]
+        """Names, shapes and (with ``strict_dtype``) dtypes against the served checkpoint; every
+        offender listed. The endpoint adds the update's training-mode policy."""
         from weightsync.validation import find_mismatches
 
         metas = list(metas)
@@ -149,21 +126,16 @@ class VLLMWeightLoader(WeightLoader):
             {n for n in names if names.count(n) > 1})]
         if self._meta is not None:
             offenders += find_mismatches(metas, self._meta, check_dtype=self.cfg.strict_dtype)
-        if self.training_mode is not None:
-            from weightsync.reward.types import training_mode_offenders
-
-            offenders += training_mode_offenders(
-                names, self.training_mode, self.head_patterns, whole_update=whole_update
-            )
         if offenders:
             raise WeightMismatchError(offenders, target=f"vLLM model {self.model_name}")
 
     # -- update lifecycle ----------------------------------------------------------------------
     async def start_update(self, start: WeightUpdateStart) -> None:
+        """The endpoint validated the manifest already; reload mode also refuses an update that
+        would leave a touched layer incomplete."""
         self._pending.clear()
         if start.manifest is None:
             return
-        self.validate(start.manifest, whole_update=True)
         if self.mode == "reload":
             offenders = self.incomplete_layers([m.name for m in start.manifest])
             if offenders:
@@ -235,117 +207,8 @@ class VLLMWeightLoader(WeightLoader):
 
 
 # --------------------------------------------------------------------------------------------
-# Worker extension (mixed into vLLM's Worker class; runs in each worker process)
+# Driver side: an engine client for in-process LLM / AsyncLLM
 # --------------------------------------------------------------------------------------------
-
-
-class WeightSyncWorkerExtension:
-    """Methods vLLM adds to its worker class; call them with ``collective_rpc``.
-
-    Every method takes and returns JSON-safe data. ``weightsync_call`` never raises: it answers
-    ``{"ok": True, "result": ..., "state": {...}}`` or ``{"ok": False, "error_type": ...,
-    "error": ..., "offenders": [...], "state": {...}}``; ``raise_for_results`` on the driver
-    side turns that back into the right exception.
-    """
-
-    _ws_endpoint: Any = None
-    _ws_loop: asyncio.AbstractEventLoop | None = None
-
-    def weightsync_setup(self, loader_cfg: dict | None = None) -> dict:
-        """(Re)build the endpoint with a loader config (optional; built lazily otherwise)."""
-        from weightsync.engine import WeightUpdateEndpoint
-
-        cfg = VLLMLoaderConfig(**{k: v for k, v in (loader_cfg or {}).items() if k != "type"})
-        loader = VLLMWeightLoader(cfg, worker=self)
-        rank, _ = compat.worker_rank_and_size(self)
-        version = self._ws_endpoint.version if self._ws_endpoint is not None else 0
-        self._ws_endpoint = WeightUpdateEndpoint(
-            loader, version=version, name=f"vllm worker {rank}"
-        )
-        return self.weightsync_state()
-
-    def _ws(self) -> Any:
-        if self._ws_endpoint is None:
-            self.weightsync_setup()
-        return self._ws_endpoint
-
-    def _ws_run(self, coro: Any) -> Any:
-        if self._ws_loop is None or self._ws_loop.is_closed():
-            self._ws_loop = asyncio.new_event_loop()
-        return self._ws_loop.run_until_complete(coro)
-
-    def weightsync_call(self, method: str, kwargs: dict | None = None) -> dict:
-        endpoint = self._ws()
-        kwargs = dict(kwargs or {})
-        touched = bool(endpoint._active is not None and endpoint._active.touched)
-        try:
-            if method == "init_weight_transfer":
-                rank, _ = compat.worker_rank_and_size(self)
-                kwargs["rank_offset"] = int(kwargs.get("rank_offset", 1)) + rank
-            elif method == "start_weight_update":
-                extras = (kwargs.get("start") or {}).get("extras") or {}
-                endpoint.loader.set_update_policy(
-                    extras.get("training_mode"), extras.get("head_name_patterns")
-                )
-            result = self._ws_run(endpoint.call(method, kwargs))
-            return {"ok": True, "result": result, "state": self.weightsync_state()}
-        except BaseException as e:  # noqa: BLE001 - reported to the driver, never swallowed
-            if method == "finish_weight_update" and touched and endpoint.state == "updating":
-                endpoint._mark_torn(f"finishing the update failed: {type(e).__name__}: {e}")
-            return {
-                "ok": False,
-                "error_type": type(e).__name__,
-                "error": str(e)[:4000],
-                "offenders": list(getattr(e, "offenders", []))[:200],
-                "state": self.weightsync_state(),
-            }
-
-    def weightsync_world_size(self) -> int:
-        return compat.worker_rank_and_size(self)[1]
-
-    def weightsync_version(self) -> int:
-        return int(self._ws().version)
-
-    def weightsync_state(self) -> dict:
-        endpoint = self._ws()
-        rank, size = compat.worker_rank_and_size(self)
-        return {
-            "version": int(endpoint.version),
-            "state": endpoint.state,
-            "last_error": endpoint.last_error,
-            "rank": rank,
-            "world_size": size,
-            "load_mode": endpoint.loader.mode,
-            "has_receiver": endpoint.receiver is not None,
-        }
-
-    def weightsync_expected_metadata(self) -> list[dict] | None:
-        meta = self._ws().loader.expected_metadata()
-        return None if meta is None else [m.to_dict() for m in meta.values()]
-
-
-# --------------------------------------------------------------------------------------------
-# Driver side: turn worker answers back into exceptions; an engine client for LLM / AsyncLLM
-# --------------------------------------------------------------------------------------------
-
-
-def raise_for_results(results: Sequence[dict], *, engine: str = "vLLM engine") -> list[Any]:
-    """Worker answers of one ``weightsync_call`` -> their results, or the first error raised
-    as ``WeightMismatchError`` (refused, nothing loaded) / ``UpdateIncompleteError`` /
-    ``WeightSyncError``."""
-    for r in results:
-        if not isinstance(r, dict) or "ok" not in r:
-            raise WeightSyncError(f"{engine}: unexpected worker answer {r!r}")
-        if r["ok"]:
-            continue
-        kind, msg = r.get("error_type", ""), r.get("error", "")
-        if kind == "WeightMismatchError":
-            err = WeightMismatchError(r.get("offenders") or [msg], target=engine)
-            raise err
-        if kind == "UpdateIncompleteError":
-            raise UpdateIncompleteError(f"{engine}: {msg}")
-        raise WeightSyncError(f"{engine}: {kind}: {msg}")
-    return [r.get("result") for r in results]
 
 
 class VLLMEngineClient(InferenceEngineClient):
@@ -374,6 +237,8 @@ class VLLMEngineClient(InferenceEngineClient):
             *(self._rpc(e, "weightsync_call", method, kw)
               for e, kw in zip(self.engines, kwargs_per_engine, strict=True)),
         )
+        from weightsync.loaders.vllm_worker import raise_for_results
+
         return [raise_for_results(a, engine=f"vLLM engine {i}") for i, a in enumerate(answers)]
 
     async def get_world_sizes(self) -> list[int]:

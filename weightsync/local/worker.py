@@ -64,9 +64,7 @@ class _Service:
         return self.world_size
 
     def _m_get_state(self) -> dict[str, Any]:
-        ep = self.endpoint
-        return {"version": ep.version, "state": ep.state, "last_error": ep.last_error,
-                "loads": self.loader.loads}
+        return {**self.endpoint.status().to_dict(), "loads": self.loader.loads}
 
     def _m_state_digest(self, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
         from weightsync.testing.digest import state_digest
@@ -134,7 +132,7 @@ def _serve(conn: Any, spec: dict[str, Any]) -> int:
 
 def _close(loop: asyncio.AbstractEventLoop, service: _Service) -> None:
     try:
-        loop.run_until_complete(service.endpoint.close_weight_transfer())
+        loop.run_until_complete(service.endpoint.close())
     except Exception:  # pragma: no cover - best effort on the way out
         log.exception("closing the receiver failed")
 

@@ -108,8 +108,8 @@ class WeightSyncEngineMixin:
         return self._weightsync_endpoint().version
 
     async def get_weight_sync_state(self) -> dict[str, Any]:
-        ep = self._weightsync_endpoint()
-        return {"version": ep.version, "state": ep.state, "last_error": ep.last_error}
+        """The endpoint's ``status()`` as a plain dict."""
+        return self._weightsync_endpoint().status().to_dict()
 
     def check_weights_servable(self) -> None:
         """Raise ``UpdateIncompleteError`` while the weights are a partial update."""

@@ -2,7 +2,7 @@
 SkyRL (one actor per engine, its workers inside).
 
 ``VLLMEngineMixin``: mix it into an actor that owns a vLLM ``LLM`` or ``AsyncLLM`` built with
-``worker_extension_cls="weightsync.loaders.vllm.WeightSyncWorkerExtension"`` and implement
+``worker_extension_cls="weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"`` and implement
 ``_weightsync_llm()``. Receivers live in the vLLM workers (one per TP x PP rank); the mixin
 forwards every endpoint call to them with ``collective_rpc("weightsync_call", ...)``, turns
 their answers back into weightsync errors, and resets the prefix cache after a finished update.
@@ -18,7 +18,7 @@ from typing import Any
 
 from weightsync.ray.engine import WeightSyncEngineMixin
 
-EXTENSION = "weightsync.loaders.vllm.WeightSyncWorkerExtension"
+EXTENSION = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
 
 
 class VLLMEngineMixin(WeightSyncEngineMixin):
@@ -40,7 +40,7 @@ class VLLMEngineMixin(WeightSyncEngineMixin):
 
     async def _weightsync_dispatch(self, method: str, kwargs: dict[str, Any]) -> Any:
         from weightsync._runtime import vllm_compat as compat
-        from weightsync.loaders.vllm import raise_for_results
+        from weightsync.loaders.vllm_worker import raise_for_results
 
         answers = await self._weightsync_rpc("weightsync_call", method, kwargs)
         results = raise_for_results(answers, engine=self._weightsync_name())

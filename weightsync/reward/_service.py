@@ -23,20 +23,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.errors import http_status
 from weightsync.reward._gate import UpdateGate
 from weightsync.reward.types import RewardModelTrainingMode, ScoringRequest, ScoringResponse
 
 log = logging.getLogger(__name__)
-
-_STATUS_BY_ERROR = {
-    "WeightMismatchError": 400,
-    "ValueError": 400,
-    "TypeError": 400,
-    "UpdateIncompleteError": 503,
-    "WeightSyncTimeout": 504,
-    "TimeoutError": 504,
-    "WeightSyncError": 409,
-}
 
 
 class ServiceError(Exception):
@@ -98,7 +89,7 @@ class RewardService:
             if not a.get("ok"):
                 kind = a.get("error_type", "")
                 raise ServiceError(
-                    _STATUS_BY_ERROR.get(kind, 500),
+                    http_status(kind),
                     a.get("error") or kind,
                     offenders=a.get("offenders") or [],
                 )
@@ -238,12 +229,12 @@ class RewardService:
             if start.version is not None and start.version != version:
                 raise ServiceError(400, f"version: {version} but metadata.version is {start.version}")
             start.version = version
-        given = start.extras.get("training_mode")
-        if given is not None and RewardModelTrainingMode.parse(given) is not mode:
-            raise ServiceError(400, f"training_mode: {mode.value} but metadata.extras says {given!r}")
-        start.extras["training_mode"] = mode.value
-        if self.head_name_patterns is not None:
-            start.extras.setdefault("head_name_patterns", self.head_name_patterns)
+        if start.training_mode is not None and start.training_mode is not mode:
+            raise ServiceError(400, f"training_mode: {mode.value} but metadata.training_mode is "
+                                    f"{start.training_mode.value!r}")
+        start.training_mode = mode
+        if start.head_name_patterns is None and self.head_name_patterns is not None:
+            start.head_name_patterns = list(self.head_name_patterns)
         await self._expire_stale_update()
         if self._active is not None:
             if self._active.update_id == start.update_id:

@@ -266,12 +266,10 @@ class VLLMRewardClient:
             WeightExtractor._group_by_module(named), threshold
         ))
         manifest = [TensorMeta(n, dtype_to_str(t.dtype), list(t.shape)) for n, t in named]
-        extras: dict[str, Any] = {"training_mode": mode.value}
-        if self.head_name_patterns:
-            extras["head_name_patterns"] = self.head_name_patterns
         try:
             return await sender.send_chunks(
-                chunks, self._engine_client, version=version, manifest=manifest, extras=extras
+                chunks, self._engine_client, version=version, manifest=manifest,
+                training_mode=mode, head_name_patterns=self.head_name_patterns,
             )
         except CommunicatorReplacedError:
             await self._drop_sender()  # our group is gone on the server side

@@ -21,7 +21,7 @@ arguments). ``publish(model_or_params, training_mode=..., version=...)`` runs on
    ``sync_weights`` (its configured strategy); with ``comm`` (a ``WeightTransferStrategy``
    config/instance or a wired ``WeightTransferSender``) the chunks stream from the extractor
    straight into ``send_chunks`` (bounded memory). The training mode travels with the update
-   (``extras["training_mode"]`` and the server's ``training_mode`` field).
+   (the start's ``training_mode`` and the server's ``training_mode`` field).
 
 Ranks: ``src_rank`` sends; other ranks take part only in the extraction collectives of a
 sharded model (and return None at once for an unsharded one). With ``rank0_only=True`` ranks
@@ -292,11 +292,10 @@ class RewardModelPublisher:
         if hasattr(client, "training_mode"):
             client.training_mode = mode  # the HTTP control plane carries it on every call
         sender = await self._ensure_sender(client)
-        extras: dict[str, Any] = {"training_mode": mode.value}
-        if mode is RewardModelTrainingMode.HEAD_ONLY:
-            extras["head_name_patterns"] = self.head_name_patterns
+        heads = self.head_name_patterns if mode is RewardModelTrainingMode.HEAD_ONLY else None
         return await asyncio.wait_for(
-            sender.send_chunks(chunks, client, version=version, manifest=metas, extras=extras),
+            sender.send_chunks(chunks, client, version=version, manifest=metas,
+                               training_mode=mode, head_name_patterns=heads),
             self.timeout_s,
         )
 

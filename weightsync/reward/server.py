@@ -30,7 +30,7 @@ from typing import Any
 
 log = logging.getLogger("weightsync.reward.server")
 
-WORKER_EXTENSION = "weightsync.loaders.vllm.WeightSyncWorkerExtension"
+WORKER_EXTENSION = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
 
 
 @dataclass(kw_only=True)

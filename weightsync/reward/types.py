@@ -13,36 +13,24 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-DEFAULT_HEAD_NAME_PATTERNS: tuple[str, ...] = ("score.", "classifier.", "v_head.")
-"""Names of reward-head parameters (substring match; ``re:...`` for a regular expression).
-Same defaults as ``HeadExtractorConfig.head_name_patterns``."""
+from weightsync.naming import (  # re-exported: the reward package's names for them
+    DEFAULT_HEAD_NAME_PATTERNS,
+    compile_patterns,
+    is_head_param,
+    non_head_params,
+)
+from weightsync.types import TrainingMode
+from weightsync.validation import training_mode_offenders
 
+__all__ = [
+    "DEFAULT_HEAD_NAME_PATTERNS", "PoolingType", "RewardModelTrainingMode", "ScoringRequest",
+    "ScoringResponse", "compile_head_patterns", "is_head_param", "non_head_params",
+    "training_mode_offenders",
+]
 
-class RewardModelTrainingMode(StrEnum):
-    """What the trainer updates, and hence what one weight sync carries.
-
-    HEAD_ONLY: only the reward head (``score.*``); backbone names are refused.
-    LORA: merged backbone weights plus the head (adapters are merged before sending).
-    FULL: every parameter may change; a sync must carry backbone weights.
-    """
-
-    HEAD_ONLY = "head_only"
-    LORA = "lora"
-    FULL = "full"
-
-    @classmethod
-    def parse(cls, value: Any) -> RewardModelTrainingMode:
-        """Accept a member or its value (case-insensitive); anything else names the choices."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            key = value.strip().lower()
-            for m in cls:
-                if key in (m.value, m.name.lower()):
-                    return m
-        raise ValueError(
-            f"training_mode must be one of {[m.value for m in cls]}, got {value!r}"
-        )
+#: The reward spec's name for the core ``weightsync.types.TrainingMode`` (``head_only``,
+#: ``lora``, ``full``): what the trainer updates, hence which names one weight sync may carry.
+RewardModelTrainingMode = TrainingMode
 
 
 class PoolingType(StrEnum):
@@ -73,20 +61,7 @@ class PoolingType(StrEnum):
 
 
 def compile_head_patterns(patterns: Iterable[str] | None = None) -> list[Any]:
-    from weightsync.interfaces import compile_patterns
-
     return compile_patterns(DEFAULT_HEAD_NAME_PATTERNS if patterns is None else patterns)
-
-
-def is_head_param(name: str, patterns: Iterable[str] | None = None) -> bool:
-    """True when ``name`` matches one of the head patterns (default: score./classifier./v_head.)."""
-    return any(p.search(name) for p in compile_head_patterns(patterns))
-
-
-def non_head_params(names: Iterable[str], patterns: Iterable[str] | None = None) -> list[str]:
-    """The names that are not head parameters (what a HEAD_ONLY update must not carry)."""
-    compiled = compile_head_patterns(patterns)
-    return [n for n in names if not any(p.search(n) for p in compiled)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,55 +225,3 @@ def _as_float(x: Any, what: str) -> float:
 def flatten_scores(scores: Sequence[Score], label: int = 0) -> list[float]:
     """One float per text: the score itself for one label, column ``label`` otherwise."""
     return [s[label] if isinstance(s, list) else s for s in scores]
-
-
-# --------------------------------------------------------------------------------------------
-# Training-mode policy: which names one update may carry (checked before any byte moves)
-# --------------------------------------------------------------------------------------------
-
-_LORA_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude")
-
-
-def _is_lora_name(name: str) -> bool:
-    try:
-        from weightsync.naming import is_lora_param
-    except ImportError:  # pragma: no cover - naming ships with the package
-        return any(f".{m}." in f".{name}." for m in _LORA_MARKERS)
-    return bool(is_lora_param(name))
-
-
-def training_mode_offenders(
-    names: Sequence[str],
-    mode: RewardModelTrainingMode | str,
-    head_patterns: Iterable[str] | None = None,
-    *,
-    whole_update: bool = False,
-) -> list[str]:
-    """One line per name the training mode forbids (empty: allowed).
-
-    HEAD_ONLY: only head parameters. LORA and FULL: no unmerged LoRA tensors. FULL with
-    ``whole_update`` (the manifest of a whole update): at least one backbone parameter.
-    Callers: engine-side loaders at ``validate`` / ``start_update``, the publisher, the client.
-    """
-    mode = RewardModelTrainingMode.parse(mode)
-    patterns = DEFAULT_HEAD_NAME_PATTERNS if head_patterns is None else tuple(head_patterns)
-    out = [
-        f"{n}: an unmerged LoRA tensor; merge the adapters (lora_merge extractor) and send "
-        f"engine weights"
-        for n in names if _is_lora_name(n)
-    ]
-    if mode is RewardModelTrainingMode.HEAD_ONLY:
-        out += [
-            f"{n}: not a head parameter (head patterns {list(patterns)}); a head_only update "
-            f"may carry only the reward head"
-            for n in non_head_params(names, patterns) if not _is_lora_name(n)
-        ]
-    elif (
-        mode is RewardModelTrainingMode.FULL and whole_update and names
-        and not non_head_params(names, patterns)
-    ):
-        out.append(
-            f"update carries only head parameters {sorted(names)[:5]}; full mode requires "
-            f"backbone weights (use head_only when only the head is trained)"
-        )
-    return out

@@ -1,0 +1,112 @@
+"""The vLLM worker extension: a weight-update endpoint inside every vLLM worker.
+
+Pass ``worker_extension_cls="weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"`` to
+``LLM`` / ``AsyncEngineArgs`` / ``vllm serve``; vLLM mixes the class into its worker, so these
+methods run in each worker process (one per TP x PP rank) and are reached with
+``collective_rpc(method, args=...)`` from the engine's driver (an in-process ``LLM``, a Ray
+actor that owns one, the reward or policy server).
+
+Every method takes and returns JSON-safe data; tensors never travel through ``collective_rpc``
+(msgpack turns them into lists): requests carry metadata and handles, the bytes come over the
+strategy's data plane.
+
+* ``weightsync_call(method, kwargs)`` forwards one endpoint call (``WeightUpdateEndpoint.call``:
+  init / start / chunk / finish / close / status) and never raises: it answers ``{"ok": True,
+  "result", "state"}`` or ``{"ok": False, "error_type", "error", "offenders", "state"}`` (the
+  error codec of ``weightsync.errors``); ``raise_for_results`` on the driver turns the answers
+  of all workers back into one exception. The worker's receiver rank is the engine's
+  ``rank_offset`` plus the worker's rank inside the engine.
+* ``weightsync_world_size()``, ``weightsync_version()``, ``weightsync_state()`` (the endpoint's
+  ``status()`` plus rank, world size and load mode), ``weightsync_expected_metadata()``.
+
+The endpoint owns the update lifecycle (a failing finish hook leaves it torn, and a torn worker
+refuses to serve); the extension only carries calls to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from weightsync.errors import WeightSyncError, error_from_dict, error_to_dict, most_telling
+from weightsync._runtime import vllm_compat as compat
+
+#: the dotted path to give vLLM as ``worker_extension_cls``
+WORKER_EXTENSION = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
+
+
+class WeightSyncWorkerExtension:
+    """Methods vLLM adds to its worker class; call them with ``collective_rpc``."""
+
+    _ws_endpoint: Any = None
+    _ws_loop: asyncio.AbstractEventLoop | None = None
+
+    def weightsync_setup(self, loader_cfg: dict | None = None) -> dict:
+        """(Re)build the endpoint with a loader config (optional; built lazily otherwise). The
+        served version carries over."""
+        from weightsync.engine import WeightUpdateEndpoint
+        from weightsync.loaders.vllm import VLLMLoaderConfig, VLLMWeightLoader
+
+        cfg = VLLMLoaderConfig(**{k: v for k, v in (loader_cfg or {}).items() if k != "type"})
+        loader = VLLMWeightLoader(cfg, worker=self)
+        rank, _ = compat.worker_rank_and_size(self)
+        version = self._ws_endpoint.version if self._ws_endpoint is not None else 0
+        self._ws_endpoint = WeightUpdateEndpoint(
+            loader, version=version, name=f"vllm worker {rank}"
+        )
+        return self.weightsync_state()
+
+    def _ws(self) -> Any:
+        if self._ws_endpoint is None:
+            self.weightsync_setup()
+        return self._ws_endpoint
+
+    def _ws_run(self, coro: Any) -> Any:
+        if self._ws_loop is None or self._ws_loop.is_closed():
+            self._ws_loop = asyncio.new_event_loop()
+        return self._ws_loop.run_until_complete(coro)
+
+    def weightsync_call(self, method: str, kwargs: dict | None = None) -> dict:
+        endpoint = self._ws()
+        kwargs = dict(kwargs or {})
+        try:
+            if method == "init_weight_transfer":
+                rank, _ = compat.worker_rank_and_size(self)
+                kwargs["rank_offset"] = int(kwargs.get("rank_offset", 1)) + rank
+            result = self._ws_run(endpoint.call(method, kwargs))
+            return {"ok": True, "result": result, "state": self.weightsync_state()}
+        except BaseException as e:  # noqa: BLE001 - reported to the driver, never swallowed
+            return {"ok": False, **error_to_dict(e), "state": self.weightsync_state()}
+
+    def weightsync_world_size(self) -> int:
+        return compat.worker_rank_and_size(self)[1]
+
+    def weightsync_version(self) -> int:
+        return int(self._ws().version)
+
+    def weightsync_state(self) -> dict:
+        endpoint = self._ws()
+        rank, size = compat.worker_rank_and_size(self)
+        return {**endpoint.status().to_dict(), "rank": rank, "world_size": size,
+                "load_mode": endpoint.loader.mode}
+
+    def weightsync_expected_metadata(self) -> list[dict] | None:
+        meta = self._ws().loader.expected_metadata()
+        return None if meta is None else [m.to_dict() for m in meta.values()]
+
+
+def raise_for_results(results: Sequence[Any], *, engine: str = "vLLM engine") -> list[Any]:
+    """The workers' answers to one ``weightsync_call`` -> their results; if any worker failed,
+    the most telling failure (``weightsync.errors.most_telling``) is raised, naming the engine
+    and the worker."""
+    errors: list[BaseException] = []
+    for i, r in enumerate(results):
+        if not isinstance(r, dict) or "ok" not in r:
+            raise WeightSyncError(f"{engine}: unexpected worker answer {r!r}")
+        if not r["ok"]:
+            worker = engine if len(results) == 1 else f"{engine} worker {i}"
+            errors.append(error_from_dict(r, engine=worker))
+    if errors:
+        raise most_telling(errors)
+    return [r.get("result") for r in results]
