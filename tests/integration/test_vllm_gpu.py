@@ -69,7 +69,7 @@ def cuda_state(model_dir):
 
 @pytest.mark.parametrize("strategy", ["cuda_ipc", "packed_cuda_ipc"])
 def test_direct_load_over_cuda_ipc(rm, strategy):
-    from weightsync.loaders.vllm import VLLMEngineClient
+    from weightsync.loaders.vllm_worker import VLLMEngineClient
 
     llm, base, new = rm
     (state,) = llm.collective_rpc("weightsync_state")

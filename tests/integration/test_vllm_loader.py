@@ -86,7 +86,7 @@ def test_worker_extension_reports(lm):
 
 
 def test_sync_into_generative_llm_matches_transformers(lm):
-    from weightsync.loaders.vllm import VLLMEngineClient
+    from weightsync.loaders.vllm_worker import VLLMEngineClient
 
     llm, base, new = lm
     before, _ = vllm_greedy(llm)

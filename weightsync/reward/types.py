@@ -13,20 +13,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from weightsync.naming import (  # re-exported: the reward package's names for them
+from weightsync.naming import (  # noqa: F401 - re-exported: the reward package's names
     DEFAULT_HEAD_NAME_PATTERNS,
     compile_patterns,
     is_head_param,
     non_head_params,
 )
 from weightsync.types import TrainingMode
-from weightsync.validation import training_mode_offenders
-
-__all__ = [
-    "DEFAULT_HEAD_NAME_PATTERNS", "PoolingType", "RewardModelTrainingMode", "ScoringRequest",
-    "ScoringResponse", "compile_head_patterns", "is_head_param", "non_head_params",
-    "training_mode_offenders",
-]
+from weightsync.validation import training_mode_offenders  # noqa: F401 - re-exported
 
 #: The reward spec's name for the core ``weightsync.types.TrainingMode`` (``head_only``,
 #: ``lora``, ``full``): what the trainer updates, hence which names one weight sync may carry.
