@@ -1,4 +1,4 @@
-"""The abstract contracts (DESIGN.md section 3).
+"""The abstract contracts (summarised with the whole design in ``docs/architecture.md``).
 
 Process map:
 - trainer process(es): ``WeightExtractor`` (every training rank, in lockstep),

@@ -1,6 +1,7 @@
 """Training-side extractors: a model in the trainer -> a stream of ``WeightChunk``s.
 
-One module per source (DESIGN.md section 2); each registers itself under its YAML ``type``:
+One module per source; each registers itself under its YAML ``type`` (the map of every
+strategy, extractor and loader: ``docs/architecture.md``):
 
 - ``hf``, ``hf_head`` (:mod:`weightsync.extractors.hf`): plain torch modules / HF models, the
   whole state or only the head (reward models trained head-only).

@@ -1,4 +1,5 @@
-"""Transfer strategies (DESIGN.md section 3), registered by name in ``weightsync.registry``.
+"""Transfer strategies, registered by name in ``weightsync.registry`` (the contracts they
+implement: ``weightsync.interfaces``, ``docs/architecture.md``).
 
 - ``broadcast.py``      ``broadcast``: private torch.distributed group (gloo / NCCL), packed per
                         dtype, go/no-go vote before the bulk bytes.
