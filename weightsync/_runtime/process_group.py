@@ -15,7 +15,6 @@ the other side join (see ``strategies/broadcast.py``).
 from __future__ import annotations
 
 import datetime
-import socket
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,13 +37,6 @@ def default_master_addr() -> str:
         except Exception:  # pragma: no cover - ray half-imported
             pass
     return "127.0.0.1"
-
-
-def free_port(host: str = "") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def make_master_store(port: int, world_size: int, timeout_s: float) -> Any:
