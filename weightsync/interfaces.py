@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import collections
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from weightsync.errors import WeightMismatchError
+from weightsync.pipeline import SendPipeline, make_chunks
 from weightsync.types import (
     SyncStats,
     TensorMeta,
@@ -36,6 +38,8 @@ from weightsync.types import (
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,14 +87,14 @@ class WeightExtractor(abc.ABC):
     async def extract_weights(
         self, model: Any, generator_dtype: torch.dtype | None = None
     ) -> AsyncIterator[WeightChunk]:
+        """Chunks of at most ``bucket_size_mb`` (``weightsync.pipeline.make_chunks``), yielded as
+        soon as a bucket fills; only the sending rank gets them."""
         raw = self._cast_stream(self._extract_raw_weights(model, generator_dtype), generator_dtype)
-        groups = (
-            self._group_by_module(raw)
-            if getattr(self.cfg, "group_by_module", True)
-            else ((n, [(n, t)]) for n, t in raw)
-        )
-        threshold = int(getattr(self.cfg, "bucket_size_mb", 1024) * (1 << 20))
-        for chunk in self._batch_by_threshold(groups, threshold):
+        for chunk in make_chunks(
+            raw,
+            bucket_size_mb=float(getattr(self.cfg, "bucket_size_mb", 1024)),
+            by_module=bool(getattr(self.cfg, "group_by_module", True)),
+        ):
             if self.is_sender:
                 yield chunk
             await asyncio.sleep(0)
@@ -106,51 +110,6 @@ class WeightExtractor(abc.ABC):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in raw:
             yield name, self._cast(t.detach(), dtype)
-
-    @staticmethod
-    def _group_by_module(
-        named: Iterable[tuple[str, torch.Tensor]],
-    ) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
-        """Group consecutive parameters of one module (``a.b.weight``, ``a.b.bias`` -> ``a.b``)."""
-        current: str | None = None
-        group: list[tuple[str, torch.Tensor]] = []
-        for name, t in named:
-            module = name.rsplit(".", 1)[0] if "." in name else ""
-            if group and module != current:
-                yield current or "", group
-                group = []
-            current = module
-            group.append((name, t))
-        if group:
-            yield current or "", group
-
-    @staticmethod
-    def _batch_by_threshold(
-        groups: Iterable[tuple[str, list[tuple[str, torch.Tensor]]]], threshold_bytes: int
-    ) -> Iterator[WeightChunk]:
-        """Pack whole groups into chunks of at most ``threshold_bytes`` (a group larger than the
-        threshold is a chunk of its own; a group is never split)."""
-        names: list[str] = []
-        tensors: list[torch.Tensor] = []
-        modules: list[str] = []
-        size = 0
-        for module, items in groups:
-            gsize = sum(t.numel() * t.element_size() for _, t in items)
-            if names and size + gsize > threshold_bytes:
-                yield WeightChunk(names, tensors, module_name=_module_label(modules))
-                names, tensors, modules, size = [], [], [], 0
-            names.extend(n for n, _ in items)
-            tensors.extend(t for _, t in items)
-            modules.append(module)
-            size += gsize
-        if names:
-            yield WeightChunk(names, tensors, module_name=_module_label(modules))
-
-
-def _module_label(modules: list[str]) -> str | None:
-    if not modules:
-        return None
-    return modules[0] if len(modules) == 1 else f"{modules[0]}..{modules[-1]}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,7 +255,9 @@ class WeightTransferSender(abc.ABC):
         )
         await inference_client.start_weight_update(start.to_dict())
         try:
-            await self._pipeline(_aiter(chunks), inference_client, stats, version)
+            await self._pipeline(inference_client).run(
+                chunks, stats, _stamper(stats.update_id, version)
+            )
         except BaseException as e:
             finish = WeightUpdateFinish(
                 update_id=stats.update_id, version=version, num_chunks=stats.num_chunks,
@@ -310,82 +271,21 @@ class WeightTransferSender(abc.ABC):
         finish = WeightUpdateFinish(
             update_id=stats.update_id, version=version, num_chunks=stats.num_chunks
         )
-        stats.versions = await inference_client.finish_weight_update(finish.to_dict())
+        stats.versions = list(await inference_client.finish_weight_update(finish.to_dict()))
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    async def _pipeline(
-        self,
-        it: AsyncIterator[WeightChunk],
-        client: InferenceEngineClient,
-        stats: SyncStats,
-        version: int | None,
-    ) -> None:
-        """Up to ``window`` transfers run at once, started in chunk order; preparing the next
-        chunk (extraction, packing: ``create_request`` in a thread) overlaps them. The first
-        failure stops the update: no later chunk is started, and transfers still in flight are
-        awaited (or cancelled on our side) before it is raised."""
+    def _pipeline(self, client: InferenceEngineClient) -> SendPipeline:
+        """The pipeline for one update: ``cfg.max_inflight_chunks`` (else ``max_inflight``)
+        chunks at once, bounded by what the client allows (``max_inflight_updates``)."""
         wanted = getattr(getattr(self, "cfg", None), "max_inflight_chunks", self.max_inflight)
         window = max(1, min(int(wanted), int(client.max_inflight_updates)))
-        if not self.overlap:
-            window = 1
-        inflight: collections.deque[asyncio.Task] = collections.deque()
-        nxt = await anext(it, None)
-        index = 0
-        try:
-            while nxt is not None:
-                chunk = nxt
-                if self.overlap:
-                    request = await self._prepare(chunk)
-                else:
-                    while inflight:
-                        await inflight.popleft()
-                    request = self.create_request(chunk)
-                try:
-                    nxt = await anext(it, None)
-                    request.update_id = stats.update_id
-                    request.chunk_index = index
-                    request.is_last = nxt is None
-                    request.version = version
-                    while len(inflight) >= window or (inflight and _failed(inflight)):
-                        await inflight.popleft()
-                except BaseException:
-                    self._release(request)  # its transfer never started
-                    raise
-                inflight.append(
-                    asyncio.create_task(self._transfer_and_release(chunk, request, client))
-                )
-                index += 1
-                stats.num_chunks = index
-                stats.num_tensors += len(chunk)
-                stats.total_bytes += chunk.total_size_bytes
-            while inflight:
-                await inflight.popleft()
-        finally:
-            if inflight:
-                await _settle(inflight)
 
-    async def _prepare(self, chunk: WeightChunk) -> WeightUpdateRequest:
-        """``create_request`` in a worker thread. If we are cancelled meanwhile, the request
-        the thread still makes is released when it is done (its buffers are not leaked)."""
-        fut = asyncio.get_running_loop().run_in_executor(None, self.create_request, chunk)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            fut.add_done_callback(self._release_made)
-            raise
-
-    def _release_made(self, fut: asyncio.Future) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            self._release(fut.result())
-
-    async def _transfer_and_release(
-        self, chunk: WeightChunk, request: WeightUpdateRequest, client: InferenceEngineClient
-    ) -> None:
-        try:
+        async def transfer(chunk: WeightChunk, request: WeightUpdateRequest) -> None:
             await self._transfer(chunk, request, client)
-        finally:
-            self._release(request)
+
+        return SendPipeline(prepare=self.create_request, transfer=transfer,
+                            release=self._release, window=window, overlap=self.overlap)
 
     async def close(self) -> None:  # noqa: B027
         """Release transport resources (process groups, shared buffers)."""
@@ -394,25 +294,37 @@ class WeightTransferSender(abc.ABC):
 class WeightTransferReceiver(abc.ABC):
     """Receives one chunk's bytes and hands them to a loader. Lives in an engine worker.
 
-    ``receive_and_load_weights`` must call ``loader.validate(request.metas())`` before it moves or
-    loads any byte, and on failure must still release its peers (e.g. a collective strategy
-    tells the sender to skip the data), then raise the ``WeightMismatchError``.
+    ``receive_and_load_weights`` is a template: it refuses a request of another strategy, has
+    the loader validate the chunk's metadata before any byte moves (on a mismatch it calls
+    ``refuse`` so a collective strategy's peers are released, then raises the
+    ``WeightMismatchError``), and only then calls the strategy's ``_receive_and_load``. So no
+    strategy can forget the check, and none repeats it.
     """
 
     request_cls: ClassVar[type[WeightUpdateRequest]] = WeightUpdateRequest
 
-    @abc.abstractmethod
     async def receive_and_load_weights(
         self, request: WeightUpdateRequest, loader: WeightLoader
-    ) -> None: ...
-
-    def _expect_own_type(self, request: WeightUpdateRequest) -> None:
-        """Refuse a request of another strategy (sender and engine configured differently)."""
+    ) -> None:
         if not isinstance(request, self.request_cls):
             raise ValueError(
                 f"{type(self).__name__} expects a {self.request_cls.TYPE!r} request, got "
                 f"{type(request).__name__}: sender and engine use different strategies"
             )
+        try:
+            loader.validate(request.metas())
+        except WeightMismatchError:
+            try:
+                await self.refuse(request)
+            except Exception as e:  # the data plane is gone too; the mismatch is the news
+                log.warning("refusing chunk %s failed: %s", request.chunk_index, e)
+            raise
+        await self._receive_and_load(request, loader)
+
+    @abc.abstractmethod
+    async def _receive_and_load(self, request: WeightUpdateRequest, loader: WeightLoader) -> None:
+        """Move the chunk's bytes (the metadata was validated) and ``loader.load_weights``
+        them. A chunk that another engine refused raises without loading anything."""
 
     async def refuse(self, request: WeightUpdateRequest) -> None:  # noqa: B027
         """The endpoint will not load this chunk (an earlier chunk of the update failed, or it
@@ -479,32 +391,11 @@ class WeightTransferStrategy(abc.ABC):
         return config_to_dict(self.cfg)
 
 
-def _failed(tasks: Iterable[asyncio.Task]) -> bool:
-    return any(t.done() and not t.cancelled() and t.exception() is not None for t in tasks)
+def _stamper(update_id: str, version: int | None) -> Any:
+    def stamp(request: WeightUpdateRequest, index: int, is_last: bool) -> None:
+        request.update_id = update_id
+        request.chunk_index = index
+        request.is_last = is_last
+        request.version = version
 
-
-_SETTLE_GRACE_S = 5.0
-
-
-async def _settle(tasks: collections.deque[asyncio.Task]) -> None:
-    """After a failure: give transfers still in flight a short grace to end (their engines are
-    mid-chunk or refusing it, and their buffers must not be reused under them), then cancel
-    what is left; their outcomes are swallowed (the first error is the one raised)."""
-    with contextlib.suppress(BaseException):
-        _, pending = await asyncio.wait(tasks, timeout=_SETTLE_GRACE_S)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for t in tasks:
-        if t.done() and not t.cancelled():
-            t.exception()  # retrieved: no "never retrieved" warning
-    tasks.clear()
-
-
-async def _aiter(chunks: AsyncIterable[WeightChunk] | Iterable[WeightChunk]) -> AsyncIterator[WeightChunk]:
-    if hasattr(chunks, "__aiter__"):
-        async for c in chunks:  # type: ignore[union-attr]
-            yield c
-    else:
-        for c in chunks:  # type: ignore[union-attr]
-            yield c
+    return stamp

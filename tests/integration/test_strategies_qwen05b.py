@@ -13,9 +13,9 @@ import gc
 import pytest
 
 from weightsync import WeightChunk, build_strategy
-from weightsync.interfaces import WeightExtractor
 from weightsync.local import LocalEngineClient, LocalEngineProcess
 from weightsync.local.modules import qwen2_module
+from weightsync.pipeline import make_chunks
 from weightsync.testing.digest import tensor_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -35,8 +35,7 @@ def trainer_weights():
 
 def _chunks(sd):
     """Grouped by module and batched by the bucket, as extractors do."""
-    groups = WeightExtractor._group_by_module(sd.items())
-    return list(WeightExtractor._batch_by_threshold(groups, BUCKET_MB << 20))
+    return list(make_chunks(sd.items(), bucket_size_mb=BUCKET_MB))
 
 
 @pytest.mark.parametrize("cfg", [

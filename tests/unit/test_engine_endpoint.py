@@ -54,8 +54,7 @@ class WireReceiver(WeightTransferReceiver):
     async def refuse(self, request) -> None:
         self.refused.append(request.chunk_index)
 
-    async def receive_and_load_weights(self, request, loader) -> None:
-        loader.validate(request.metas())  # the receiver contract: validate before any byte
+    async def _receive_and_load(self, request, loader) -> None:
         tensors = WIRE[(request.update_id, request.chunk_index)]  # KeyError = lost bytes
         await loader.load_weights(tensors)
 
@@ -466,12 +465,12 @@ def test_chunk_after_a_failed_chunk_is_refused_and_released():
     # chunk 1 was already on its way (pipelined): refused, and the receiver told so
     with pytest.raises(WeightSyncError, match="chunk 1 refused: an earlier chunk of this update failed"):
         e.chunk("u", 1, b)
-    assert e.ep.receiver.refused == [1]
+    assert e.ep.receiver.refused == [0, 1]  # the bad chunk voted no too, before any byte
     assert e.finish("u", 1, 2, ok=False) == 0 and e.ep.state == "idle"
     e.start("u2", 1)
     with pytest.raises(WeightSyncError, match="expected chunk 0, got 3"):
         e.chunk("u2", 3, b)
-    assert e.ep.receiver.refused == [1, 3]
+    assert e.ep.receiver.refused == [0, 1, 3]
 
 
 def test_turnstile_lets_chunks_through_in_order():

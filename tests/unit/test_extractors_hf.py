@@ -323,10 +323,10 @@ def test_unknown_field_lists_valid_ones():
         ws.build_extractor({"type": "hf_head", "head_patterns": ["x"]})
 
 
-# -- base class machinery (WeightExtractor in interfaces.py) -------------------------------------
+# -- bucketing (weightsync.pipeline), used by the extractor base class ---------------------------
 
-_group = ws.WeightExtractor._group_by_module
-_batch = ws.WeightExtractor._batch_by_threshold
+from weightsync.pipeline import batch_by_threshold as _batch  # noqa: E402
+from weightsync.pipeline import group_by_module as _group  # noqa: E402
 
 
 def _named(spec: list[tuple[str, int]]) -> list[tuple[str, torch.Tensor]]:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from weightsync.extractors._gather import GatheringExtractor, ShardedExtractorConfig
-from weightsync.interfaces import InferenceEngineClient, WeightExtractor, WeightTransferSender
+from weightsync.interfaces import InferenceEngineClient, WeightTransferSender
+from weightsync.pipeline import make_chunks
 from weightsync.types import WeightUpdateRequest
 
 
@@ -66,8 +67,7 @@ def test_layout_matches_base_batching_and_metadata_needs_no_gather() -> None:
     chunks = asyncio.run(_collect(ext, model, torch.bfloat16))
     plain = list(model.state_dict().items())
     plain = [(n, t.to(torch.bfloat16)) for n, t in plain if n != "head.weight"]
-    grouped = WeightExtractor._group_by_module(iter(plain))
-    want = list(WeightExtractor._batch_by_threshold(grouped, int(ext.cfg.bucket_size_mb * (1 << 20))))
+    want = list(make_chunks(iter(plain), bucket_size_mb=ext.cfg.bucket_size_mb))
     assert [c.names for c in chunks] == [c.names for c in want]
     for c, w in zip(chunks, want, strict=True):
         for a, b in zip(c.tensors, w.tensors, strict=True):

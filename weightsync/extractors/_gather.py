@@ -7,7 +7,7 @@ gathered tensors only on the sending rank and bounds what is alive there:
 
 - **Plan first, from metadata.** Module groups (a module's own parameters and persistent
   buffers, each tied weight once) and the buckets they fall into are computed from global shapes
-  before anything is gathered, with the same packing rule as ``WeightExtractor._batch_by_threshold``
+  before anything is gathered, with the same packing rule as ``weightsync.pipeline.batch_by_threshold``
   (whole groups, at most ``bucket_size_mb`` unless one group is larger). Every rank computes the
   same plan, so every rank runs the same collectives in the same order.
 - **Never gather ahead.** A bucket is gathered only when the consumer asks for the next chunk,

@@ -255,15 +255,14 @@ class VLLMRewardClient:
         version: int | None,
     ) -> SyncStats:
         from weightsync.errors import WeightMismatchError
-        from weightsync.interfaces import WeightExtractor
+        from weightsync.pipeline import make_chunks
         from weightsync.types import TensorMeta, dtype_to_str
 
         sender = await self._ensure_sender()
         assert self._engine_client is not None
         self._engine_client.training_mode = mode
-        threshold = int(float(self.strategy_cfg.get("bucket_size_mb", 1024)) * (1 << 20))
-        chunks = list(WeightExtractor._batch_by_threshold(
-            WeightExtractor._group_by_module(named), threshold
+        chunks = list(make_chunks(
+            named, bucket_size_mb=float(self.strategy_cfg.get("bucket_size_mb", 1024))
         ))
         manifest = [TensorMeta(n, dtype_to_str(t.dtype), list(t.shape)) for n, t in named]
         try:

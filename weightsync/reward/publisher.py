@@ -238,11 +238,9 @@ class RewardModelPublisher:
     ) -> SyncStats:
         if self.comm is None:
             return await self._control_sync(named, mode, version)
-        from weightsync.interfaces import WeightExtractor
+        from weightsync.pipeline import make_chunks
 
-        threshold = int(self.bucket_size_mb * (1 << 20))
-        chunks = list(WeightExtractor._batch_by_threshold(
-            WeightExtractor._group_by_module(named), threshold))
+        chunks = list(make_chunks(named, bucket_size_mb=self.bucket_size_mb))
         metas = [m for c in chunks for m in c.metas()]
         return await self._stream(chunks, metas, mode, version)
 

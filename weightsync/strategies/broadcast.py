@@ -6,10 +6,12 @@ is built by ``create_sender`` on the trainer *concurrently* with the engines' re
 ``inference_client.init_weight_transfer``), so one call on the trainer wires everything.
 
 Per chunk (one ``BroadcastWeightUpdateRequest`` on the control plane):
-1. every receiver checks the request against its loader (``loader.validate``);
-2. all ranks ``all_reduce(MIN)`` a go/no-go flag: if any receiver said no, no rank moves the bulk
-   bytes; the rejecting receiver raises ``WeightMismatchError`` (its engine's error reaches the
-   sender through ``update_named_weights``) and the sender raises too;
+1. every receiver checks the request against its loader (``loader.validate``, in the receiver
+   base class's template);
+2. all ranks ``all_reduce(MIN)`` a go/no-go flag: if any receiver said no (a rejecting receiver
+   votes no through ``refuse``), no rank moves the bulk bytes; the rejecting receiver raises
+   ``WeightMismatchError`` (its engine's error reaches the sender through
+   ``update_named_weights``) and the sender raises too;
 3. bulk bytes: ``packed`` (default) sends one broadcast per dtype group of a flat buffer laid
    out by ``_layout.plan_layout``; otherwise one broadcast per tensor. Receivers keep one
    receive buffer, grown only when a chunk is bigger, so they allocate at most the bucket.
@@ -314,20 +316,11 @@ class BroadcastReceiver(WeightTransferReceiver):
         self.group = group
         self._buf: torch.Tensor | None = None
 
-    async def receive_and_load_weights(
+    async def _receive_and_load(
         self, request: WeightUpdateRequest, loader: WeightLoader
     ) -> None:
-        self._expect_own_type(request)
-        metas = request.metas()
-        rejection: WeightMismatchError | None = None
-        try:
-            loader.validate(metas)
-        except WeightMismatchError as e:
-            rejection = e
-        tensors = await in_thread(self._recv_data, request, rejection is None)
+        tensors = await in_thread(self._recv_data, request)
         if tensors is None:
-            if rejection is not None:
-                raise rejection
             raise WeightSyncError(
                 f"chunk {request.chunk_index} was rejected by another engine; nothing was "
                 f"moved (this engine's weights are unchanged)"
@@ -341,11 +334,11 @@ class BroadcastReceiver(WeightTransferReceiver):
         with self.group.on_device():
             self.group.all_reduce_min(0)
 
-    def _recv_data(
-        self, request: BroadcastWeightUpdateRequest, ok: bool
-    ) -> dict[str, torch.Tensor] | None:
+    def _recv_data(self, request: BroadcastWeightUpdateRequest) -> dict[str, torch.Tensor] | None:
+        """Vote yes (the chunk was validated); None if anyone voted no, else the chunk's
+        tensors as views of the receive buffer."""
         with self.group.on_device():
-            if self.group.all_reduce_min(1 if ok else 0) == 0:
+            if self.group.all_reduce_min(1) == 0:
                 return None
             layout = plan_layout(request.metas(), request.align_bytes)
             buf = self._buffer(layout.total_nbytes)

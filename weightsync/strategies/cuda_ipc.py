@@ -165,16 +165,13 @@ class CudaIpcReceiver(WeightTransferReceiver):
         self.cfg = cfg
         self.buffers = IpcBufferOpener(AttachedSegments(max_bytes=4 * bucket_bytes(cfg)))
 
-    async def receive_and_load_weights(
+    async def _receive_and_load(
         self, request: WeightUpdateRequest, loader: WeightLoader
     ) -> None:
-        self._expect_own_type(request)
-        metas = request.metas()
-        loader.validate(metas)  # before any byte is touched
         if request.chunk_index == 0:
             self.buffers.begin_sync()
         raws = []
-        for m, h in zip(metas, request.handles, strict=True):
+        for m, h in zip(request.metas(), request.handles, strict=True):
             if h.nbytes != m.nbytes:
                 raise WeightSyncError(
                     f"{m.name}: handle has {h.nbytes} bytes but {m.dtype}{m.shape} needs {m.nbytes}"

@@ -177,12 +177,9 @@ class PackedCudaIpcReceiver(WeightTransferReceiver):
             max_cuda_handles=4 * n,
         )
 
-    async def receive_and_load_weights(
+    async def _receive_and_load(
         self, request: WeightUpdateRequest, loader: WeightLoader
     ) -> None:
-        self._expect_own_type(request)
-        metas = request.metas()
-        loader.validate(metas)  # before any byte is touched
         if request.chunk_index == 0:
             self.buffers.begin_sync()
         raws = [self.buffers.open(h) for h in request.buffers]
