@@ -1,44 +1,118 @@
 #!/usr/bin/env bash
-# One device call that checks and times the GPU paths: the gpu-marked tests, then
-# `weightsync bench --device cuda` on the 7B shape with 1 and 2 chunks in flight at 1024 MB
-# buckets (about 160 s each, most of it the bit-exact digests), and the 0.5B shape. Writes details under $OUT and prints a short table last.
-# Needs torch with CUDA; vLLM only for tests/integration/test_vllm_gpu.py (skipped when vLLM is
-# absent). Run on nvidia-h200-x2 to include the NCCL rows.
+# GPU checks in stages; each stage fits one 10-minute device call and ends with a short table.
+#
+#   bash scripts/gpu_check.sh tests        gpu-marked transport / extractor tests + vLLM pooling
+#                                          (tests/gpu/test_gpu_*.py, tests/integration/test_vllm_gpu.py)
+#   bash scripts/gpu_check.sh tests-vllm   vLLM 0.26 generative engine: colocated cuda_ipc and
+#                                          packed_cuda_ipc, eager and CUDA graphs; policy + reward
+#                                          engines sharing one GPU
+#   bash scripts/gpu_check.sh bench-small  benchmarks/bench_vllm_sync.py on qwen2-0.5b and qwen2-1.5b
+#   bash scripts/gpu_check.sh bench-7b     the same on qwen2-7b
+#   bash scripts/gpu_check.sh bench-graphs qwen2-0.5b, ours only, CUDA graphs captured
+#   bash scripts/gpu_check.sh bench-p2p    weightsync bench --device cuda (process to process into a
+#                                          torch module, no vLLM) on qwen2-7b, 1 and 2 chunks in flight
+#   bash scripts/gpu_check.sh hybrid       FSDP2 over 2 ranks + a TP=2 vLLM engine on the same 2 GPUs,
+#                                          each TP worker fed by CUDA IPC from the rank on its GPU
+#   bash scripts/gpu_check.sh four-gpu     trainer -> TP=2 engine over NCCL, fan-out to two engines,
+#                                          FSDP2 x 2 -> TP=2 engine (needs 4 GPUs; says so and stops
+#                                          on fewer)
+#
+# Details (JSON, logs, PNG) go under $OUT (at most 8 files per stage). vLLM must be importable
+# (see the install steps in docs/benchmarks.md); the stage says so and stops if it is not.
+# NVLink multicast stays off in every process (these variables are inherited).
 set -u
+stage=${1:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:."
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export PYTHONPATH="${PYTHONPATH:-}:."
 OUT=${OUT:-/tmp/weightsync-gpu-out}; mkdir -p "$OUT"
-nvidia-smi -L | tee "$OUT/gpus.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
-vllm_tests=""
-python3 -c "import vllm" 2>/dev/null && vllm_tests="tests/integration/test_vllm_gpu.py"
-timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu tests/integration/test_bench.py \
-    $vllm_tests > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
-bench() {  # name, then bench arguments
-  local name=$1; shift
-  PYTHONFAULTHANDLER=1 timeout -s ABRT 240 python3 -m weightsync.cli bench --device cuda --repeats 5 --json "$OUT/$name.json" \
-      "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+echo "stage ${stage:-?}: $gpus GPU(s); $(python3 -c 'import torch; print("torch", torch.__version__)')"
+
+need_vllm() {
+  python3 -c "import vllm" 2>/dev/null && return 0
+  echo "vLLM is not importable here: install it first (docs/benchmarks.md, GPU section)"; exit 2
+}
+
+need_gpus() {
+  if [ "$gpus" -lt "$1" ]; then
+    echo "stage $stage needs $1 GPUs; this machine has $gpus: not run"; exit 3
+  fi
+}
+
+pytest_stage() {  # log name, timeout, pytest arguments
+  local name=$1 limit=$2; shift 2
+  timeout -s ABRT "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rs "$@" \
+      > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "pytest $name rc=$rc"
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/$name.log" | tail -15
+}
+
+bench() {  # name, timeout, then bench arguments
+  local name=$1 limit=$2; shift 2
+  timeout -s ABRT "$limit" python3 benchmarks/bench_vllm_sync.py --json "$OUT/$name.json" \
+      --plot "$OUT/$name.png" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.log"
   echo "bench $name rc=$?"
 }
-for bucket in ${BUCKETS:-1024}; do  # 256 too: BUCKETS="256 1024" (then split the call: 600 s limit)
-  for w in ${INFLIGHT:-1 2}; do
-    bench "qwen2-7b_b${bucket}_w${w}" --shape qwen2-7b --bucket-mb "$bucket" --max-inflight "$w" \
-        --strategy broadcast,cuda_ipc,packed_cuda_ipc
+
+summary() {  # print every bench table written in this stage
+  for f in "$OUT"/*.txt; do
+    [ -f "$f" ] || continue
+    echo "== $(basename "$f" .txt)"; cat "$f"
   done
-done
-bench qwen2-0.5b_all --shape qwen2-0.5b --strategy all
-python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-rows = []
-for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
-    data = json.loads(p.read_text())
-    for r in data.get("records", data) if isinstance(data, dict) else data:
-        rows.append(r)
-print(f"{'shape':11} {'bucket':>6} {'infl':>4} {'strategy':22} {'chunks':>6} {'s':>7} {'GB/s':>7} {'ref GB/s':>8} {'ratio':>5} exact")
-for r in rows:
-    print(f"{r.get('shape',''):11} {r.get('bucket_mb',0):6g} {r.get('max_inflight','-'):>4} "
-          f"{r.get('strategy',''):22} {r.get('num_chunks','-'):>6} {r.get('seconds') or 0:7.3f} "
-          f"{r.get('gbps') or 0:7.1f} {r.get('reference_gbps') or 0:8.1f} {r.get('ratio') or 0:5.2f} "
-          f"{r.get('bit_exact')}")
-PY
+}
+
+case "$stage" in
+  tests)
+    vllm_tests=""
+    python3 -c "import vllm" 2>/dev/null && vllm_tests="tests/integration/test_vllm_gpu.py"
+    pytest_stage gpu_tests 540 tests/gpu/test_gpu_transports.py \
+        tests/gpu/test_gpu_deepspeed_fsdp_extractors.py tests/integration/test_bench.py $vllm_tests
+    ;;
+  tests-vllm)
+    need_vllm
+    pytest_stage vllm_tests 560 tests/gpu/test_vllm_policy_gpu.py tests/gpu/test_vllm_colocated_gpu.py
+    ;;
+  bench-small)
+    need_vllm; need_gpus 2
+    bench qwen2-0.5b 270 --shape qwen2-0.5b
+    bench qwen2-1.5b 290 --shape qwen2-1.5b
+    summary
+    ;;
+  bench-7b)
+    need_vllm; need_gpus 2
+    bench qwen2-7b 560 --shape qwen2-7b
+    summary
+    ;;
+  bench-graphs)
+    need_vllm
+    bench qwen2-0.5b_graphs 400 --shape qwen2-0.5b --cuda-graphs \
+        --rows cuda_ipc,packed_cuda_ipc,broadcast --check-logprobs
+    summary
+    ;;
+  bench-p2p)
+    for w in 1 2; do
+      timeout -s ABRT 240 python3 -m weightsync.cli bench --device cuda --repeats 5 \
+          --shape qwen2-7b --bucket-mb 1024 --max-inflight "$w" \
+          --strategy broadcast,cuda_ipc,packed_cuda_ipc --json "$OUT/p2p_w$w.json" \
+          > "$OUT/p2p_w$w.txt" 2> "$OUT/p2p_w$w.log"
+      echo "bench p2p_w$w rc=$?"
+    done
+    summary
+    ;;
+  hybrid)
+    need_vllm; need_gpus 2
+    pytest_stage hybrid 560 tests/gpu/test_hybrid_gpu.py
+    ;;
+  four-gpu)
+    need_vllm; need_gpus 4
+    bench qwen2-7b_tp2 300 --shape qwen2-7b --tp 2 --rows broadcast,native_nccl --check-logprobs
+    pytest_stage four_gpu 280 tests/gpu/test_four_gpu.py
+    summary
+    ;;
+  *)
+    echo "usage: bash scripts/gpu_check.sh {tests|tests-vllm|bench-small|bench-7b|bench-graphs|bench-p2p|hybrid|four-gpu}"
+    exit 2
+    ;;
+esac

@@ -196,6 +196,54 @@ def checkpoint_metadata(directory: str) -> dict[str, tuple[str, list[int]]] | No
     return out
 
 
+def config_metadata(hf_config: Any) -> dict[str, tuple[str, list[int]]] | None:
+    """Checkpoint names/shapes derived from the model's HF config, for an engine that has no
+    checkpoint to read (``load_format="dummy"``): the transformers class named by
+    ``config.architectures[0]`` is built on the meta device (no memory, about 1 s for a 7B
+    model) and its parameters and persistent buffers are listed under their checkpoint names.
+    A tied ``lm_head.weight`` is left out, as a checkpoint leaves it out. None when
+    transformers has no such class. Dtypes are the config's (the loader replaces float dtypes
+    with the served one)."""
+    import torch
+    import transformers
+
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        return None
+    with torch.device("meta"):
+        model = cls(hf_config)
+    from weightsync.types import dtype_to_str
+
+    out: dict[str, tuple[str, list[int]]] = {}
+    for name, p in model.named_parameters():  # tied parameters once, under their first name
+        out[name] = (dtype_to_str(p.dtype), list(p.shape))
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    for name, t in model.state_dict().items():  # persistent buffers (non-persistent are absent)
+        if name not in params and name not in out:
+            out[name] = (dtype_to_str(t.dtype), list(t.shape))
+    return out
+
+
+def expected_checkpoint_metadata(worker: Any) -> tuple[dict[str, tuple[str, list[int]]] | None, str]:
+    """``({name: (dtype, shape)}, source)`` of what this worker's engine loads: the served
+    checkpoint's safetensors headers (``source="checkpoint"``), else, when the engine was started
+    without a checkpoint (``load_format="dummy"``) or from another format, the names and shapes
+    its HF config implies (``source="config"``); ``(None, "none")`` if neither is known."""
+    found = checkpoint_metadata(model_dir(worker))
+    if found is not None:
+        return found, "checkpoint"
+    hf_cfg = getattr(worker.model_config, "hf_config", None)
+    if hf_cfg is not None:
+        try:
+            derived = config_metadata(hf_cfg)
+        except Exception:  # an architecture transformers cannot build: no validation
+            derived = None
+        if derived is not None:
+            return derived, "config"
+    return None, "none"
+
+
 def fused_layer_key(name: str, packed: dict[str, list[str]]) -> str:
     """The vLLM layer a checkpoint tensor lands in: ``...q_proj.weight`` -> ``...qkv_proj``."""
     module = name.rsplit(".", 1)[0] if "." in name else name

@@ -5,7 +5,8 @@ extension that hosts it.
   through vLLM's own machinery: ``model.load_weights`` on GPU (QKV fusion, TP slicing), the
   layer-wise reload on CPU and for quantized models (see ``weightsync._runtime.vllm_compat``).
   ``expected_metadata()`` is the served checkpoint (safetensors headers, dtype = served dtype),
-  so bad names / shapes / dtypes are refused before any byte moves.
+  or, for an engine started without one (``load_format="dummy"``), the names and shapes its HF
+  config implies; so bad names / shapes / dtypes are refused before any byte moves.
 * ``weightsync.loaders.vllm_worker.WeightSyncWorkerExtension`` (pass it as vLLM's
   ``worker_extension_cls``) owns one ``WeightUpdateEndpoint`` with this loader inside and
   answers ``collective_rpc`` calls.
@@ -69,6 +70,8 @@ class VLLMWeightLoader(WeightLoader):
     """
 
     config_cls = VLLMLoaderConfig
+    #: where ``expected_metadata()`` came from: "checkpoint", "config" or "none"
+    metadata_source: str = "none"
 
     def __init__(self, cfg: Any = None, *, worker: Any) -> None:
         self.cfg = cfg if cfg is not None else VLLMLoaderConfig()
@@ -79,7 +82,7 @@ class VLLMWeightLoader(WeightLoader):
         self._meta = self._build_expected(worker)
         self._packed = compat.packed_modules_mapping(worker)
         self._groups = compat.layer_groups(
-            [n for n in self._meta if n not in self._aliases], self._packed
+            [n for n in (self._meta or {}) if n not in self._aliases], self._packed
         )
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self.loads = 0
@@ -87,13 +90,17 @@ class VLLMWeightLoader(WeightLoader):
     # -- metadata ----------------------------------------------------------------------------
     def _build_expected(self, worker: Any) -> dict[str, TensorMeta] | None:
         self._aliases: dict[str, str] = {}
-        ckpt = compat.checkpoint_metadata(compat.model_dir(worker))
+        ckpt, self.metadata_source = compat.expected_checkpoint_metadata(worker)
         if ckpt is None:
             log.warning(
-                "weightsync: no safetensors checkpoint found for %s; update metadata cannot be "
-                "checked before loading", self.model_name,
+                "weightsync: no safetensors checkpoint found for %s and its config names no "
+                "transformers class; update metadata cannot be checked before loading",
+                self.model_name,
             )
             return None
+        if self.metadata_source == "config":
+            log.info("weightsync: %s has no checkpoint (dummy weights?); expected names and "
+                     "shapes come from its config", self.model_name)
         served = compat.served_dtype(worker)
         meta = {
             n: TensorMeta(n, served if dt in _FLOAT_DTYPES else dt, shape)

@@ -90,7 +90,8 @@ class WeightSyncWorkerExtension:
         endpoint = self._ws()
         rank, size = compat.worker_rank_and_size(self)
         return {**endpoint.status().to_dict(), "rank": rank, "world_size": size,
-                "load_mode": endpoint.loader.mode}
+                "load_mode": endpoint.loader.mode,
+                "metadata_source": endpoint.loader.metadata_source}
 
     def weightsync_expected_metadata(self) -> list[dict] | None:
         meta = self._ws().loader.expected_metadata()

@@ -1,0 +1,96 @@
+"""Helpers shared by the vLLM GPU tests: prompt logprobs and reward scores from vLLM and from
+transformers (bf16, on the GPU), and a one-call sync through ``VLLMEngineClient``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+EXT = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
+TEXTS = ["The model is helpful today.", "Question: name a colour. Answer: blue.",
+         "Weights move from the trainer into the inference engine after every step."]
+
+
+def close(got: list[float], want: list[float]) -> bool:
+    """bf16 end to end: relative + absolute tolerance (wrong weights miss by whole units)."""
+    return all(abs(a - b) <= 0.03 * abs(b) + 0.05 for a, b in zip(got, want, strict=True))
+
+
+def prompt_ids(model_dir: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok(t).input_ids for t in TEXTS]
+
+
+def vllm_prompt_logprobs(llm: Any, ids: list[list[int]]) -> list[float]:
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
+                        use_tqdm=False)
+    return [o.prompt_logprobs[i][p[i]].logprob for p, o in zip(ids, outs, strict=True)
+            for i in range(1, len(p))]
+
+
+def hf_prompt_logprobs(model_dir: str, ids: list[list[int]]) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    out = []
+    with torch.no_grad():
+        for p in ids:
+            lp = model(torch.tensor([p], device="cuda")).logits.float().log_softmax(-1)[0]
+            out += [float(lp[i - 1, p[i]]) for i in range(1, len(p))]
+    return out
+
+
+def vllm_scores(llm: Any) -> list[float]:
+    from vllm import PoolingParams
+
+    outs = llm.encode(TEXTS, pooling_params=PoolingParams(task="classify", use_activation=False),
+                      pooling_task="classify", use_tqdm=False)
+    return [float(o.outputs.data.reshape(-1)[0]) for o in outs]
+
+
+def hf_scores(model_dir: str) -> list[float]:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(torch.bfloat16).cuda()
+    with torch.no_grad():
+        return [model(**tok(t, return_tensors="pt").to("cuda")).logits[0, 0].float().item()
+                for t in TEXTS]
+
+
+def cuda_state(model_dir: str) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
+    return {k: v.to(torch.bfloat16).cuda()
+            for k, v in load_file(f"{model_dir}/model.safetensors").items()}
+
+
+def sync(llm: Any, state: dict[str, Any], strategy_cfg: dict, *, per_chunk: int = 4) -> Any:
+    """One update of ``state`` into ``llm`` (a fresh sender, closed after); returns its stats."""
+    from weightsync import WeightChunk, build_strategy
+    from weightsync.loaders.vllm_worker import VLLMEngineClient
+
+    names = list(state)
+    chunks = [WeightChunk(names[i:i + per_chunk], [state[n] for n in names[i:i + per_chunk]])
+              for i in range(0, len(names), per_chunk)]
+
+    async def go() -> Any:
+        client = VLLMEngineClient(llm, timeout_s=120)
+        strategy = build_strategy({"timeout_s": 60, **strategy_cfg})
+        info = await strategy.create_sync_info(None, client)
+        sender = await strategy.create_sender(None, client, info)
+        try:
+            return await sender.send_chunks(chunks, client)
+        finally:
+            await sender.close()
+            await client.close_weight_transfer()
+
+    return asyncio.run(go())
