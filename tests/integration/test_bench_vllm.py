@@ -46,9 +46,9 @@ def test_cli_runs_every_cpu_row_and_verifies_it(tmp_path):
 
 
 def test_check_fails_when_the_engine_does_not_hold_the_trainers_weights(tmp_path):
+    from weightsync.bench.vllm_config import VllmBenchConfig
     from weightsync.bench.vllm_engine import stop_engine, write_model_dir
     from weightsync.bench.vllm_runner import Bench
-    from weightsync.bench.vllm_sync import VllmBenchConfig
 
     bench = Bench(VllmBenchConfig(device="cpu", shape="tiny", dtype="float32", repeats=1,
                                   rows=["packed_cuda_ipc"], quiet=True))

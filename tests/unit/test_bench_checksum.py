@@ -100,8 +100,8 @@ def test_expected_engine_tensors_refuses_incomplete_fused_layer():
 
 def test_config_metadata_lists_checkpoint_names_without_tied_head():
     transformers = pytest.importorskip("transformers")
-    from weightsync.bench.shapes import shape_specs
     from weightsync._runtime.vllm_compat import config_metadata
+    from weightsync.bench.shapes import shape_specs
 
     cfg = transformers.Qwen2Config(
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

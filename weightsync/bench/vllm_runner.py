@@ -22,7 +22,13 @@ from dataclasses import asdict
 from typing import Any
 
 from weightsync.bench.probes import ProbeClient, device_sync, timed_chunks, timed_sync_fn
-from weightsync.bench.vllm_sync import NATIVE, PER_PARAM, REMOTE_ROWS, VllmBenchConfig, validate
+from weightsync.bench.vllm_config import (
+    NATIVE,
+    PER_PARAM,
+    REMOTE_ROWS,
+    VllmBenchConfig,
+    validate,
+)
 
 
 class Bench:
