@@ -8,7 +8,7 @@ machine, in this order:
 
 1. ``transformers``: the HF forward, batched, ``no_grad``, fp32, swept over batch sizes and
    torch thread counts (1 and all cores); its best configuration is the reference;
-2. ``server+client``: ``python -m weightsync.reward.server`` as a subprocess and
+2. ``server+client``: ``python -m weightsync.servers.reward`` as a subprocess and
    ``VLLMRewardClient.score_batch`` over HTTP on 127.0.0.1, batches of N sent one after
    another, and the same batches in flight together (``asyncio.gather``), which is how a
    batched scorer (``RewardModelScorer``) drives it;

@@ -2,7 +2,7 @@
 
 A dispatcher only: each subcommand hands its remaining arguments to the ``main(argv)`` of its
 own module (``_SUBCOMMANDS``: ``weightsync.bench.cli``, ``weightsync.demo.cli``,
-``weightsync.reward.server``), imported only when chosen, so ``weightsync bench --help`` stays
+``weightsync.servers.reward``), imported only when chosen, so ``weightsync bench --help`` stays
 fast. Bad arguments exit with status 2 and a message that names the argument and lists the valid
 values.
 """
@@ -18,7 +18,7 @@ _SUBCOMMANDS = {
     "bench": ("weightsync.bench.cli", "main", "weight-sync bandwidth benchmark"),
     "demo": ("weightsync.demo.cli", "main", "train -> sync -> score cycle on CPU (the main job)"),
     "serve-reward": (
-        "weightsync.reward.server", "main", "serve a reward model on vLLM with weight-sync endpoints"
+        "weightsync.servers.reward", "main", "serve a reward model on vLLM with weight-sync endpoints"
     ),
 }
 

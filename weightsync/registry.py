@@ -65,8 +65,11 @@ STRATEGIES = Registry(
         "broadcast": "weightsync.strategies.broadcast:BroadcastStrategy",
         "cuda_ipc": "weightsync.strategies.cuda_ipc:CudaIpcStrategy",
         "packed_cuda_ipc": "weightsync.strategies.packed_cuda_ipc:PackedCudaIpcStrategy",
+        "ludic_broadcast": "weightsync.strategies.ludic_broadcast:LudicBroadcastStrategy",
     },
 )
+# engine side only: the sender is another project's trainer (weightsync has no sender for these)
+RECEIVER_ONLY_STRATEGIES = frozenset({"ludic_broadcast"})
 EXTRACTORS = Registry(
     "extractor",
     {

@@ -1,6 +1,7 @@
-"""Shared integration fixtures: ONE real reward server per test session (vLLM CPU, ~25 s, ~2.4 GB).
+"""Shared integration fixtures: ONE real reward server and ONE real policy server per test
+session (vLLM CPU, ~25 s and ~2.4 GB each; each starts when a test first asks for it).
 
-``reward_server`` starts ``python -m weightsync.reward.server`` on a tiny 1-label Qwen2 reward
+``reward_server`` starts ``python -m weightsync.servers.reward`` on a tiny 1-label Qwen2 reward
 model on 127.0.0.1 (a free port, an API key) and yields a ``RewardServerHandle``:
 
 * ``url``, ``port``, ``api_key``, ``model_dir`` (the base weights), ``proc``;
@@ -11,6 +12,13 @@ Rules for tests that share it: weights may have been changed by earlier tests (c
 ``restore()`` before comparing against the base model); versions only rise, so compare relative
 to what you read; close your clients (a new client's ``init_communicator`` takes the server's
 receivers from an older one, which then re-joins on its next sync).
+
+``policy_server`` starts ``python -m weightsync.servers.policy`` (vLLM's OpenAI server plus our
+control plane) on a tiny tied-embedding Llama causal LM, fp32, with a chat template, on a free
+port with an API key, and yields a ``PolicyServerHandle``: ``url``, ``port``, ``api_key``,
+``model_dir``, ``headers`` (the token), ``push(weights, version=None)`` (our dialect: a strategy
+sender + ``HttpEngineClient``), ``restore()`` (push the base weights back). The same sharing
+rules hold.
 """
 
 from __future__ import annotations
@@ -74,47 +82,66 @@ class RewardServerHandle:
             return ""
 
 
+def start_server(
+    module: str, model_dir: str, log_path: str, *, api_key: str | None, args: list[str],
+    timeout_s: float = 180.0,
+) -> tuple[subprocess.Popen, int]:
+    """Start ``python -m module --model DIR --port P ...`` and wait until /health answers 200
+    (or fail with its log)."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", module, "--model", model_dir, "--port", str(port), *args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{module} exited ({proc.returncode}):\n{_tail(log_path)}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            _stop(proc)
+            raise RuntimeError(f"{module} not up in {timeout_s:g}s:\n{_tail(log_path)}")
+        time.sleep(0.5)
+
+
+def _tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path) as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
 def start_reward_server(
     model_dir: str, log_path: str, *, api_key: str | None = API_KEY, extra: list[str] | None = None,
     timeout_s: float = 180.0,
 ) -> RewardServerHandle:
     """Start a reward server subprocess and wait until /health answers (or fail with its log)."""
-    import httpx
-
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "weightsync.reward.server", "--model", model_dir,
-        "--port", str(port), "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
-        "--log-level", "warning",
-    ]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    cmd += extra or []
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    handle = RewardServerHandle(f"http://127.0.0.1:{port}", port, api_key or "", model_dir,
-                                proc, log_path)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"reward server exited ({proc.returncode}):\n{handle.log_tail()}")
-        try:
-            if httpx.get(handle.url + "/health", timeout=2).status_code == 200:
-                return handle
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop_reward_server(handle)
-            raise RuntimeError(f"reward server not up in {timeout_s:g}s:\n{handle.log_tail()}")
-        time.sleep(0.5)
+    proc, port = start_server(
+        "weightsync.servers.reward", model_dir, log_path, api_key=api_key, timeout_s=timeout_s,
+        args=["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+              "--log-level", "warning", *(extra or [])],
+    )
+    return RewardServerHandle(f"http://127.0.0.1:{port}", port, api_key or "", model_dir,
+                              proc, log_path)
 
 
-def stop_reward_server(handle: RewardServerHandle) -> None:
+def stop_reward_server(handle: Any) -> None:
     """SIGTERM the server's process group (it shuts vLLM down), SIGKILL if it lingers."""
-    proc = handle.proc
-    if proc is None:
-        return
+    if handle.proc is not None:
+        _stop(handle.proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -171,3 +198,110 @@ def reward_server_launcher():
     finally:
         for h in started:
             stop_reward_server(h)
+
+
+# --------------------------------------------------------------------------------------------
+# the policy server
+# --------------------------------------------------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@dataclass
+class PolicyServerHandle:
+    url: str
+    port: int
+    api_key: str
+    model_dir: str
+    proc: subprocess.Popen | None
+    log_path: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def version(self) -> int:
+        import httpx
+
+        return int(httpx.get(self.url + "/runtime_version", timeout=10).json()["version"])
+
+    def push(self, weights: dict, *, version: int | None = None,
+             strategy: dict | None = None) -> Any:
+        """Push ``weights`` through our dialect (a strategy sender + ``HttpEngineClient``,
+        chunks grouped by module); returns the ``SyncStats``."""
+        return asyncio.run(push_over_http(self.url, self.api_key, weights, version=version,
+                                          strategy=strategy))
+
+    def restore(self) -> int:
+        from safetensors.torch import load_file
+
+        stats = self.push(load_file(os.path.join(self.model_dir, "model.safetensors")))
+        return int(stats.versions[0])
+
+    def log_tail(self, n: int = 40) -> str:
+        return _tail(self.log_path, n)
+
+
+async def push_over_http(url: str, api_key: str, weights: dict, *, version: int | None = None,
+                         strategy: dict | None = None) -> Any:
+    from weightsync import WeightExtractor, build_strategy
+    from weightsync.reward.http_engine_client import HttpEngineClient
+
+    client = HttpEngineClient(url, api_key=api_key, timeout_s=120)
+    strat = build_strategy(strategy or {"type": "broadcast", "backend": "gloo", "timeout_s": 60})
+    try:
+        info = await strat.create_sync_info(None, client)
+        sender = await strat.create_sender(None, client, info)
+        try:
+            chunks = list(WeightExtractor._batch_by_threshold(
+                WeightExtractor._group_by_module(list(weights.items())), 64 << 20))
+            return await sender.send_chunks(chunks, client, version=version)
+        finally:
+            await sender.close()
+            await client.close_weight_transfer()
+    finally:
+        await client.aclose()
+
+
+def start_policy_server(model_dir: str, log_path: str, *, api_key: str | None = API_KEY,
+                        extra: list[str] | None = None) -> PolicyServerHandle:
+    template = os.path.join(os.path.dirname(log_path), "chat_template.jinja")
+    with open(template, "w") as f:
+        f.write(CHAT_TEMPLATE)
+    proc, port = start_server(
+        "weightsync.servers.policy", model_dir, log_path, api_key=api_key,
+        args=["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+              "--log-level", "warning", "--seed", "0", "--chat-template", template,
+              "--served-model-name", "tiny-policy", *(extra or [])],
+    )
+    return PolicyServerHandle(f"http://127.0.0.1:{port}", port, api_key or "", model_dir,
+                              proc, log_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from weightsync.tiny_models import build_tiny_causal_lm
+
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny-policy") / "model", family="llama",
+                                tie_word_embeddings=True, seed=0)
+
+
+@pytest.fixture(scope="session")
+def policy_server(tiny_policy_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """The shared policy server. ``WEIGHTSYNC_TEST_POLICY_SERVER=PORT:DIR`` reuses one you
+    started yourself (``--api-key test-token --served-model-name tiny-policy``)."""
+    external = os.environ.get("WEIGHTSYNC_TEST_POLICY_SERVER")
+    if external:
+        port, _, model_dir = external.partition(":")
+        yield PolicyServerHandle(f"http://127.0.0.1:{port}", int(port), API_KEY, model_dir,
+                                 None, "")
+        return
+    log_path = str(tmp_path_factory.mktemp("policy-server") / "server.log")
+    handle = start_policy_server(tiny_policy_model_dir, log_path)
+    try:
+        yield handle
+    finally:
+        stop_reward_server(handle)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from weightsync.config import preset_path
-from weightsync.reward.server import RewardServerConfig, engine_args, parse_args
+from weightsync.servers.reward import RewardServerConfig, engine_args, parse_args
 
 
 def test_presets_load_and_flags_win(monkeypatch):

@@ -77,7 +77,7 @@ def test_no_command_prints_help(capsys):
 
 @pytest.mark.parametrize("command", ["demo", "serve-reward"])
 def test_subcommands_hand_argv_to_their_main(monkeypatch, command):
-    """The real ``weightsync.demo`` / ``weightsync.reward.server`` start vLLM; a stand-in module
+    """The real ``weightsync.demo`` / ``weightsync.servers.reward`` start vLLM; a stand-in module
     records what the dispatcher passes (this tests the dispatch only)."""
     seen = []
     fake = types.ModuleType("weightsync_test_fake_entry")

@@ -303,3 +303,81 @@ def shutdown_llm(llm: Any) -> None:
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
+
+
+async def pause_generation(engine: Any) -> None:
+    """Pause ``AsyncLLM``'s scheduler at a step boundary; requests in flight finish first
+    (``mode="wait"``), new ones queue until ``resume_generation``. The KV/prefix caches are
+    kept here (the caller resets the prefix cache after the new weights landed). vLLM 0.26 and
+    0.32 share this signature; an engine without it (older vLLM) is left running."""
+    fn = getattr(engine, "pause_generation", None)
+    if fn is not None:
+        await fn(mode="wait", clear_cache=False)
+
+
+async def resume_generation(engine: Any) -> None:
+    fn = getattr(engine, "resume_generation", None)
+    if fn is not None:
+        await fn()
+
+
+def stateless_gloo_group(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
+    """vLLM's stateless gloo process group (the group a Ludic/TRL CPU trainer joins): rank 0
+    hosts the store at ``host:port``. vLLM 0.32 takes a ``timeout``; 0.26 has none (its
+    rendezvous waits for gloo's default, 30 min)."""
+    import datetime
+    import inspect
+
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group as init
+
+    kwargs: dict[str, Any] = {}
+    if "timeout" in inspect.signature(init).parameters:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    return init(host, port, rank, world_size, backend="gloo", **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's OpenAI-compatible server, as pieces (the policy server builds on them)
+# --------------------------------------------------------------------------------------------
+
+
+def openai_server_parts() -> Any:
+    """vLLM's own OpenAI app builder, its state initialiser, the engine-client factory and its
+    argument parser, wherever this vLLM keeps them: 0.32 moved them from
+    ``vllm.entrypoints.openai.api_server`` / ``.cli_args`` to ``vllm.entrypoints.launchers``
+    (the old module still re-exports, with a DeprecationWarning); 0.26 has only the old ones.
+    Returns a namespace with ``build_app(args, supported_tasks, model_config)``,
+    ``init_app_state(engine_client, state, args, supported_tasks)``,
+    ``build_async_engine_client_from_engine_args(engine_args)`` (an async context manager),
+    ``make_arg_parser(parser)``, ``validate_parsed_serve_args(args)`` and
+    ``FlexibleArgumentParser``."""
+    import types
+
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import (
+            build_async_engine_client_from_engine_args,
+        )
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import (
+            make_arg_parser,
+            validate_parsed_serve_args,
+        )
+    except ImportError:  # vLLM 0.26
+        from vllm.entrypoints.openai.api_server import (  # type: ignore[no-redef]
+            build_app,
+            build_async_engine_client_from_engine_args,
+            init_app_state,
+        )
+        from vllm.entrypoints.openai.cli_args import (  # type: ignore[no-redef]
+            make_arg_parser,
+            validate_parsed_serve_args,
+        )
+    return types.SimpleNamespace(
+        build_app=build_app, init_app_state=init_app_state,
+        build_async_engine_client_from_engine_args=build_async_engine_client_from_engine_args,
+        make_arg_parser=make_arg_parser, validate_parsed_serve_args=validate_parsed_serve_args,
+        FlexibleArgumentParser=FlexibleArgumentParser,
+    )

@@ -361,9 +361,9 @@ def validate_config(cfg: BenchConfig) -> None:
 
 
 def valid_strategy_names() -> list[str]:
-    from weightsync.registry import STRATEGIES
+    from weightsync.registry import RECEIVER_ONLY_STRATEGIES, STRATEGIES
 
-    return [*STRATEGIES.names(), NAIVE]
+    return [*(n for n in STRATEGIES.names() if n not in RECEIVER_ONLY_STRATEGIES), NAIVE]
 
 
 def copy_row_names() -> list[str]:

@@ -6,7 +6,7 @@ Entry points: ``weightsync demo [...]`` (the ``weightsync`` dispatcher calls ``m
 
 1. build a tiny ``Qwen2ForSequenceClassification`` (random weights, offline tokenizer) in a
    temp dir;
-2. start the reward server on it as a real subprocess (``weightsync.reward.server``, vLLM) on a
+2. start the reward server on it as a real subprocess (``weightsync.servers.reward``, vLLM) on a
    free port; it boots while the trainer works;
 3. build a synthetic preference set (``weightsync.demo.data``), take the transformers reference
    scores of the held-out pairs, and train the head in this process with the Bradley-Terry loss

@@ -1,7 +1,7 @@
 """Run the reward server as a real subprocess and always take it down again.
 
 Used by ``weightsync demo``, ``benchmarks/bench_scoring.py`` and the examples, in the trainer's
-process. ``RewardServerProcess`` starts ``python -m weightsync.reward.server --model DIR --port P``
+process. ``RewardServerProcess`` starts ``python -m weightsync.servers.reward --model DIR --port P``
 in its own session (so vLLM's engine-core children go down with it), sends its output to a log
 file, waits for ``GET /health`` while reporting progress, and stops the whole process group on
 ``stop()``, on leaving a ``with`` block, and at interpreter exit (atexit), whichever comes first.
@@ -77,7 +77,7 @@ class RewardServerProcess:
         host: str = "127.0.0.1",
         port: int | None = None,
         extra_args: Sequence[str] = (),
-        module: str = "weightsync.reward.server",
+        module: str = "weightsync.servers.reward",
     ) -> None:
         self.model_dir = model_dir
         self.host = host

@@ -26,7 +26,7 @@ _LAZY = {
     "RewardModelClient": "weightsync.reward.client",
     "VLLMRewardClient": "weightsync.reward.client",
     "HttpEngineClient": "weightsync.reward.http_engine_client",
-    "RewardServerConfig": "weightsync.reward.server",
+    "RewardServerConfig": "weightsync.servers.reward",
     "RewardModelPublisher": "weightsync.reward.publisher",
     "create_reward_publisher": "weightsync.reward.publisher",
     "RewardModelScorer": "weightsync.reward.scorer",

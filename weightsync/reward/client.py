@@ -1,7 +1,7 @@
 """Trainer-side client of the reward server: scoring and weight sync.
 
 ``RewardModelClient`` is the structural protocol the scorer / publisher / RL loop code against;
-``VLLMRewardClient`` implements it for ``weightsync.reward.server``. It lives in the training
+``VLLMRewardClient`` implements it for ``weightsync.servers.reward``. It lives in the training
 process (rank 0). Scoring is plain HTTP. Weight sync goes through the framework: an
 ``HttpEngineClient`` over the server's control plane plus a strategy sender (default
 ``broadcast``: gloo on CPU, NCCL on CUDA; any strategy config works, e.g. ``cuda_ipc`` when the

@@ -1,12 +1,15 @@
-"""The reward server: a vLLM pooling model behind HTTP, with weight-sync endpoints.
+"""The reward server: a vLLM pooling model behind HTTP, with the weight-sync control plane.
 
     python -m weightsync.reward.server --model DIR --port 8001 [--api-key KEY]
     weightsync serve-reward --model DIR --port 8001            (same thing)
     weightsync serve-reward --config weightsync/configs/reward_server.yaml --model DIR
 
 Runs in its own process: vLLM's ``AsyncLLM`` (pooling runner, ``WeightSyncWorkerExtension`` in
-every worker) and a FastAPI app served by uvicorn on one asyncio loop. The routes are listed in
-``weightsync.reward._server_app``; the scoring / update rules in ``weightsync.reward._service``.
+every worker) and a FastAPI app served by uvicorn on one asyncio loop. Routes: ``GET /health``
+-> ``{"status": "ok", "type": "reward_model"}``, ``POST /score`` (``weightsync.servers.scoring``)
+and the control plane shared with the policy server (``weightsync.servers.control_routes``,
+both our dialect and the reward spec's ``{host, port, world_size}`` / ``{metadata: [...],
+version, training_mode}`` form); the update rules live in ``weightsync.servers.control``.
 
 Defaults by device: on CPU ``dtype=float32``, eager mode, and a small fixed KV cache
 (``kv_cache_memory_bytes``; without it vLLM CPU asks for most of a NUMA node); on GPU the
@@ -28,9 +31,10 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("weightsync.reward.server")
+from weightsync.loaders.vllm_worker import WORKER_EXTENSION
 
-WORKER_EXTENSION = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
+log = logging.getLogger("weightsync.servers.reward")
+
 
 
 @dataclass(kw_only=True)
@@ -53,8 +57,10 @@ class RewardServerConfig:
     pooling_type: str | None = None  # LAST / MEAN / CLS; default: the model's
     load_mode: str = "auto"  # VLLMWeightLoader: auto / direct / reload
     head_name_patterns: list[str] | None = None  # for head_only updates; default score./...
-    score_wait_timeout_s: float = 60.0
+    score_wait_timeout_s: float = 60.0  # a score waits this long for an update (and vice versa)
     update_timeout_s: float = 600.0
+    group_timeout_s: float = 120.0  # a Ludic-style trainer group: joining and each collective
+    max_body_bytes: int = 16 << 20
     seed: int = 0
     log_level: str = "info"
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
@@ -113,27 +119,62 @@ def _pooler_config(pooling_type: str) -> Any:
     return PoolerConfig(pooling_type=pooling_type)
 
 
-async def build_service(cfg: RewardServerConfig) -> Any:
-    """Start the engine (tens of seconds) and wrap it in a ``RewardService``."""
+@dataclass
+class RewardServer:
+    """The running parts: engine, control plane, scorer (one asyncio loop)."""
+
+    cfg: RewardServerConfig
+    engine: Any
+    control: Any
+    ludic: Any
+    scorer: Any
+
+    def app(self) -> Any:
+        from fastapi import FastAPI
+
+        from weightsync.servers.control_routes import control_router, mount
+        from weightsync.servers.scoring import score_router
+
+        app = FastAPI(title="weightsync reward server", docs_url=None, redoc_url=None)
+
+        @app.get("/health")
+        async def health() -> dict:
+            return {"status": "ok", "type": "reward_model"}
+
+        mount(app, score_router(self.scorer, max_body_bytes=self.cfg.max_body_bytes))
+        mount(app, control_router(self.control, self.ludic, api_key=self.cfg.api_key,
+                                  max_body_bytes=self.cfg.max_body_bytes))
+        return app
+
+
+async def build_server(cfg: RewardServerConfig) -> RewardServer:
+    """Start the engine (tens of seconds) and wrap it in the control plane and the scorer."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from weightsync.reward._service import RewardService
+    from weightsync.servers.control import UpdateControl
+    from weightsync.servers.ludic import LudicDialect
+    from weightsync.servers.scoring import RewardScorer
 
     engine = AsyncLLM.from_engine_args(engine_args(cfg))
     model_config = engine.model_config
     name = cfg.served_model_name or model_config.served_model_name or cfg.model
-    service = RewardService(
+    control = UpdateControl(
         engine,
-        model_name=str(name),
-        num_labels=int(getattr(model_config.hf_config, "num_labels", 1) or 1),
-        score_wait_timeout_s=cfg.score_wait_timeout_s,
+        name=f"reward server {name}",
+        wait_timeout_s=cfg.score_wait_timeout_s,
         update_timeout_s=cfg.update_timeout_s,
         head_name_patterns=cfg.head_name_patterns,
     )
+    ludic = LudicDialect(control, backend="gloo" if cfg.resolved_device() == "cpu" else "nccl",
+                         group_timeout_s=cfg.group_timeout_s)
+    scorer = RewardScorer(
+        engine, control, model_name=str(name),
+        num_labels=int(getattr(model_config.hf_config, "num_labels", 1) or 1),
+    )
     if cfg.load_mode != "auto":
         await engine.collective_rpc("weightsync_setup", args=({"load_mode": cfg.load_mode},))
-    await service.refresh_state()
-    return service
+    await control.refresh_state()
+    return RewardServer(cfg, engine, control, ludic, scorer)
 
 
 async def serve(
@@ -146,40 +187,34 @@ async def serve(
     Signals are the caller's business (``main`` maps SIGINT/SIGTERM to ``stop``)."""
     import uvicorn
 
-    from weightsync.reward._server_app import create_app
-
-    service = await build_service(cfg)
+    server = await build_server(cfg)
     try:
-        app = create_app(service, api_key=cfg.api_key)
-        server = uvicorn.Server(uvicorn.Config(
-            app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-            lifespan="off",
+        http = uvicorn.Server(uvicorn.Config(
+            server.app(), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+            access_log=False, lifespan="off",
         ))
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         if stop is not None:
             async def _watch() -> None:
                 await stop.wait()
-                server.should_exit = True
+                http.should_exit = True
 
             watcher = asyncio.ensure_future(_watch())
         log.info("reward server for %s on http://%s:%d (%d labels, version %d)",
-                 service.model_name, cfg.host, cfg.port, service.num_labels, service.version)
+                 server.scorer.model_name, cfg.host, cfg.port, server.scorer.num_labels,
+                 server.control.version)
         if ready is not None:
             ready.set()
         try:
-            await server.serve()
+            await http.serve()
         finally:
             if stop is not None:
                 watcher.cancel()
-        if not server.started:
+        if not http.started:
             raise OSError(f"could not serve on {cfg.host}:{cfg.port} (port in use?)")
     finally:
-        try:
-            await asyncio.wait_for(service.engine.collective_rpc(
-                "weightsync_call", args=("close_weight_transfer", {})), 10)
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-        service.engine.shutdown()
+        await server.control.shutdown()
+        server.engine.shutdown()
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,6 +246,9 @@ def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
     p.add_argument("--load-mode", choices=["auto", "direct", "reload"])
     p.add_argument("--score-wait-timeout-s", type=float)
     p.add_argument("--update-timeout-s", type=float)
+    p.add_argument("--group-timeout-s", type=float,
+                   help="a Ludic-style trainer group: joining it and each collective (120)")
+    p.add_argument("--max-body-bytes", type=int, help="request body limit (16 MiB)")
     p.add_argument("--seed", type=int)
     p.add_argument("--log-level")
     ns = p.parse_args(argv)

@@ -1,10 +1,11 @@
-"""Scores versus weight updates: a readers/writer gate on the reward server's event loop.
+"""Requests versus weight updates: a readers/writer gate on a server's event loop.
 
-Callers: ``weightsync.reward._server_app`` only (one asyncio loop). A score request holds the
-read side while its texts run, so every score in one response comes from one weight version.
-A weight update holds the write side from its ``start`` to its ``finish`` (several HTTP calls):
-it waits for in-flight scores to drain, and new scores wait until the update is done, so no
-response ever mixes old and new weights. A waiting writer blocks new readers (no starvation).
+Callers: ``weightsync.servers.control.UpdateControl`` only (one asyncio loop per server). A
+request that runs the model (a score, a completion, a stream until its last byte) holds the
+read side, so everything in one response comes from one weight version. A weight update holds
+the write side from its ``start`` to its ``finish`` (several HTTP calls): it waits for in-flight
+requests to drain, and new requests wait until the update is done, so no response ever mixes
+old and new weights. A waiting writer blocks new readers (no starvation).
 """
 
 from __future__ import annotations

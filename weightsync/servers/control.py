@@ -1,0 +1,435 @@
+"""The server side of the weight-update control plane, shared by the reward and the policy server.
+
+``UpdateControl`` lives in a server process, on its one asyncio loop, next to vLLM's
+``AsyncLLM`` (built with ``WeightSyncWorkerExtension`` in every worker). Callers: the control
+routes (``weightsync.servers.control_routes``), the request paths that run the model (``/score``
+on the reward server, the OpenAI routes on the policy server, through ``serving()``) and the
+Ludic dialect (``weightsync.servers.ludic``). Every weight/communicator call becomes
+``collective_rpc("weightsync_call", ...)`` to all workers, where ``WeightUpdateEndpoint`` runs the
+update state machine; the workers' state (version, ready/updating/torn) is mirrored here after
+each call.
+
+What must hold:
+* every response that ran the model comes from one complete weight version, and carries it:
+  requests hold the read side of ``UpdateGate`` (``serving()``), an update holds the write side
+  from start to finish, so in-flight requests drain before the first byte lands and new ones
+  wait until the update is done;
+* a torn engine (an update died after some chunks landed) answers 503 with the reason until a
+  complete update lands; a refused update (bad names/shapes/dtypes/mode) changes nothing;
+* the version changes only when an update completed; the prefix cache is reset after every
+  completed update (cached KV blocks were computed by the old weights);
+* an update abandoned by its sender (no call for ``update_timeout_s``) is aborted, so the gate
+  never stays closed forever;
+* with ``pause_generation`` (the policy server) the engine's scheduler is paused from start to
+  finish as well, so nothing the gate does not see (a route we do not know) decodes across the
+  change either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.errors import http_status
+from weightsync.servers._gate import UpdateGate
+from weightsync.types import TrainingMode
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    """An answer with an HTTP status; ``offenders`` lists bad parameters when there are some."""
+
+    def __init__(self, status: int, message: str, *, offenders: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.offenders = offenders or []
+
+
+@dataclass
+class _ActiveUpdate:
+    update_id: str
+    training_mode: TrainingMode | None
+    started: float = field(default_factory=time.monotonic)
+    last_activity: float = field(default_factory=time.monotonic)
+    chunks: int = 0
+    paused: bool = False  # the engine's scheduler is paused for this update
+
+
+class UpdateControl:
+    """Weight updates into one ``AsyncLLM`` engine, and the gate that keeps requests on one
+    version.
+
+    ``default_training_mode``: the mode of an update whose caller names none, neither in the
+    body nor in the start (the reward server: FULL, as the reward spec says; the policy server:
+    None, no name policy).
+    ``wait_timeout_s``: how long a request waits for a running update, and an update for the
+    in-flight requests to drain. ``update_timeout_s``: an update with no call for this long is
+    aborted. ``pause_generation``: pause the engine's scheduler during updates (generation).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        name: str = "server",
+        wait_timeout_s: float = 60.0,
+        update_timeout_s: float = 600.0,
+        head_name_patterns: list[str] | None = None,
+        default_training_mode: TrainingMode | None = TrainingMode.FULL,
+        pause_generation: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.name = name
+        self.wait_timeout_s = wait_timeout_s
+        self.update_timeout_s = update_timeout_s
+        self.head_name_patterns = head_name_patterns
+        self.default_training_mode = default_training_mode
+        self.pause_generation = pause_generation
+        self.gate = UpdateGate()
+        self.version = 0
+        self.worker_states: list[dict] = []
+        self.communicator_id = 0  # bumped by every init_communicator; 0: none
+        self._next_id = 0
+        self._active: _ActiveUpdate | None = None
+        self._control = asyncio.Lock()  # one control call at a time
+        self._control_in_flight = 0
+        self._world_size: int | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # -- worker calls ------------------------------------------------------------------------
+    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return await self.engine.collective_rpc(method, args=args)
+
+    async def call_workers(self, method: str, kwargs: dict) -> list[Any]:
+        """``weightsync_call`` on every worker; mirror their state; raise a ``ServiceError``."""
+        answers = await self._rpc("weightsync_call", method, kwargs)
+        self._mirror([a.get("state", {}) for a in answers if isinstance(a, dict)])
+        for a in answers:
+            if not a.get("ok"):
+                kind = a.get("error_type", "")
+                raise ServiceError(
+                    http_status(kind),
+                    a.get("error") or kind,
+                    offenders=a.get("offenders") or [],
+                )
+        return [a.get("result") for a in answers]
+
+    def _mirror(self, states: list[dict]) -> None:
+        if states:
+            self.worker_states = states
+            self.version = min(int(s.get("version", 0)) for s in states)
+
+    async def refresh_state(self) -> list[dict]:
+        self._mirror(list(await self._rpc("weightsync_state")))
+        return self.worker_states
+
+    async def world_size(self) -> int:
+        """Workers of this engine (TP x PP): the receivers of a broadcast."""
+        if self._world_size is None:
+            sizes = await self._rpc("weightsync_world_size")
+            self._world_size = int(sizes[0])
+        return self._world_size
+
+    @property
+    def torn_reason(self) -> str | None:
+        for s in self.worker_states:
+            if s.get("state") == "torn":
+                return s.get("last_error") or "a weight update failed part-way"
+        return None
+
+    # -- the read side: requests that run the model ------------------------------------------
+    @contextlib.asynccontextmanager
+    async def serving(self, what: str = "request") -> AsyncIterator[int]:
+        """Hold the read side while a request runs the model; yields the version that serves
+        it. Raises ``ServiceError(503)`` when an update runs longer than ``wait_timeout_s`` or
+        the weights are torn."""
+        await self.expire_stale_update()
+        try:
+            await self.gate.acquire_read(self.wait_timeout_s)
+        except TimeoutError:
+            active = self._active
+            raise ServiceError(
+                503,
+                f"a weight update ({active.update_id if active else 'unknown'}) has been in "
+                f"progress for {time.monotonic() - self.gate.writer_since:.0f}s; retry later",
+            ) from None
+        try:
+            reason = self.torn_reason
+            if reason is not None:
+                raise ServiceError(
+                    503,
+                    f"weights are incomplete after a failed update ({reason}); refusing to "
+                    f"{what} until a complete update lands (last complete version {self.version})",
+                )
+            yield self.version
+        finally:
+            await self.gate.release_read()
+
+    # -- communicator ------------------------------------------------------------------------
+    async def init_communicator(self, strategy: dict, sync_info: dict, rank_offset: int) -> int:
+        """Build the workers' receivers; returns the new communicator id (older senders are
+        refused from now on: their data plane is gone)."""
+        await self.drop_communicator("the communicator was re-initialised by another sender")
+        async with self._guard():
+            await self.call_workers(
+                "init_weight_transfer",
+                {"strategy_cfg": strategy, "sync_info": sync_info, "rank_offset": rank_offset},
+            )
+            return self._new_communicator_id()
+
+    def _new_communicator_id(self) -> int:
+        self._next_id += 1
+        self.communicator_id = self._next_id
+        return self.communicator_id
+
+    async def drop_communicator(self, why: str) -> None:
+        """Abort the running update (its data plane is about to go) and forget the id."""
+        if self._active is not None:
+            await self._abort_active(why)
+        self.communicator_id = 0
+
+    async def close_communicator(self) -> None:
+        await self.drop_communicator("the communicator was closed")
+        async with self._guard():
+            await self.call_workers("close_weight_transfer", {})
+
+    def check_communicator(self, communicator_id: int | None) -> None:
+        if communicator_id is not None and communicator_id != self.communicator_id:
+            raise ServiceError(
+                409,
+                f"communicator_id: {communicator_id}, but the communicator was replaced (current "
+                f"id {self.communicator_id or 'none'}): another sender initialised it or it was "
+                f"closed; call /init_communicator again",
+            )
+
+    # -- one update: start, chunks, finish ------------------------------------------------------
+    async def update_param_batch(
+        self,
+        metadata: dict,
+        training_mode: TrainingMode | None,
+        version: int | None,
+        communicator_id: int | None = None,
+    ) -> dict:
+        """Our dialect: ``metadata`` is a start, a strategy's chunk request or a finish."""
+        self.check_communicator(communicator_id)
+        kind = metadata.get("type")
+        if kind == "start":
+            return await self.start(metadata, training_mode, version)
+        if kind == "finish":
+            return await self.finish(metadata, version)
+        return await self.chunk(metadata, training_mode)
+
+    async def start(
+        self, metadata: dict, mode: TrainingMode | None, version: int | None
+    ) -> dict:
+        """Drain requests, let the workers validate the manifest (nothing moves if they refuse),
+        pause the scheduler where asked; the gate stays closed until ``finish``."""
+        from weightsync.types import WeightUpdateStart
+
+        try:
+            start = WeightUpdateStart.from_dict(metadata)
+        except ValueError as e:
+            raise ServiceError(400, f"metadata: {e}") from None
+        if version is not None:
+            if start.version is not None and start.version != version:
+                raise ServiceError(400, f"version: {version} but metadata.version is {start.version}")
+            start.version = version
+        if mode is not None and start.training_mode is not None and start.training_mode is not mode:
+            raise ServiceError(400, f"training_mode: {mode.value} but metadata.training_mode is "
+                                    f"{start.training_mode.value!r}")
+        mode = mode or start.training_mode or self.default_training_mode
+        start.training_mode = mode
+        if mode is not None and start.head_name_patterns is None and self.head_name_patterns:
+            start.head_name_patterns = list(self.head_name_patterns)
+        await self.expire_stale_update()
+        if self._active is not None:
+            if self._active.update_id == start.update_id:
+                raise ServiceError(409, f"update {start.update_id} was already started")
+            await self._abort_active(f"superseded by update {start.update_id}", keep_gate=True)
+            await self.gate.transfer_write(start.update_id)
+        else:
+            try:
+                await self.gate.acquire_write(start.update_id, self.wait_timeout_s)
+            except TimeoutError:
+                raise ServiceError(503, "requests in flight did not drain in "
+                                        f"{self.wait_timeout_s:g}s; retry the update") from None
+        active = _ActiveUpdate(start.update_id, mode)
+        try:
+            async with self._guard():
+                await self.call_workers("start_weight_update", {"start": start.to_dict()})
+            if self.pause_generation:
+                from weightsync._runtime.vllm_compat import pause_generation
+
+                await pause_generation(self.engine)
+                active.paused = True
+        except BaseException:
+            await self._resume(active)
+            await self.gate.release_write(start.update_id)
+            raise
+        self._active = active
+        return {"ok": True, "update_id": start.update_id, "version": self.version}
+
+    def _require_active(self, update_id: str, what: str) -> _ActiveUpdate:
+        active = self._active
+        if active is None or active.update_id != update_id:
+            current = f"update {active.update_id} is in progress" if active else "no update is in progress"
+            raise ServiceError(409, f"{what} of update {update_id!r} without its start ({current})")
+        active.last_activity = time.monotonic()
+        return active
+
+    async def chunk(self, metadata: dict, mode: TrainingMode | None) -> dict:
+        """``mode`` (None: the start's) must be the mode the update started with."""
+        update_id = str(metadata.get("update_id", ""))
+        active = self._require_active(update_id, f"chunk {metadata.get('chunk_index')}")
+        if mode is not None and mode is not active.training_mode:
+            raise ServiceError(400, f"training_mode: {_mode_name(mode)} but update {update_id} "
+                                    f"started as {_mode_name(active.training_mode)}")
+        async with self._guard():
+            await self.call_workers("update_named_weights", {"request": metadata})
+        active.chunks += 1
+        active.last_activity = time.monotonic()
+        return {"ok": True, "chunks": active.chunks}
+
+    async def finish(self, metadata: dict, version: int | None) -> dict:
+        """Publish the new version if every chunk landed (else: torn or unchanged), reset the
+        prefix cache, resume generation, open the gate."""
+        from weightsync.types import WeightUpdateFinish
+
+        try:
+            finish = WeightUpdateFinish.from_dict(metadata)
+        except ValueError as e:
+            raise ServiceError(400, f"metadata: {e}") from None
+        if version is not None and finish.version is None:
+            finish.version = version
+        active = self._require_active(finish.update_id, "finish")
+        try:
+            async with self._guard():
+                results = await self.call_workers("finish_weight_update", {"finish": finish.to_dict()})
+            if finish.ok:
+                await self.reset_prefix_cache()
+        finally:
+            self._active = None
+            await self._resume(active)
+            await self.gate.release_write(finish.update_id)
+        published = int(results[0]) if results and results[0] is not None else self.version
+        return {"ok": finish.ok, "version": published, "state": self.torn_reason or "ready"}
+
+    async def _resume(self, active: _ActiveUpdate) -> None:
+        if active.paused:
+            from weightsync._runtime.vllm_compat import resume_generation
+
+            active.paused = False
+            try:
+                await resume_generation(self.engine)
+            except Exception as e:  # noqa: BLE001 - the engine is gone; health says so
+                log.error("%s: resuming generation after update %s failed: %s",
+                          self.name, active.update_id, e)
+
+    async def _abort_active(self, why: str, *, keep_gate: bool = False) -> None:
+        from weightsync.types import WeightUpdateFinish
+
+        active = self._active
+        if active is None:
+            return
+        log.warning("%s: aborting weight update %s: %s", self.name, active.update_id, why)
+        finish = WeightUpdateFinish(
+            update_id=active.update_id, num_chunks=active.chunks, ok=False, error=why
+        )
+        try:
+            async with self._guard():
+                await self.call_workers("finish_weight_update", {"finish": finish.to_dict()})
+        except ServiceError as e:  # the workers may not know it (never started there)
+            log.warning("abort of %s: %s", active.update_id, e.message)
+        finally:
+            self._active = None
+            await self._resume(active)
+            if not keep_gate:
+                await self.gate.release_write(active.update_id)
+
+    async def abort(self, update_id: str, why: str) -> None:
+        """Abort ``update_id`` if it is still the running update (a transfer that failed)."""
+        if self._active is not None and self._active.update_id == update_id:
+            await self._abort_active(why)
+
+    async def expire_stale_update(self) -> None:
+        active = self._active
+        if (active is not None and not self._control_in_flight
+                and time.monotonic() - active.last_activity > self.update_timeout_s):
+            await self._abort_active(
+                f"no call for {self.update_timeout_s:g}s; the sender is gone"
+            )
+
+    # -- small things ---------------------------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        from weightsync._runtime.vllm_compat import async_reset_prefix_cache
+
+        return await async_reset_prefix_cache(self.engine)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task:
+        """Run ``coro`` in the background; it counts in ``/get_num_background_tasks`` until it
+        ends; its failure is logged (the caller's coroutine reports it where it matters)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+
+        def _done(t: asyncio.Task) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("%s: %s failed: %s", self.name, what, t.exception())
+
+        task.add_done_callback(_done)
+        return task
+
+    def num_background_tasks(self) -> int:
+        """Control calls running + background tasks + the open update (0: all settled)."""
+        return (self._control_in_flight + len(self._background)
+                + (1 if self._active is not None else 0))
+
+    @property
+    def active_update(self) -> str | None:
+        return self._active.update_id if self._active is not None else None
+
+    def runtime_version(self) -> dict:
+        active = self._active
+        return {
+            "version": self.version,
+            "state": "torn" if self.torn_reason else ("updating" if active else "ready"),
+            "update_in_progress": active.update_id if active else None,
+        }
+
+    async def shutdown(self) -> None:
+        """Best effort on the way out: stop background transfers, close the receivers."""
+        for t in list(self._background):
+            t.cancel()
+        try:
+            await asyncio.wait_for(self._rpc("weightsync_call", "close_weight_transfer", {}), 10)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+    def _guard(self) -> _ControlGuard:
+        return _ControlGuard(self)
+
+
+def _mode_name(mode: TrainingMode | None) -> str:
+    return mode.value if mode is not None else "none"
+
+
+class _ControlGuard:
+    """Serialises control calls and counts them (``/get_num_background_tasks``)."""
+
+    def __init__(self, control: UpdateControl) -> None:
+        self.c = control
+
+    async def __aenter__(self) -> None:
+        self.c._control_in_flight += 1
+        await self.c._control.acquire()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.c._control.release()
+        self.c._control_in_flight -= 1
