@@ -4,7 +4,7 @@ Callers: ``weightsync.servers.control_routes`` and ``weightsync.servers.scoring`
 we own; vLLM's OpenAI routes parse their own bodies). Bodies are read with a size limit (413
 past it, before the rest is read) and parsed as JSON by hand, so every bad input gets a 4xx
 whose reason names the field; nothing received is unpickled. Errors answer
-``{"detail": reason, "offenders": [...]}``.
+``{"detail": reason, "offenders": [...], "error_type": ...}`` (the last two when known).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def error_response(e: ServiceError, headers: dict[str, str] | None = None) -> An
     body: dict[str, Any] = {"detail": e.message}
     if e.offenders:
         body["offenders"] = e.offenders
+    if e.error_type:
+        body["error_type"] = e.error_type
     return JSONResponse(body, status_code=e.status, headers=headers)
 
 

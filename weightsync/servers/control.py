@@ -43,13 +43,17 @@ log = logging.getLogger(__name__)
 
 
 class ServiceError(Exception):
-    """An answer with an HTTP status; ``offenders`` lists bad parameters when there are some."""
+    """An answer with an HTTP status; ``offenders`` lists bad parameters when there are some;
+    ``error_type`` names the engine's exception class when the error came from the workers (the
+    body carries it, so ``weightsync.errors.error_from_http`` rebuilds that exact class)."""
 
-    def __init__(self, status: int, message: str, *, offenders: list[str] | None = None) -> None:
+    def __init__(self, status: int, message: str, *, offenders: list[str] | None = None,
+                 error_type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.offenders = offenders or []
+        self.error_type = error_type
 
 
 @dataclass
@@ -118,6 +122,7 @@ class UpdateControl:
                     http_status(kind),
                     a.get("error") or kind,
                     offenders=a.get("offenders") or [],
+                    error_type=kind or None,
                 )
         return [a.get("result") for a in answers]
 
