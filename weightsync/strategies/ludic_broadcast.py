@@ -236,16 +236,9 @@ class LudicBroadcastReceiver(WeightTransferReceiver):
         self.group = group
         self.bucket_bytes = int(cfg.bucket_size_mb * (1 << 20))
 
-    async def receive_and_load_weights(
-        self, request: WeightUpdateRequest, loader: WeightLoader
-    ) -> None:
-        self._expect_own_type(request)
+    async def _receive_and_load(self, request: WeightUpdateRequest, loader: WeightLoader) -> None:
+        """(The base class validated the metadata; on a mismatch it ``refuse``s, which drains.)"""
         metas = request.metas()
-        try:
-            loader.validate(metas)
-        except Exception:  # checked at start already; still: let the trainer finish its sends
-            await self.refuse(request)
-            raise
         src = self._src(request)
         batches = _batches(metas, self.bucket_bytes)
         for i, batch in enumerate(batches):
