@@ -64,12 +64,17 @@ class BroadcastConfig(StrategyConfig):
 @dataclass(kw_only=True)
 class IpcConfig(StrategyConfig):
     type: str = "cuda_ipc"
+    # hybrid engines (trainer rank i and engine worker i on one GPU): every training rank sends
+    # handles to its own copy of each chunk and each worker reads the copy on its GPU; every
+    # rank calls create_sender / send_chunks in lockstep (strategies/_every_rank.py)
+    every_rank: bool = False
 
 
 @dataclass(kw_only=True)
 class PackedIpcConfig(StrategyConfig):
     type: str = "packed_cuda_ipc"
     num_buffers: int = 2  # double buffering: pack chunk i+1 while the engine reads chunk i
+    every_rank: bool = False  # as for cuda_ipc
 
 
 @dataclass(kw_only=True)

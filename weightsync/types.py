@@ -311,23 +311,46 @@ class IpcBufferHandle:
         return h
 
 
+def _handles(items: list[Any]) -> list[IpcBufferHandle]:
+    return [h if isinstance(h, IpcBufferHandle) else IpcBufferHandle.from_dict(h) for h in items]
+
+
+def _replicas(
+    replicas: list[Any], primary: list[IpcBufferHandle], kind: str, what: str
+) -> list[list[IpcBufferHandle]]:
+    """Coerce and check every_rank replicas: each a list parallel to ``primary`` whose buffers
+    have the same sizes."""
+    out = []
+    for r, rep in enumerate(replicas or []):
+        hs = _handles(list(rep))
+        if [h.nbytes for h in hs] != [h.nbytes for h in primary]:
+            raise ValueError(
+                f"{kind} request: replica {r + 1} has buffers of {[h.nbytes for h in hs]} bytes "
+                f"but the {what} have {[h.nbytes for h in primary]}: every rank must send the "
+                f"same chunk"
+            )
+        out.append(hs)
+    return out
+
+
 @dataclass(kw_only=True)
 class CudaIpcWeightUpdateRequest(WeightUpdateRequest):
     """One shared buffer per tensor (CUDA IPC for CUDA tensors, shared memory for CPU ones)."""
 
     TYPE: ClassVar[str] = "cuda_ipc"
     handles: list[IpcBufferHandle] = field(default_factory=list)
+    # every_rank mode: the same tensors' handles from training ranks 1.. (one list per rank,
+    # parallel to ``handles``); an engine worker reads the copy on its own GPU
+    replicas: list[list[IpcBufferHandle]] = field(default_factory=list)
 
     def _coerce(self) -> None:
         super()._coerce()
-        self.handles = [
-            h if isinstance(h, IpcBufferHandle) else IpcBufferHandle.from_dict(h)
-            for h in self.handles
-        ]
+        self.handles = _handles(self.handles)
         if len(self.handles) != len(self.names):
             raise ValueError(
                 f"cuda_ipc request: {len(self.names)} names but {len(self.handles)} handles"
             )
+        self.replicas = _replicas(self.replicas, self.handles, "cuda_ipc", "handles")
 
 
 @dataclass(kw_only=True)
@@ -339,13 +362,14 @@ class PackedCudaIpcWeightUpdateRequest(WeightUpdateRequest):
     buffers: list[IpcBufferHandle] = field(default_factory=list)
     buffer_index: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    # every_rank mode: the same chunk's buffers packed by training ranks 1.. (one list per rank,
+    # parallel to ``buffers``, same layout); an engine worker reads the copy on its own GPU
+    replicas: list[list[IpcBufferHandle]] = field(default_factory=list)
 
     def _coerce(self) -> None:
         super()._coerce()
-        self.buffers = [
-            h if isinstance(h, IpcBufferHandle) else IpcBufferHandle.from_dict(h)
-            for h in self.buffers
-        ]
+        self.buffers = _handles(self.buffers)
+        self.replicas = _replicas(self.replicas, self.buffers, "packed_cuda_ipc", "buffers")
         n = len(self.names)
         if len(self.buffer_index) != n or len(self.offsets) != n:
             raise ValueError(

@@ -100,7 +100,9 @@ def physical_gpu_ids(first: int, count: int) -> str:
 
 
 @contextlib.contextmanager
-def _env(**values: str | None) -> Iterator[None]:
+def scoped_env(**values: str | None) -> Iterator[None]:
+    """Set (or, with None, remove) environment variables for the ``with`` block only: what an
+    engine's processes inherit when they are started inside it."""
     old = {k: os.environ.get(k) for k in values}
     try:
         for k, v in values.items():
@@ -140,7 +142,7 @@ def start_engine(spec: EngineSpec) -> Any:
             env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     else:
         kwargs["kv_cache_memory_bytes"] = spec.cpu_kv_cache_bytes
-    with _env(**env):
+    with scoped_env(**env):
         return LLM(**kwargs)
 
 
@@ -170,6 +172,12 @@ class BenchWorkerExtension(WeightSyncWorkerExtension):
 
     def bench_noop(self) -> int:
         return 0
+
+    def bench_receiver_attr(self, name: str) -> Any:
+        """An attribute of this worker's receiver (e.g. ``last_replica``: which training rank's
+        copy an every_rank IPC receiver read last); None without a receiver."""
+        receiver = self._ws().receiver
+        return None if receiver is None else getattr(receiver, name, None)
 
     def bench_packed_mapping(self) -> dict[str, list[str]]:
         return compat.packed_modules_mapping(self)

@@ -11,7 +11,9 @@
   builds a dtype/shape view with ``torch.frombuffer``, no copy.
 
 Processes: ``create_sender`` / the sender run in the training process; receivers in the engine
-workers. There is no data-plane rendezvous (``EmptyWeightSyncInfo``); the engine only has to
+workers. With ``every_rank: true`` (hybrid engines: training rank i and engine worker i share a
+GPU) every training rank runs a sender in lockstep and each worker reads its own rank's copy
+(``strategies/_every_rank.py``). There is no data-plane rendezvous (``EmptyWeightSyncInfo``); the engine only has to
 see the same GPUs / the same ``/dev/shm``. Every request's bytes stay valid until the engines'
 ``update_named_weights`` returned: the loader copies out of the views before that.
 """
@@ -33,6 +35,12 @@ from weightsync.interfaces import (
     WeightTransferReceiver,
     WeightTransferSender,
     WeightTransferStrategy,
+)
+from weightsync.strategies._every_rank import (
+    EveryRankClient,
+    EveryRankSender,
+    RankGroup,
+    pick_replica,
 )
 from weightsync.strategies._ipc_open import IpcBufferOpener
 from weightsync.strategies._layout import as_bytes, views_into
@@ -69,7 +77,7 @@ async def call_engines(
         ) from None
 
 
-class CudaIpcSender(WeightTransferSender):
+class CudaIpcSender(EveryRankSender, WeightTransferSender):
     """Makes one handle per tensor; CPU tensors are copied into pooled shm segments unless they
     already live in shared weights. ``shared_tensors`` / ``copied_tensors`` count both kinds."""
 
@@ -135,6 +143,7 @@ class CudaIpcSender(WeightTransferSender):
         request: WeightUpdateRequest,
         inference_client: InferenceEngineClient,
     ) -> None:
+        await self.share_handles(request)
         await call_engines(inference_client, request, self.cfg.timeout_s)
 
     def _release(self, request: WeightUpdateRequest) -> None:
@@ -154,6 +163,7 @@ class CudaIpcSender(WeightTransferSender):
         for held in pending:
             self._give_back(held)
         self.pool.close()
+        self.close_rank_group()
 
 
 class CudaIpcReceiver(WeightTransferReceiver):
@@ -161,8 +171,10 @@ class CudaIpcReceiver(WeightTransferReceiver):
 
     request_cls = CudaIpcWeightUpdateRequest
 
-    def __init__(self, cfg: IpcConfig) -> None:
+    def __init__(self, cfg: IpcConfig, rank_offset: int = 1) -> None:
         self.cfg = cfg
+        self.rank_offset = rank_offset
+        self.last_replica = 0  # which rank's copy the last chunk was read from (every_rank)
         self.buffers = IpcBufferOpener(AttachedSegments(max_bytes=4 * bucket_bytes(cfg)))
 
     async def _receive_and_load(
@@ -170,8 +182,10 @@ class CudaIpcReceiver(WeightTransferReceiver):
     ) -> None:
         if request.chunk_index == 0:
             self.buffers.begin_sync()
+        handles, self.last_replica = pick_replica(request.handles, request.replicas,
+                                                  self.rank_offset)
         raws = []
-        for m, h in zip(request.metas(), request.handles, strict=True):
+        for m, h in zip(request.metas(), handles, strict=True):
             if h.nbytes != m.nbytes:
                 raise WeightSyncError(
                     f"{m.name}: handle has {h.nbytes} bytes but {m.dtype}{m.shape} needs {m.nbytes}"
@@ -206,11 +220,32 @@ class CudaIpcStrategy(WeightTransferStrategy):
         return EmptyWeightSyncInfo()
 
     async def create_sender(
-        self, cfg: Any, inference_client: InferenceEngineClient, sync_info: WeightSyncInfo
+        self, cfg: Any, inference_client: InferenceEngineClient | None, sync_info: WeightSyncInfo
     ) -> WeightTransferSender:
+        """The sending process's sender. With ``every_rank`` every training rank calls this
+        (rank 0 with the engines' client, the others with None) and gets a sender that sends
+        in lockstep with the others (``strategies/_every_rank.py``)."""
         cfg = cfg or self.cfg
-        await self._init_engines(cfg, inference_client, sync_info)
-        return self.sender_cls(cfg)
+        group = None
+        if getattr(cfg, "every_rank", False):
+            from weightsync._runtime.threads import in_thread
+
+            # the other ranks wait for rank 0's engine calls, which have cfg.timeout_s each
+            group = await in_thread(RankGroup, 2 * float(cfg.timeout_s) + 60.0)
+            inference_client = EveryRankClient(
+                inference_client if group.rank == 0 else None, group)
+        elif inference_client is None:
+            raise ValueError(f"{self.name}: create_sender needs the engines' client (None is "
+                             f"only for ranks other than 0 with every_rank: true)")
+        try:
+            await self._init_engines(cfg, inference_client, sync_info)
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
+        sender = self.sender_cls(cfg)
+        sender.rank_group = group
+        return sender
 
     async def _init_engines(
         self, cfg: Any, inference_client: InferenceEngineClient, sync_info: WeightSyncInfo
@@ -229,7 +264,7 @@ class CudaIpcStrategy(WeightTransferStrategy):
     async def create_receiver(
         self, cfg: Any, sync_info: WeightSyncInfo, rank_offset: int
     ) -> WeightTransferReceiver:
-        return self.receiver_cls(cfg or self.cfg)
+        return self.receiver_cls(cfg or self.cfg, rank_offset=rank_offset)
 
 
 def _info_dict(sync_info: Any) -> dict:

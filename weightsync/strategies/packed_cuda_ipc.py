@@ -37,6 +37,7 @@ from weightsync.interfaces import (
     WeightTransferReceiver,
     WeightTransferSender,
 )
+from weightsync.strategies._every_rank import EveryRankSender, pick_replica
 from weightsync.strategies._ipc_open import IpcBufferOpener
 from weightsync.strategies._layout import DEFAULT_ALIGN, pack_into, plan_layout, views_into
 from weightsync.strategies.cuda_ipc import CudaIpcStrategy, bucket_bytes, call_engines
@@ -54,7 +55,8 @@ from weightsync.types import (
 # --------------------------------------------------------------------------------------------
 
 
-class PackedCudaIpcSender(WeightTransferSender):
+class PackedCudaIpcSender(EveryRankSender, WeightTransferSender):
+    handle_field = "buffers"
     overlap = True
 
     def __init__(self, cfg: PackedIpcConfig) -> None:
@@ -152,6 +154,7 @@ class PackedCudaIpcSender(WeightTransferSender):
         request: WeightUpdateRequest,
         inference_client: InferenceEngineClient,
     ) -> None:
+        await self.share_handles(request)
         await call_engines(inference_client, request, self.cfg.timeout_s)
 
     def _release(self, request: WeightUpdateRequest) -> None:
@@ -162,13 +165,16 @@ class PackedCudaIpcSender(WeightTransferSender):
 
     async def close(self) -> None:
         self.pool.close()
+        self.close_rank_group()
 
 
 class PackedCudaIpcReceiver(WeightTransferReceiver):
     request_cls = PackedCudaIpcWeightUpdateRequest
 
-    def __init__(self, cfg: PackedIpcConfig) -> None:
+    def __init__(self, cfg: PackedIpcConfig, rank_offset: int = 1) -> None:
         self.cfg = cfg
+        self.rank_offset = rank_offset
+        self.last_replica = 0  # which rank's copy the last chunk was read from (every_rank)
         n = max(int(getattr(cfg, "num_buffers", 2)), 1)
         # room for every slot of the sender's pool plus one regrown slot, sized from the largest
         # slot seen (a chunk of one big tensor can pass the bucket); shared weights apart
@@ -182,7 +188,9 @@ class PackedCudaIpcReceiver(WeightTransferReceiver):
     ) -> None:
         if request.chunk_index == 0:
             self.buffers.begin_sync()
-        raws = [self.buffers.open(h) for h in request.buffers]
+        buffers, self.last_replica = pick_replica(request.buffers, request.replicas,
+                                                  self.rank_offset)
+        raws = [self.buffers.open(h) for h in buffers]
         try:
             tensors = views_into(raws, request.names, request.dtypes, request.shapes,
                                  request.buffer_index, request.offsets)
