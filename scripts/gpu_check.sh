@@ -107,7 +107,7 @@ case "$stage" in
     ;;
   four-gpu)
     need_vllm; need_gpus 4
-    bench qwen2-7b_tp2 300 --shape qwen2-7b --tp 2 --rows broadcast,native_nccl --check-logprobs
+    bench qwen2-7b_tp2 300 --shape qwen2-7b --tp 2 --rows broadcast,ludic,native_nccl --check-logprobs
     pytest_stage four_gpu 280 tests/gpu/test_four_gpu.py
     summary
     ;;

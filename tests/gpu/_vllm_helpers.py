@@ -7,6 +7,9 @@ import asyncio
 from typing import Any
 
 EXT = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
+# a trainer's torch.distributed variables, kept from the engine processes it starts
+TORCH_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 TEXTS = ["The model is helpful today.", "Question: name a colour. Answer: blue.",
          "Weights move from the trainer into the inference engine after every step."]
 
@@ -94,3 +97,20 @@ def sync(llm: Any, state: dict[str, Any], strategy_cfg: dict, *, per_chunk: int 
             await client.close_weight_transfer()
 
     return asyncio.run(go())
+
+
+def start_llm(model_dir: str, gpus: str, *, tp: int = 1, memory: float = 0.3,
+              extension: str | None = None) -> Any:
+    """An in-process ``LLM`` (bf16, eager) whose processes see only ``gpus`` (e.g. "2,3"), with
+    the trainer's torch.distributed variables kept from them."""
+    import os
+
+    from vllm import LLM
+
+    from weightsync.bench.vllm_engine import BENCH_EXTENSION, scoped_env
+
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    with scoped_env(**dict.fromkeys(TORCH_DIST_ENV), CUDA_VISIBLE_DEVICES=gpus):
+        return LLM(model=model_dir, dtype="bfloat16", tensor_parallel_size=tp, max_model_len=256,
+                   gpu_memory_utilization=memory, enforce_eager=True,
+                   worker_extension_cls=extension or BENCH_EXTENSION, seed=0)

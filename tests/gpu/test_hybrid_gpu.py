@@ -24,10 +24,6 @@ import pytest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(560)]
 
-SCRUB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-         "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,20 +46,6 @@ def _rank_main(rank: int, world: int, port: int, kind: str, strategy: str, root:
         asyncio.run(_rank_async(rank, world, kind, strategy, root))
     finally:
         torch.distributed.destroy_process_group()
-
-
-def _start_engine(base: str) -> object:
-    """vLLM TP=2 over GPUs 0 and 1, started from rank 0 (its workers are separate processes;
-    the trainer's torch.distributed variables are kept from them)."""
-    from weightsync.bench.vllm_engine import BENCH_EXTENSION, scoped_env
-
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    from vllm import LLM
-
-    with scoped_env(**{k: None for k in SCRUB}, CUDA_VISIBLE_DEVICES="0,1"):
-        return LLM(model=base, dtype="bfloat16", tensor_parallel_size=2, max_model_len=256,
-                   gpu_memory_utilization=0.3, enforce_eager=True,
-                   worker_extension_cls=BENCH_EXTENSION, seed=0)
 
 
 def _trainer_model(kind: str, new: str, rank: int, world: int):
@@ -113,7 +95,7 @@ def _reference_logprobs(kind: str, model, new: str, ids: list[list[int]]) -> lis
 
 async def _rank_async(rank: int, world: int, kind: str, strategy: str, root: str) -> None:
     import torch
-    from _vllm_helpers import close, prompt_ids, vllm_prompt_logprobs
+    from _vllm_helpers import close, prompt_ids, start_llm, vllm_prompt_logprobs
 
     from weightsync import build_extractor, build_strategy
     from weightsync.loaders.vllm_worker import VLLMEngineClient
@@ -127,7 +109,7 @@ async def _rank_async(rank: int, world: int, kind: str, strategy: str, root: str
         model, ext_cfg = _trainer_model(kind, new, rank, world)
         torch.distributed.barrier()
         if rank == 0:
-            llm = _start_engine(base)
+            llm = start_llm(base, "0,1", tp=2)
             client = VLLMEngineClient(llm, timeout_s=120)
         torch.distributed.barrier()  # the engine is up before anyone joins
         ids = prompt_ids(base)

@@ -30,7 +30,7 @@ def test_cli_runs_every_cpu_row_and_verifies_it(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["row"]: r for r in result["rows"]}
-    assert set(rows) == {"broadcast", "cuda_ipc", "packed_cuda_ipc", "per_param"}  # no native on CPU
+    assert set(rows) == {"broadcast", "cuda_ipc", "packed_cuda_ipc", "per_param", "ludic"}  # no native
     for r in rows.values():
         assert r["verified"] and r["bit_exact"] and r["logprobs"]["ok"], r
         assert r["check"]["compared"] > 0 and not r["check"]["mismatched"]

@@ -67,27 +67,32 @@ def raw_broadcast_gbps(
     device: str = "cpu",
     repeats: int = 3,
     *,
-    peer_device: str | None = None,
+    peer_device: str | list[str] | None = None,
     timeout_s: float = 300.0,
 ) -> float:
-    """Broadcast ``nbytes`` to a spawned peer process; median GB/s."""
+    """Broadcast ``nbytes`` to spawned peer processes (one per entry of ``peer_device``, a
+    device or a list of them; default one peer on ``device``); median GB/s (bytes counted once,
+    however many peers)."""
     import multiprocessing as mp
 
     from weightsync._runtime.process_group import build_group, make_master_store
     from weightsync.types import TorchDistributedWeightSyncInfo
 
-    store = make_master_store(0, 2, timeout_s)
+    peers = [peer_device] if isinstance(peer_device, str) else list(peer_device or [device])
+    world = 1 + len(peers)
+    store = make_master_store(0, world, timeout_s)
     info = TorchDistributedWeightSyncInfo(
-        master_addr="127.0.0.1", master_port=int(store.port), world_size=2,
+        master_addr="127.0.0.1", master_port=int(store.port), world_size=world,
         group_name="bench-reference", backend=backend, timeout_s=timeout_s,
     )
     ctx = mp.get_context("spawn")
-    peer = ctx.Process(
-        target=_peer_main,
-        args=(info.to_dict(), nbytes, repeats, peer_device or device),
-        daemon=True,
-    )
-    peer.start()
+    procs = [
+        ctx.Process(target=_peer_main, args=(info.to_dict(), nbytes, repeats, dev, rank),
+                    daemon=True)
+        for rank, dev in enumerate(peers, start=1)
+    ]
+    for p in procs:
+        p.start()
     try:
         group = build_group(info, 0, store=store, device=device if backend == "nccl" else None)
         import torch
@@ -104,15 +109,18 @@ def raw_broadcast_gbps(
             if i:
                 times.append(time.perf_counter() - t0)
         group.close()
-        peer.join(timeout=timeout_s)
+        for p in procs:
+            p.join(timeout=timeout_s)
     finally:
-        if peer.is_alive():
-            peer.kill()
-            peer.join(5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
     return nbytes / statistics.median(times) / 1e9
 
 
-def _peer_main(info_dict: dict[str, Any], nbytes: int, repeats: int, device: str) -> None:
+def _peer_main(info_dict: dict[str, Any], nbytes: int, repeats: int, device: str,
+               rank: int = 1) -> None:
     import os
 
     import torch
@@ -123,7 +131,7 @@ def _peer_main(info_dict: dict[str, Any], nbytes: int, repeats: int, device: str
     info = TorchDistributedWeightSyncInfo.from_dict(info_dict)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    group = build_group(info, 1, device=device if info.backend == "nccl" else None)
+    group = build_group(info, rank, device=device if info.backend == "nccl" else None)
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     for _ in range(repeats + 1):
         group.broadcast(buf, src=0)

@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 OURS = ("broadcast", "cuda_ipc", "packed_cuda_ipc")
-PER_PARAM = "per_param"
+PER_PARAM = "per_param"  # ours, one chunk (announce + broadcast + load) per tensor
+LUDIC = "ludic"  # the Ludic/TRL protocol: one announce, one broadcast per tensor, barrier
 NATIVE = ("native_nccl", "native_ipc", "native_ipc_packed")
-ALL_ROWS = (*OURS, PER_PARAM, *NATIVE)
-REMOTE_ROWS = ("broadcast", PER_PARAM, "native_nccl")  # engine on another GPU (NCCL)
+ALL_ROWS = (*OURS, PER_PARAM, LUDIC, *NATIVE)
+REMOTE_ROWS = ("broadcast", PER_PARAM, LUDIC, "native_nccl")  # engine on another GPU (NCCL)
 
 
 @dataclass(kw_only=True)

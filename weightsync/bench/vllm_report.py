@@ -78,8 +78,8 @@ def plot(result: dict[str, Any], path: str) -> bool:
         if r.get("seconds"):
             labels.append(r["row"])
             secs.append(r["seconds"] * 1e3)
-            colors.append({"ours": "tab:blue", "native": "tab:orange"}.get(r.get("kind"),
-                                                                           "tab:red"))
+            colors.append({"ours": "tab:blue", "native": "tab:orange",
+                           "ludic": "tab:green"}.get(r.get("kind"), "tab:red"))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     ax = axes[0]
     ax.barh(labels, secs, color=colors)

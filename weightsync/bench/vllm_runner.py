@@ -23,6 +23,7 @@ from typing import Any
 
 from weightsync.bench.probes import ProbeClient, device_sync, timed_chunks, timed_sync_fn
 from weightsync.bench.vllm_config import (
+    LUDIC,
     NATIVE,
     PER_PARAM,
     REMOTE_ROWS,
@@ -82,14 +83,16 @@ class Bench:
         self.log(f"{name}: {gbps:.1f} GB/s -> {self.nbytes / gbps / 1e9 * 1e3:.2f} ms for all bytes")
         if any(r in REMOTE_ROWS for r in cfg.rows):
             backend = "nccl" if cfg.on_cuda else "gloo"
-            peer = "cuda:1" if cfg.on_cuda else "cpu"
+            tp = cfg.tensor_parallel_size
+            peers = [f"cuda:{1 + i}" for i in range(tp)] if cfg.on_cuda else ["cpu"] * tp
             try:
                 gbps = raw_broadcast_gbps(self.nbytes, backend, self.trainer_device,
-                                          max(cfg.repeats, 3), peer_device=peer,
+                                          max(cfg.repeats, 3), peer_device=peers,
                                           timeout_s=min(cfg.timeout_s, 180.0))
                 self.references["flat_broadcast"] = {
                     "seconds": self.nbytes / gbps / 1e9, "gbps": gbps,
-                    "note": f"one {backend} broadcast of one flat buffer to one peer",
+                    "note": f"one {backend} broadcast of one flat buffer to {tp} peer(s) "
+                            f"({', '.join(peers)})",
                 }
                 self.log(f"flat {backend} broadcast: {gbps:.1f} GB/s")
             except Exception as e:  # reported, the rows still run
@@ -280,17 +283,25 @@ class Bench:
             f"{k} {v * 1e3:.1f}" for k, v in out.items() if k.endswith("_s") and k != "total_s"))
         return out
 
-    def run_native(self, row: str, llm: Any) -> dict[str, Any]:
+    def run_reference_row(self, row: str, llm: Any) -> dict[str, Any]:
+        """A row driven by someone else's protocol: vLLM's native engines, the Ludic client."""
         from weightsync.bench.native import GIB, NativeIpcSync, NativeNcclSync
+        from weightsync.bench.vllm_engine import rpc_one
 
         cfg = self.cfg
-        rec: dict[str, Any] = {"row": row, "kind": "native"}
+        rec: dict[str, Any] = {"row": row, "kind": "ludic" if row == LUDIC else "native"}
         named = list(self.module.state_dict().items())
         largest = max(t.numel() * t.element_size() for _, t in named)
         engine_base = self.engine_memory(llm, reset=True)
         sender_base = self.sender_memory(reset=True)
-        if row == "native_nccl":
-            native: Any = NativeNcclSync(llm, timeout_s=cfg.timeout_s)
+        version = int(rpc_one(llm, "weightsync_version"))
+        if row == LUDIC:
+            from weightsync.bench.ludic import LudicTrainerSync
+
+            native: Any = LudicTrainerSync(llm, device=self.trainer_device,
+                                           timeout_s=cfg.timeout_s)
+        elif row == "native_nccl":
+            native = NativeNcclSync(llm, timeout_s=cfg.timeout_s)
         else:
             native = NativeIpcSync(llm, packed=row == "native_ipc_packed", buffer_bytes=GIB,
                                    largest_tensor_bytes=largest)
@@ -300,7 +311,13 @@ class Bench:
             for i in range(cfg.warmup + cfg.repeats):
                 self.negate()
                 t0 = time.perf_counter()
-                native.sync(named)
+                if row == LUDIC:
+                    version += 1
+                    published = native.sync(named, version)
+                    if published != [version] * len(published):
+                        raise RuntimeError(f"engine published {published}, expected {version}")
+                else:
+                    native.sync(named)
                 dt = time.perf_counter() - t0
                 (times if i >= cfg.warmup else rec.setdefault("warmup_s", [])).append(dt)
                 self.log(f"{row}: sync {i + 1}/{cfg.warmup + cfg.repeats} {dt * 1e3:.1f} ms")
@@ -332,8 +349,8 @@ class Bench:
                 continue
             rec: dict[str, Any] = {"row": row, "engine_device": device}
             try:
-                if row in NATIVE:
-                    rec.update(self.run_native(row, llm))
+                if row in NATIVE or row == LUDIC:
+                    rec.update(self.run_reference_row(row, llm))
                 else:
                     rec.update(await self.run_ours(row, llm))
                 rec["check"] = self.verify(llm)
@@ -367,14 +384,15 @@ class Bench:
 
     def native_comparison(self) -> None:
         by = {r["row"]: r for r in self.rows if r.get("seconds")}
-        pairs = {"broadcast": "native_nccl", "per_param": "native_nccl",
+        pairs = {"broadcast": "native_nccl", "per_param": "native_nccl", "ludic": "native_nccl",
                  "cuda_ipc": "native_ipc", "packed_cuda_ipc": "native_ipc"}
         for row, ref in pairs.items():
             if row in by and ref in by:
                 by[row]["x_native"] = by[row]["seconds"] / by[ref]["seconds"]
                 by[row]["native"] = ref
-        if "per_param" in by and "broadcast" in by:
-            by["broadcast"]["per_param_speedup"] = by["per_param"]["seconds"] / by["broadcast"]["seconds"]
+        for slow in ("per_param", "ludic"):  # how much faster ours is than the per-tensor ways
+            if slow in by and "broadcast" in by:
+                by["broadcast"][f"{slow}_speedup"] = by[slow]["seconds"] / by["broadcast"]["seconds"]
 
     def meta(self) -> dict[str, Any]:
         import platform

@@ -7,7 +7,7 @@ vLLM's own weight-transfer engine, in one run, one table.
 The trainer is this process: a module of the named shape (``weightsync.bench.shapes``, random
 values, HF names) on ``cuda:0`` (or the CPU). The engine is an in-process ``vllm.LLM`` with dummy
 weights of the same shape (``weightsync.bench.vllm_engine``), TP=1 by default, eager unless
-``--cuda-graphs``. Placement on CUDA: the NCCL rows (``broadcast``, ``per_param``,
+``--cuda-graphs``. Placement on CUDA: the NCCL rows (``broadcast``, ``per_param``, ``ludic``,
 ``native_nccl``) go to an engine on the next GPU(s); the IPC rows (``cuda_ipc``,
 ``packed_cuda_ipc``, ``native_ipc``, ``native_ipc_packed``) to an engine on the trainer's GPU
 (colocated). On the CPU one engine takes every row (gloo broadcast, shared-memory IPC); vLLM's
@@ -18,9 +18,11 @@ Rows (``--rows``):
 * ours, end to end (extract -> transfer -> ``load_weights`` in vLLM -> version published), through
   ``VLLMEngineClient`` + ``build_strategy`` + ``send_chunks``: ``broadcast``, ``cuda_ipc``,
   ``packed_cuda_ipc``;
-* ``per_param``: the per-parameter way of common RL clients (one announce, one broadcast and
-  one ``load_weights`` per tensor), here in process through the same client with one chunk per
-  tensor and no packing;
+* ``per_param``: ours made per-parameter (one announce, one broadcast and one ``load_weights``
+  per tensor), through the same client with one chunk per tensor and no packing;
+* ``ludic``: the Ludic / TRL client's protocol (``weightsync.bench.ludic``): one announce of the
+  whole batch, one broadcast per tensor from the trainer, a barrier, into our
+  ``ludic_broadcast`` receivers in the same engine (control calls in process, not HTTP);
 * ``native_nccl`` / ``native_ipc`` / ``native_ipc_packed``: vLLM's own engine through its own
   API (``weightsync.bench.native``), into the same engine;
 * references measured in the same run: ``flat_broadcast`` (one broadcast of all bytes as one
