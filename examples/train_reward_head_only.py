@@ -43,7 +43,7 @@ async def main(strategy: str, rounds: int) -> None:
 
             server.wait_healthy(progress=print)
             client = VLLMRewardClient(
-                server.host, server.port, group_port=free_port(),
+                server.host, server.port, group_port=free_port(), enable_weight_updates=True,
                 strategy=None if strategy == "broadcast" else {"type": strategy},
             )
 
@@ -57,9 +57,10 @@ async def main(strategy: str, rounds: int) -> None:
                 for _ in range(rounds):
                     # 3. train the head (Bradley-Terry), 4. publish it, 5. score with it
                     train_head(model, feats_c, feats_r, steps=100, lr=1e-2)
-                    stats = await client.sync_weights(
+                    await client.sync_weights_async(
                         head_params(model), training_mode=RewardModelTrainingMode.HEAD_ONLY
                     )
+                    stats = client.last_sync_stats
                     print(
                         f"synced {stats.total_bytes} bytes in {stats.seconds * 1e3:.1f} ms -> "
                         f"version {await client.get_model_version()}: "

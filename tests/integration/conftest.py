@@ -23,7 +23,6 @@ rules hold.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import socket
@@ -59,6 +58,7 @@ class RewardServerHandle:
 
         kwargs.setdefault("api_key", self.api_key)
         kwargs.setdefault("connection_timeout_s", 30.0)
+        kwargs.setdefault("enable_weight_updates", True)  # the tests push weights
         return VLLMRewardClient(port=self.port, **kwargs)
 
     def restore(self) -> int:
@@ -67,12 +67,11 @@ class RewardServerHandle:
 
         weights = load_file(os.path.join(self.model_dir, "model.safetensors"))
 
-        async def _go() -> int:
-            async with self.client() as c:
-                stats = await c.sync_weights(weights)
-                return int(stats.versions[0])
-
-        return asyncio.run(_go())
+        client = self.client()
+        try:
+            return int(client.sync_weights(weights))
+        finally:
+            client.close_sync()
 
     def log_tail(self, n: int = 40) -> str:
         try:

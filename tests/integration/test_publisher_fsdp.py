@@ -64,7 +64,7 @@ async def _rank_async(rank: int, world: int, out_path: str) -> None:
     report: dict = {}
     try:
         try:
-            out = await bad.publish(model, training_mode="full", version=1)
+            out = await bad.publish_async(model, training_mode="full", version=1)
             report["bad"] = "returned" if out is None else "sent"
         except WeightMismatchError as e:
             report["bad"] = f"refused: {e}"
@@ -74,7 +74,7 @@ async def _rank_async(rank: int, world: int, out_path: str) -> None:
         torch.distributed.all_reduce(sentinel)  # misaligned collectives would fail or hang here
         report["sentinel"] = float(sentinel)
 
-        stats = await good.publish(model, training_mode="full", version=1)
+        stats = await good.publish_async(model, training_mode="full", version=1)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         if rank == 0:
             digests = await engines[0].call("state_digest")
@@ -85,7 +85,7 @@ async def _rank_async(rank: int, world: int, out_path: str) -> None:
         ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(rank))
         model(input_ids=ids).logits.sum().backward()
         opt.step()
-        stats = await good.publish(model, training_mode="head_only", version=2)
+        stats = await good.publish_async(model, training_mode="head_only", version=2)
         head_metas = good.last_extractor.metadata(model)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         report["head_planned"] = [m.name for m in head_metas]

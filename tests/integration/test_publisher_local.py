@@ -2,7 +2,7 @@
 
 One ``LocalEngineProcess`` (a module with the tiny reward model's engine names) and one
 publisher with ``comm = broadcast/gloo`` for the module; the publisher is driven through
-``publish_sync`` (its own loop). Checked: FULL, HEAD_ONLY and LORA land exactly what the mode
+the blocking ``publish`` (its own loop). Checked: FULL, HEAD_ONLY and LORA land exactly what the mode
 says (digests vs the model / PEFT's merge), versions rise; every bad input is refused before any
 byte moves (engine version and digests unchanged); explicit params travel in one deterministic
 order; rank rules.
@@ -89,13 +89,13 @@ def test_each_mode_lands_what_it_says(rig) -> None:
     pub, state = rig["pub"], rig["state"]
     model = copy.deepcopy(rig["base"])
 
-    stats = pub.publish_sync(model, training_mode=Mode.FULL, version=1)
+    stats = pub.publish(model, 1, training_mode=Mode.FULL)
     version, got = state()
     assert version == 1 and stats.versions == [1]
     assert got == {n: _digest(t) for n, t in model.state_dict().items()}
 
     _train(model, seed=1)  # everything moved; a head-only update sends only the head
-    stats = pub.publish_sync(model, training_mode="head_only", version=2)
+    stats = pub.publish(model, 2, training_mode="head_only")
     assert stats.num_tensors == 1
     version, got2 = state()
     assert version == 2
@@ -105,7 +105,7 @@ def test_each_mode_lands_what_it_says(rig) -> None:
 
     peft_model = _peft(model)
     _train(peft_model, seed=2)
-    stats = pub.publish_sync(peft_model, training_mode=Mode.LORA, version=3)
+    stats = pub.publish(peft_model, 3, training_mode=Mode.LORA)
     merged = copy.deepcopy(peft_model).merge_and_unload().state_dict()
     version, got3 = state()
     assert version == 3
@@ -120,26 +120,27 @@ def test_bad_input_is_refused_before_any_byte_moves(rig) -> None:
     sd = model.state_dict()
     peft_model = _peft(copy.deepcopy(model))
     cases = {
-        "head_only with backbone": (
-            lambda: pub.publish_sync(sd, training_mode=Mode.HEAD_ONLY),
-            "model.layers.0.self_attn.q_proj.weight: not a head parameter"),
+        "head_only without a head": (
+            lambda: pub.publish({"model.norm.weight": sd["model.norm.weight"]},
+                                training_mode=Mode.HEAD_ONLY),
+            "model.norm.weight: not a head parameter"),
         "full without backbone": (
-            lambda: pub.publish_sync({"score.weight": sd["score.weight"]}, training_mode="full"),
+            lambda: pub.publish({"score.weight": sd["score.weight"]}, training_mode="full"),
             "full mode requires backbone weights"),
         "lora without backbone": (
-            lambda: pub.publish_sync({"score.weight": sd["score.weight"]}, training_mode="lora"),
+            lambda: pub.publish({"score.weight": sd["score.weight"]}, training_mode="lora"),
             "sends the merged backbone too"),
         "unmerged lora tensors": (
-            lambda: pub.publish_sync(dict(peft_model.state_dict()), training_mode="lora"),
+            lambda: pub.publish(dict(peft_model.state_dict()), training_mode="lora"),
             "lora_A.default.weight: an unmerged LoRA tensor"),
         "unknown name (engine refuses the manifest)": (
-            lambda: pub.publish_sync({**sd, "model.layers.7.mlp.up_proj.weight": sd[
+            lambda: pub.publish({**sd, "model.layers.7.mlp.up_proj.weight": sd[
                 "model.layers.0.mlp.up_proj.weight"]}, training_mode="full"),
             "model.layers.7.mlp.up_proj.weight: not a parameter of the target"),
         "lora mode on a model without adapters": (
-            lambda: pub.publish_sync(model, training_mode="lora"), "no active LoRA adapter"),
+            lambda: pub.publish(model, training_mode="lora"), "no active LoRA adapter"),
         "full mode on a model with adapters": (
-            lambda: pub.publish_sync(peft_model, training_mode="full"),
+            lambda: pub.publish(peft_model, training_mode="full"),
             "has active LoRA adapters"),
     }
     for what, (call, needle) in cases.items():
@@ -147,6 +148,23 @@ def test_bad_input_is_refused_before_any_byte_moves(rig) -> None:
             call()
         assert needle in str(e.value), (what, str(e.value))
         assert state() == before, f"{what}: the engine changed"
+
+
+def test_head_only_state_dict_keeps_the_head_and_warns(rig) -> None:
+    from weightsync.reward.selection import TrainingModeWarning
+
+    pub, state = rig["pub"], rig["state"]
+    version, before = state()
+    model = copy.deepcopy(rig["base"])
+    _train(model, seed=9)
+    sd = {f"_fsdp_wrapped_module.{n}": t for n, t in model.state_dict().items()}
+    with pytest.warns(TrainingModeWarning, match=r"kept the 1 head tensor\(s\)"):
+        stats = pub.publish(sd, training_mode=Mode.HEAD_ONLY)
+    assert stats.num_tensors == 1
+    version2, got = state()
+    assert version2 == version + 1 and got["score.weight"] == _digest(model.score.weight)
+    assert {n: d for n, d in got.items() if n != "score.weight"} == {
+        n: d for n, d in before.items() if n != "score.weight"}
 
 
 def test_unknown_names_refused_locally_with_engine_metadata(rig) -> None:
@@ -180,9 +198,9 @@ def test_explicit_params_travel_in_one_order() -> None:
 def test_rank_rules() -> None:
     model = _model()
     # a non-sending rank of an unsharded model does nothing (no control needed at all)
-    assert RewardModelPublisher(None, src_rank=0, rank=1).publish_sync(
+    assert RewardModelPublisher(None, src_rank=0, rank=1).publish(
         model, training_mode="full") is None
-    assert create_reward_publisher(None, rank0_only=True, rank=3).publish_sync(
+    assert create_reward_publisher(None, rank0_only=True, rank=3).publish(
         model.state_dict(), training_mode="full") is None
     with pytest.raises(ValueError, match="rank0_only=True needs src_rank=0"):
         RewardModelPublisher(None, src_rank=1, rank0_only=True)

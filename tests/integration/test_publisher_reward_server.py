@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import copy
 
+import httpx
 import pytest
 import torch
 
@@ -75,7 +76,7 @@ async def _publish_and_score(reward_server, model, mode, *, rounds=1, tok=None, 
             if between is not None:
                 between(i)
             before = await client.get_model_version()
-            stats = await pub.publish(model, training_mode=mode)
+            stats = await pub.publish_async(model, training_mode=mode)
             served = await client.score_batch(TEXTS)
             out.append((stats, before, served, None))
         await pub.close()
@@ -165,7 +166,8 @@ def test_bad_input_refused_before_any_byte_moves(reward_server, base, tiny_rewar
             pub = create_reward_publisher(client)
             local = RewardModelPublisher(client, engine_metadata=tiny_reward_model_dir, rank=0)
             cases = [
-                (pub, sd, Mode.HEAD_ONLY, "not a head parameter"),
+                (pub, {"model.norm.weight": sd["model.norm.weight"]}, Mode.HEAD_ONLY,
+                 "not a head parameter"),
                 (pub, {"score.weight": sd["score.weight"]}, Mode.FULL, "requires backbone"),
                 (pub, lora_sd, Mode.LORA, "unmerged LoRA tensor"),
                 (pub, unknown, Mode.FULL, "model.layers.9.mlp.up_proj.weight"),  # server refuses
@@ -174,7 +176,7 @@ def test_bad_input_refused_before_any_byte_moves(reward_server, base, tiny_rewar
             errors = []
             for p, params, mode, needle in cases:
                 with pytest.raises(WeightMismatchError) as e:
-                    await p.publish(params, training_mode=mode)
+                    await p.publish_async(params, training_mode=mode)
                 assert needle in str(e.value), str(e.value)
                 errors.append(str(e.value))
                 assert await client.get_model_version() == version
@@ -184,3 +186,86 @@ def test_bad_input_refused_before_any_byte_moves(reward_server, base, tiny_rewar
 
     errors = asyncio.run(go())
     assert len(errors) == 5
+
+
+def test_head_only_state_dict_keeps_the_head_and_warns(reward_server, base) -> None:
+    """The design's HEAD_ONLY given a whole state dict: the head is published, the rest is
+    dropped with a warning naming it (blocking ``publish``, as the design has it)."""
+    from weightsync.reward.selection import TrainingModeWarning
+
+    tok, base_model = base
+    reward_server.restore()
+    model = copy.deepcopy(base_model)
+    with torch.no_grad():
+        model.score.weight.add_(torch.randn(model.score.weight.shape,
+                                            generator=torch.Generator().manual_seed(5)))
+        model.model.norm.weight.mul_(3.0)  # moved, but not part of a head-only update
+    client = reward_server.client()
+    pub = create_reward_publisher(client)
+    try:
+        before = httpx.get(reward_server.url + "/runtime_version").json()["version"]
+        with pytest.warns(TrainingModeWarning, match=r"dropped \d+ other\(s\): "
+                                                     r"model\.embed_tokens\.weight"):
+            stats = pub.publish(model.state_dict(), before + 1, training_mode=Mode.HEAD_ONLY)
+        assert stats.num_tensors == 1 and stats.versions == [before + 1]
+        served = client.score_batch_sync(TEXTS)
+    finally:
+        pub.close_sync()
+        client.close_sync()
+    with torch.no_grad():
+        model.model.norm.weight.div_(3.0)  # the server kept its backbone: compare with that
+    err = max(abs(a - b) for a, b in zip(served, _reference(tok, model), strict=True))
+    assert err <= TOL
+
+
+def test_a_model_is_streamed_not_collected(reward_server, base) -> None:
+    """With the client's own strategy (comm=None) the publisher hands the extractor's chunks to
+    the sender as they come: the first chunk reaches the server before the last one is
+    extracted. Observed by recording wrappers around the extractor's generator and the
+    control client's per-chunk call (observation only: both still do their real work)."""
+    from weightsync.reward.publisher import RewardModelPublisher
+
+    tok, base_model = base
+    reward_server.restore()
+    model = copy.deepcopy(base_model)
+    _train(tok, model, seed=7, lr=1e-2)
+    events: list[tuple[str, int]] = []
+
+    class Recording(RewardModelPublisher):
+        def _extractor_for(self, m, mode):
+            ext = super()._extractor_for(m, mode)
+            inner = ext.extract_weights
+
+            async def recorded(*a, **k):
+                i = 0
+                async for chunk in inner(*a, **k):
+                    events.append(("extracted", i))
+                    i += 1
+                    yield chunk
+
+            ext.extract_weights = recorded
+            return ext
+
+    async def go():
+        async with reward_server.client() as client:
+            pub = Recording(client, bucket_size_mb=0.02)
+            await pub.publish_async(model, training_mode=Mode.FULL)  # joins the group
+            sent = client._engine_client.update_named_weights
+            count = iter(range(10_000))
+
+            async def recorded_send(request):
+                events.append(("sent", next(count)))
+                return await sent(request)
+
+            client._engine_client.update_named_weights = recorded_send
+            events.clear()
+            stats = await pub.publish_async(model, training_mode=Mode.FULL)
+            return stats, await client.score_batch(TEXTS)
+
+    stats, served = asyncio.run(go())
+    extracted = [i for e, i in events if e == "extracted"]
+    assert stats.num_chunks == len(extracted) > 5
+    first_sent = events.index(("sent", 0))
+    last_extracted = events.index(("extracted", len(extracted) - 1))
+    assert first_sent < last_extracted, events
+    assert max(abs(a - b) for a, b in zip(served, _reference(tok, model), strict=True)) <= TOL

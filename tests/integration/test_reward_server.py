@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from weightsync.errors import UpdateIncompleteError, WeightMismatchError
+from weightsync.errors import UpdateIncompleteError, WeightMismatchError, WeightSyncError
 from weightsync.reward import RewardModelTrainingMode, ScoringRequest, VLLMRewardClient
 from weightsync.types import WeightChunk
 
@@ -70,6 +70,15 @@ def perturbed(model, seed: int, *, head_only: bool = False) -> dict[str, torch.T
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def push(client, params, **kwargs):
+    """``sync_weights_async`` and the ``SyncStats`` of that update (the call returns the served
+    version as a string; the stats say what moved)."""
+    served = await client.sync_weights_async(params, **kwargs)
+    stats = client.last_sync_stats
+    assert served == str(stats.versions[0])
+    return stats
 
 
 @pytest.fixture(scope="module")
@@ -233,10 +242,10 @@ def test_sync_full_then_head_only_matches_transformers(restored, hf):
         async with restored.client() as c:
             v0 = await c.get_model_version()
             full = perturbed(model, seed=1)
-            stats = await c.sync_weights(full)  # FULL is the default
+            stats = await push(c, full)  # FULL is the default
             r1, _ = await c.score(ScoringRequest(TEXTS))
             head = perturbed(model, seed=2, head_only=True)
-            stats2 = await c.sync_weights({"score.weight": head["score.weight"]},
+            stats2 = await push(c, {"score.weight": head["score.weight"]},
                                           training_mode=RewardModelTrainingMode.HEAD_ONLY)
             r2, _ = await c.score(ScoringRequest(TEXTS))
             return v0, stats, r1, stats2, r2
@@ -270,7 +279,7 @@ def test_every_strategy_small_buckets(restored, hf, strategy):
 
     async def go():
         async with restored.client(strategy=strategy) as c:
-            stats = await c.sync_weights(new)
+            stats = await push(c, new)
             return stats, (await c.score(ScoringRequest(TEXTS)))[0]
 
     stats, resp = run(go())
@@ -310,15 +319,14 @@ def test_bad_updates_refused_before_any_byte(restored, params, mode, needle):
 
     async def through_client():  # the same refusal through the framework (client check off)
         async with restored.client() as c:
-            c.head_name_patterns = None
             import weightsync.reward.client as client_mod
 
-            orig = client_mod.training_mode_offenders
-            client_mod.training_mode_offenders = lambda *a, **k: []  # server must refuse
+            orig = client_mod.select_params
+            client_mod.select_params = lambda p, *a, **k: list(p.items())  # server must refuse
             try:
-                await c.sync_weights(params, training_mode=mode)
+                await push(c, params, training_mode=mode)
             finally:
-                client_mod.training_mode_offenders = orig
+                client_mod.select_params = orig
 
     with pytest.raises(WeightMismatchError) as ei:
         run(through_client())
@@ -329,14 +337,50 @@ def test_bad_updates_refused_before_any_byte(restored, params, mode, needle):
 
 def test_client_refuses_mode_violations_locally(reward_server):
     c = reward_server.client()
-    with pytest.raises(WeightMismatchError, match="not a head parameter"):
-        c.sync_weights_sync({"model.norm.weight": torch.zeros(64)}, training_mode="head_only")
-    with pytest.raises(ValueError, match="nothing to sync"):
-        c.sync_weights_sync({})
-    c.close_sync()
-    off = VLLMRewardClient(port=reward_server.port, enable_weight_updates=False)
-    with pytest.raises(Exception, match="disabled"):
-        asyncio.run(off.sync_weights({"score.weight": torch.zeros(1, 64)}))
+    try:
+        with pytest.raises(WeightMismatchError, match="not a head parameter"):
+            c.sync_weights({"model.norm.weight": torch.zeros(64)}, training_mode="head_only")
+        with pytest.raises(WeightMismatchError, match="unmerged LoRA tensor; publish the PEFT"):
+            c.sync_weights({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.default"
+                            ".weight": torch.zeros(8, 64)}, training_mode="lora")
+        with pytest.raises(ValueError, match="nothing to send"):
+            c.sync_weights({})
+    finally:
+        c.close_sync()
+    off = VLLMRewardClient(port=reward_server.port)  # the design's default: scoring only
+    with pytest.raises(WeightSyncError, match="enable_weight_updates=True"):
+        off.sync_weights({"score.weight": torch.zeros(1, 64)})
+
+
+def test_sync_is_blocking_returns_the_version_and_normalises_training_names(restored, hf):
+    """The blocking ``sync_weights``: FSDP / DDP / PEFT wrapper names become engine names; a
+    HEAD_ONLY sync of a whole state dict keeps the head and warns with what it dropped."""
+    from transformers import AutoModelForSequenceClassification
+
+    from weightsync.reward.selection import TrainingModeWarning
+
+    tok, _ = hf
+    model = AutoModelForSequenceClassification.from_pretrained(restored.model_dir).eval()
+    new = perturbed(model, seed=41)
+    wrapped = {}
+    for i, (n, t) in enumerate(new.items()):  # the names three kinds of trainer would hold
+        prefix = ("module.", "base_model.model.", "_fsdp_wrapped_module.")[i % 3]
+        wrapped[prefix + n] = t
+    c = restored.client()
+    try:
+        v0 = int(httpx.get(restored.url + "/runtime_version").json()["version"])
+        assert c.sync_weights(wrapped) == str(v0 + 1)
+        assert c.last_sync_stats.num_tensors == len(new)
+        ref = hf_scores(tok, model, TEXTS)
+        assert max_err(c.score_batch_sync(TEXTS), ref) <= TOL
+        head = perturbed(model, seed=42, head_only=True)  # the whole state dict, head moved
+        with pytest.warns(TrainingModeWarning, match=r"kept the 1 head tensor\(s\) .* dropped "
+                                                     r"\d+ other\(s\): model\.embed_tokens"):
+            assert c.sync_weights(head, training_mode="head_only") == str(v0 + 2)
+        assert c.last_sync_stats.num_tensors == 1
+        assert max_err(c.score_batch_sync(TEXTS), hf_scores(tok, model, TEXTS)) <= TOL
+    finally:
+        c.close_sync()
 
 
 def test_torn_update_answers_503_until_a_complete_one_lands(restored, hf):
@@ -365,7 +409,7 @@ def test_torn_update_answers_503_until_a_complete_one_lands(restored, hf):
             r = httpx.post(restored.url + "/score", json={"input": TEXTS})
             with pytest.raises(UpdateIncompleteError, match="incomplete"):
                 await c.score(ScoringRequest(TEXTS))
-            stats = await c.sync_weights(new)
+            stats = await push(c, new)
             resp, _ = await c.score(ScoringRequest(TEXTS))
             return v0, state, r, stats, resp
 
@@ -396,7 +440,7 @@ def test_abandoned_update_is_superseded_by_the_next_sync(restored):
 
     async def go():
         async with restored.client() as c:
-            return await c.sync_weights({"score.weight": base["score.weight"]},
+            return await push(c, {"score.weight": base["score.weight"]},
                                         training_mode="head_only")
 
     stats = run(go())
@@ -418,11 +462,11 @@ def test_explicit_versions_and_replaced_communicator(restored):
         a, b = restored.client(), restored.client()
         try:
             v = await a.get_model_version()
-            sa = await a.sync_weights(head, version=v + 10, training_mode="head_only")
+            sa = await push(a, head, version=v + 10, training_mode="head_only")
             with pytest.raises(Exception, match="not newer"):
-                await b.sync_weights(head, version=v + 5, training_mode="head_only")
-            sb = await b.sync_weights(head, training_mode="head_only")  # b took the receivers
-            sa2 = await a.sync_weights(head, training_mode="head_only")  # a re-joins
+                await push(b, head, version=v + 5, training_mode="head_only")
+            sb = await push(b, head, training_mode="head_only")  # b took the receivers
+            sa2 = await push(a, head, training_mode="head_only")  # a re-joins
             return v, sa, sb, sa2
         finally:
             await a.close()
@@ -471,7 +515,7 @@ def test_scores_during_syncs_never_mix_versions(restored, hf):
         async with restored.client() as c:
             versions = {}
             for i in range(8):
-                stats = await c.sync_weights(sets[i % 2])
+                stats = await push(c, sets[i % 2])
                 versions[stats.versions[0]] = i % 2
                 await scored_twice_more()
             return versions
@@ -498,3 +542,73 @@ def test_restore_base_weights_for_other_tests(restored, hf):
     restored.restore()
     r = httpx.post(restored.url + "/score", json={"input": TEXTS}).json()
     assert max_err([d["score"] for d in r["data"]], hf_scores(tok, model, TEXTS)) <= TOL
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer check, scorer against the server
+# --------------------------------------------------------------------------------------------
+
+
+def test_tokenizer_check_passes_for_the_models_tokenizer_and_fails_fast_otherwise(restored, hf):
+    from weightsync.reward.client import TokenizerMismatchError
+    from weightsync.testing.tiny_models import build_tokenizer
+
+    tok, model = hf
+    good = restored.client(tokenizer=restored.model_dir)  # a path: loaded with AutoTokenizer
+    try:
+        assert max_err(good.score_batch_sync(TEXTS), hf_scores(tok, model, TEXTS)) <= TOL
+    finally:
+        good.close_sync()
+    other = build_tokenizer(vocab_size=300)  # a real tokenizer, another vocabulary
+    bad = restored.client(tokenizer=other)
+    try:
+        with pytest.raises(TokenizerMismatchError, match=r"probe 'The quick brown fox.*' is "
+                                                         r"\d+ tokens .* on the server"):
+            bad.score_batch_sync(TEXTS)  # refused before the first score request
+        with pytest.raises(TokenizerMismatchError):
+            bad.sync_weights({"score.weight": torch.zeros(1, 64)}, training_mode="head_only")
+    finally:
+        bad.close_sync()
+    assert httpx.get(restored.url + "/runtime_version").json()["state"] == "ready"
+
+
+def test_scorer_keeps_requests_in_flight_and_order(restored, hf):
+    """``RewardModelScorer`` over the real client: with 4 batches in flight the run takes well
+    under the sum of its requests' latencies (they overlap), one at a time it does not; the
+    scores land on the right rollouts. Latencies are read from the client's own ``info``
+    (a recording wrapper; the requests are real)."""
+    from weightsync.reward import RewardModelScorer, Rollout, Step, rollout_text
+
+    tok, model = hf
+    prompts = [f"Question {i}: what is {i} + {i}?" for i in range(8)]
+    answers = [" It is four.", " no idea", " Answer: 8", " 42!"]
+
+    def batch():
+        return [Rollout(f"r{i}", [Step(0, prompts[i % 8], answers[i % 4])],
+                        {"initial_obs": prompts[i % 8]}) for i in range(32)]
+
+    async def run_scorer(concurrency):
+        async with restored.client() as c:
+            latencies = []
+            real = c.score
+
+            async def timed(request):
+                resp, info = await real(request)
+                latencies.append(info["latency_s"])
+                return resp, info
+
+            c.score = timed
+            await c.wait_for_server()
+            rollouts = batch()
+            t0 = time.perf_counter()
+            await RewardModelScorer(c, batch_size=4, max_concurrency=concurrency).score(rollouts)
+            return rollouts, time.perf_counter() - t0, latencies
+
+    rollouts, wall, lat = run(run_scorer(4))
+    assert len(lat) == 8
+    assert wall < 0.7 * sum(lat), (wall, lat)
+    _, wall1, lat1 = run(run_scorer(1))
+    assert wall1 >= 0.95 * sum(lat1), (wall1, lat1)  # sequential: no overlap to gain
+    ref = hf_scores(tok, model, [rollout_text(r, r.steps) for r in rollouts])
+    assert max_err([r.meta["rm_score"] for r in rollouts], ref) <= TOL
+    assert len({r.meta["rm_score_version"] for r in rollouts}) == 1

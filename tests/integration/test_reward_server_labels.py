@@ -65,12 +65,12 @@ def test_three_labels_head_only_sync(server3):
     async def go():
         async with server3.client() as c:
             v0 = await c.get_model_version()
-            stats = await c.sync_weights({"score.weight": head},
-                                         training_mode=RewardModelTrainingMode.HEAD_ONLY)
+            served = await c.sync_weights_async({"score.weight": head},
+                                                training_mode=RewardModelTrainingMode.HEAD_ONLY)
             resp, _ = await c.score(ScoringRequest(TEXTS))
-            return v0, stats, resp
+            return v0, served, resp
 
-    v0, stats, resp = asyncio.run(go())
-    assert stats.versions == [v0 + 1] and resp.version == v0 + 1 and resp.n_labels == 3
+    v0, served, resp = asyncio.run(go())
+    assert served == str(v0 + 1) and resp.version == v0 + 1 and resp.n_labels == 3
     ref = hf_logits(server3.model_dir, TEXTS, head=head)
     assert (torch.tensor(resp.scores) - ref).abs().max() <= 1e-4

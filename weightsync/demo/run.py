@@ -288,7 +288,8 @@ class DemoRun:
                 f"{t.mode.value}, strategy {r.strategy}"
             )
             t0 = time.perf_counter()
-            stats = await client.sync_weights(t.params, training_mode=t.mode, timeout_s=120)
+            await client.sync_weights_async(t.params, training_mode=t.mode, timeout_s=120)
+            stats = client.last_sync_stats
             r.sync_seconds = time.perf_counter() - t0
             r.bytes_synced, r.num_tensors_synced = int(stats.total_bytes), int(stats.num_tensors)
             r.version_after = int(await client.get_model_version())

@@ -25,6 +25,9 @@ from weightsync.reward.types import (
 _LAZY = {
     "RewardModelClient": "weightsync.reward.client",
     "VLLMRewardClient": "weightsync.reward.client",
+    "TokenizerMismatchError": "weightsync.reward.client",
+    "TrainingModeWarning": "weightsync.reward.selection",
+    "select_params": "weightsync.reward.selection",
     "HttpEngineClient": "weightsync.reward.http_engine_client",
     "RewardServerConfig": "weightsync.servers.reward",
     "RewardModelPublisher": "weightsync.reward.publisher",
@@ -62,7 +65,9 @@ __all__ = [
     "RLAlgorithm", "RewardModelClient", "RewardModelCreditAssigner", "RewardModelPublisher",
     "RewardModelScorer", "RewardModelTrainingMode", "RewardServerConfig", "Rollout",
     "RolloutStepKey", "ScaleRLAssigner", "ScorerSettings", "ScoringError", "ScoringRequest",
-    "ScoringResponse", "Step", "VLLMRewardClient", "create_reward_publisher", "is_head_param",
+    "ScoringResponse", "Step", "TokenizerMismatchError", "TrainingModeWarning",
+    "VLLMRewardClient", "create_reward_publisher", "is_head_param",
     "make_grpo_with_rm", "make_reward_rl", "make_rm_grpo_assigner", "make_rm_scalerl_assigner",
-    "make_scalerl_with_rm", "non_head_params", "rollout_text", "training_mode_offenders",
+    "make_scalerl_with_rm", "non_head_params", "rollout_text", "select_params",
+    "training_mode_offenders",
 ]

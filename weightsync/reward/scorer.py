@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync._runtime.threads import LoopThread
 from weightsync.reward.aggregate import (
     DEFAULT_AGGREGATE,
     Aggregate,
@@ -152,6 +153,7 @@ class RewardModelScorer:
             callable(getattr(client, m, None)) for m in ("score", "get_model_version")
         )
         self.last_stats = ScoringStats()
+        self._twin = LoopThread("weightsync-scorer")
 
     # -- public API ----------------------------------------------------------------------------
     async def score(self, rollouts: Sequence[Any]) -> None:
@@ -172,12 +174,8 @@ class RewardModelScorer:
                 meta[self.vector_key] = list(s) if isinstance(s, list) else [s]
 
     def score_sync(self, rollouts: Sequence[Any]) -> None:
-        """Blocking twin of ``score`` for code without a running event loop."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.score(rollouts))
-        raise RuntimeError("score_sync called inside a running event loop; await score() instead")
+        """Blocking twin of ``score`` (runs it on the scorer's private loop thread)."""
+        return self._twin.run(self.score(rollouts))
 
     async def score_texts(
         self, texts: Sequence[str], labels: Sequence[str] | None = None
