@@ -176,7 +176,7 @@ class SerialLane:
 
 class LoopThread:
     """A private asyncio event loop on a daemon thread, started on first use: the blocking twin
-    of an async API (``client.score_sync``, ``publisher.publish_sync``) runs its coroutine here
+    of an async API (``client.score_batch_sync``, ``publisher.publish``) runs its coroutine here
     with ``run(coro)``, which works from plain code and from inside another running loop. Keeps
     the loop between calls, so objects bound to it (HTTP connections, a sender) stay usable.
     ``close()`` stops the loop; a later ``run`` starts a new one."""
