@@ -1,11 +1,11 @@
 """Trainer-side client of the reward server: scoring and weight sync.
 
 ``RewardModelClient`` is the structural protocol the scorer / publisher / RL loop code against;
-``VLLMRewardClient`` implements it for ``weightsync.servers.reward``. It lives in the training process
-(rank 0). Scoring is plain HTTP. Weight sync goes through the framework: an ``HttpEngineClient``
-over the server's control plane plus a strategy sender (default ``broadcast``: gloo for CPU
-tensors, NCCL for CUDA ones; any strategy config works, e.g. ``cuda_ipc`` when the server shares
-the host) built on the first sync and reused after. Each sync is one update with a manifest, so
+``VLLMRewardClient`` implements it for ``weightsync.servers.reward``. It lives in the training
+process (rank 0). Scoring is plain HTTP. Weight sync goes through the framework: an
+``HttpEngineClient`` over the server's control plane plus a strategy sender (default
+``broadcast``: gloo for CPU tensors, NCCL for CUDA ones; any strategy config works, e.g.
+``cuda_ipc`` when the server shares the host) built on the first sync and reused after. Each sync is one update with a manifest, so
 the server refuses bad names / shapes / dtypes / training modes before any byte moves.
 
 Sync and async, one rule for the whole reward package: a method keeps the flavour the design
