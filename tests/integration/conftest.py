@@ -23,6 +23,7 @@ rules hold.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
