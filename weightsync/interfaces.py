@@ -128,7 +128,7 @@ class InferenceEngineClient(abc.ABC):
     #: than 1 only where every engine gets the chunk requests in call order (the call's
     #: synchronous part queues the message in order, and the engine runs them one at a time or
     #: orders them by ``chunk_index``): then chunk i+1's request travels while chunk i lands.
-    max_inflight_updates: ClassVar[int] = 1
+    max_inflight_updates: int = 1
 
     @abc.abstractmethod
     async def get_world_sizes(self) -> list[int]:

@@ -1,5 +1,5 @@
 """Helpers shared by the vLLM GPU tests: prompt logprobs and reward scores from vLLM and from
-transformers (bf16, on the GPU), and a one-call sync through ``VLLMEngineClient``."""
+transformers (bf16, on the GPU), and a one-call sync through ``FanOutClient``."""
 
 from __future__ import annotations
 
@@ -79,14 +79,14 @@ def cuda_state(model_dir: str) -> dict[str, Any]:
 def sync(llm: Any, state: dict[str, Any], strategy_cfg: dict, *, per_chunk: int = 4) -> Any:
     """One update of ``state`` into ``llm`` (a fresh sender, closed after); returns its stats."""
     from weightsync import WeightChunk, build_strategy
-    from weightsync.loaders.vllm_worker import VLLMEngineClient
+    from weightsync.clients import FanOutClient
 
     names = list(state)
     chunks = [WeightChunk(names[i:i + per_chunk], [state[n] for n in names[i:i + per_chunk]])
               for i in range(0, len(names), per_chunk)]
 
     async def go() -> Any:
-        client = VLLMEngineClient(llm, timeout_s=120)
+        client = FanOutClient([llm], timeout_s=120)
         strategy = build_strategy({"timeout_s": 60, **strategy_cfg})
         info = await strategy.create_sync_info(None, client)
         sender = await strategy.create_sender(None, client, info)

@@ -17,7 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from weightsync import WeightChunk, build_strategy  # noqa: E402
-from weightsync.local import LocalEngineClient, LocalEngineProcess  # noqa: E402
+from weightsync.clients import FanOutClient  # noqa: E402
+from weightsync.local import LocalEngineProcess  # noqa: E402
 from weightsync.local.modules import qwen2_module  # noqa: E402
 from weightsync.testing.digest import tensor_digest  # noqa: E402
 
@@ -41,7 +42,7 @@ def _sync(engine_kwargs, strategy_cfg, sd, *, engines=1, syncs=2, env=None):
     ]
     try:
         async def run():
-            client = LocalEngineClient(engs, timeout_s=120)
+            client = FanOutClient(engs, timeout_s=120)
             s = build_strategy({"timeout_s": 60, "bucket_size_mb": 4, **strategy_cfg})
             info = await s.create_sync_info(None, client)
             sender = await s.create_sender(None, client, info)

@@ -72,7 +72,8 @@ async def sync_loop(
 ) -> None:
     """Every rank: ``steps`` x (train, sync). Rank 0 owns the engine and writes the report."""
     from weightsync import build_strategy
-    from weightsync.local import LocalEngineClient, LocalEngineProcess
+    from weightsync.clients import FanOutClient
+    from weightsync.local import LocalEngineProcess
     from weightsync.testing.digest import tensor_digest
 
     metas = ext.metadata(model)  # no collective
@@ -85,7 +86,7 @@ async def sync_loop(
             {"metas": [m.to_dict() for m in metas], "fill": "zeros"}, name="sharded-engine",
             num_threads=1,
         )
-        client = LocalEngineClient([engine], timeout_s=120)
+        client = FanOutClient([engine], timeout_s=120)
         strategy = build_strategy({"type": "broadcast", "backend": "gloo", "timeout_s": 120})
         info = await strategy.create_sync_info(strategy.cfg, client)
         sender = await strategy.create_sender(strategy.cfg, client, info)

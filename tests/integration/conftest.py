@@ -247,8 +247,9 @@ class PolicyServerHandle:
 
 async def push_over_http(url: str, api_key: str, weights: dict, *, version: int | None = None,
                          strategy: dict | None = None) -> Any:
-    from weightsync import WeightExtractor, build_strategy
     from weightsync.reward.http_engine_client import HttpEngineClient
+
+    from weightsync import WeightExtractor, build_strategy
 
     client = HttpEngineClient(url, api_key=api_key, timeout_s=120)
     strat = build_strategy(strategy or {"type": "broadcast", "backend": "gloo", "timeout_s": 60})

@@ -1,4 +1,4 @@
-"""LocalEngineProcess / LocalEngineClient: a real child process serving JSON over a socket."""
+"""LocalEngineProcess (and FanOutClient over it): a real child process serving JSON over a socket."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from weightsync import WeightSyncError
-from weightsync.local import LocalEngineClient, LocalEngineProcess
+from weightsync.clients import FanOutClient
+from weightsync.local import LocalEngineProcess
 from weightsync.local.modules import qwen2_metas, qwen2_module
 from weightsync.testing.digest import tensor_digest
 
@@ -80,12 +81,12 @@ def test_dead_engine_fails_fast_and_is_named():
     a = LocalEngineProcess.spawn(FACTORY, TINY, name="victim")
     b = LocalEngineProcess.spawn(FACTORY, TINY, name="bystander")
     try:
-        client = LocalEngineClient([a, b], timeout_s=60)
-        assert asyncio.run(client.get_versions()) == [0, 0]
+        client = FanOutClient([a, b], timeout_s=60)
+        assert asyncio.run(client.versions()) == [0, 0]
         os.kill(a.pids[0], signal.SIGKILL)  # dies behind our back: seen through EOF
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=r"victim.*(died|gone).*SIGKILL"):
-            asyncio.run(client.get_versions())
+            asyncio.run(client.versions())
         assert time.monotonic() - t0 < 5  # EOF, not a timeout
         with pytest.raises(WeightSyncError, match="victim"):
             asyncio.run(a.call("ping"))
@@ -97,5 +98,5 @@ def test_dead_engine_fails_fast_and_is_named():
 
 def test_client_rejects_duplicate_names(engine):
     with pytest.raises(ValueError, match="unique"):
-        LocalEngineClient([engine, engine])
-    assert LocalEngineClient.rank_offsets([1, 2, 1]) == [1, 2, 4]
+        FanOutClient([engine, engine])
+    assert FanOutClient.rank_offsets([1, 2, 1]) == [1, 2, 4]

@@ -164,7 +164,8 @@ def test_dora_is_refused_before_anything_changes() -> None:
 def test_lora_sync_into_engine_process_is_bit_exact() -> None:
     """Merged weights through the real broadcast (gloo) strategy into a real engine process."""
     from weightsync import build_strategy
-    from weightsync.local import LocalEngineClient, LocalEngineProcess
+    from weightsync.clients import FanOutClient
+    from weightsync.local import LocalEngineProcess
     from weightsync.testing.digest import tensor_digest
 
     model = _peft_model(seed=6)
@@ -182,7 +183,7 @@ def test_lora_sync_into_engine_process_is_bit_exact() -> None:
         )
         sender = None
         try:
-            client = LocalEngineClient([engine], timeout_s=60)
+            client = FanOutClient([engine], timeout_s=60)
             strategy = build_strategy({"type": "broadcast", "backend": "gloo", "timeout_s": 60})
             info = await strategy.create_sync_info(strategy.cfg, client)
             sender = await strategy.create_sender(strategy.cfg, client, info)

@@ -37,8 +37,9 @@ async def _rank_async(rank: int, world: int, out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from weightsync.clients import FanOutClient
     from weightsync.errors import WeightMismatchError
-    from weightsync.local import LocalEngineClient, LocalEngineProcess
+    from weightsync.local import LocalEngineProcess
     from weightsync.reward.publisher import RewardModelPublisher
     from weightsync.testing.digest import tensor_digest
 
@@ -57,7 +58,7 @@ async def _rank_async(rank: int, world: int, out_path: str) -> None:
             engines[i] = LocalEngineProcess.spawn(
                 "weightsync.local.modules:metas_module", {"metas": metas, "fill": "zeros"},
                 name=f"engine-{'good' if i == 0 else 'bad'}", num_threads=1)
-            clients[i] = LocalEngineClient([engines[i]], timeout_s=60)
+            clients[i] = FanOutClient([engines[i]], timeout_s=60)
     comm = {"type": "broadcast", "backend": "gloo", "timeout_s": 60}
     good = RewardModelPublisher(clients[0], comm, src_rank=0, bucket_size_mb=0.05, timeout_s=60)
     bad = RewardModelPublisher(clients[1], comm, src_rank=0, bucket_size_mb=0.05, timeout_s=60)

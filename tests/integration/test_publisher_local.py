@@ -59,7 +59,8 @@ def _digest(t) -> str:
 
 @pytest.fixture(scope="module")
 def rig():
-    from weightsync.local import LocalEngineClient, LocalEngineProcess
+    from weightsync.clients import FanOutClient
+    from weightsync.local import LocalEngineProcess
 
     base = _model()
     metas = [{"name": n, "dtype": "float32", "shape": list(t.shape)}
@@ -67,7 +68,7 @@ def rig():
     engine = LocalEngineProcess.spawn("weightsync.local.modules:metas_module",
                                       {"metas": metas, "fill": "zeros"}, name="publisher-engine",
                                       num_threads=1)
-    client = LocalEngineClient([engine], timeout_s=60)
+    client = FanOutClient([engine], timeout_s=60)
     pub = RewardModelPublisher(client, {"type": "broadcast", "backend": "gloo", "timeout_s": 60},
                                src_rank=0, rank=0, bucket_size_mb=0.05, timeout_s=60)
 

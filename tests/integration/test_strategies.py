@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from weightsync import WeightChunk, WeightMismatchError, build_strategy
-from weightsync.local import LocalEngineClient, LocalEngineProcess
+from weightsync.clients import FanOutClient
+from weightsync.local import LocalEngineProcess
 from weightsync.local.modules import qwen2_module
 from weightsync.testing.digest import tensor_digest
 
@@ -46,7 +47,7 @@ async def engine_digests(engine: LocalEngineProcess) -> dict[str, str]:
     return {n: d["digest"] for n, d in (await engine.call("state_digest")).items()}
 
 
-async def wire(cfg: dict, client: LocalEngineClient):
+async def wire(cfg: dict, client: FanOutClient):
     strategy = build_strategy({"timeout_s": 30, **cfg})
     info = await strategy.create_sync_info(None, client)
     return strategy, await strategy.create_sender(None, client, info)
@@ -77,7 +78,7 @@ def _next_version(engines) -> int:
 @pytest.mark.parametrize("cfg", STRATEGIES, ids=IDS)
 def test_two_engines_two_syncs_bit_exact(engines, models, cfg):
     async def run():
-        client = LocalEngineClient(engines, timeout_s=60)
+        client = FanOutClient(engines, timeout_s=60)
         _, sender = await wire({**cfg, "bucket_size_mb": 1}, client)
         base = await engines[0].call("get_version")
         try:
@@ -101,7 +102,7 @@ def test_broadcast_rank_offsets_with_a_two_worker_engine(models):
     e1 = LocalEngineProcess.spawn(FACTORY, {**SMALL, "fill": "zeros"}, name="single")
     try:
         async def run():
-            client = LocalEngineClient([e0, e1], timeout_s=60)
+            client = FanOutClient([e0, e1], timeout_s=60)
             strategy = build_strategy({"type": "broadcast", "timeout_s": 30})
             info = await strategy.create_sync_info(None, client)
             assert info.world_size == 4
@@ -148,7 +149,7 @@ def test_bad_input_rejected_before_any_byte_moves(engines, models, cfg, with_man
     chunk = WeightChunk(names, [bad[n] for n in names])
 
     async def run():
-        client = LocalEngineClient(engines, timeout_s=60)
+        client = FanOutClient(engines, timeout_s=60)
         _, sender = await wire(cfg, client)
         before = [await engine_digests(e) for e in engines]
         versions = [await e.call("get_version") for e in engines]
@@ -183,7 +184,7 @@ def test_bad_input_rejected_before_any_byte_moves(engines, models, cfg, with_man
 
 def test_request_of_the_wrong_strategy_is_rejected(engines, models):
     async def run():
-        client = LocalEngineClient(engines, timeout_s=60)
+        client = FanOutClient(engines, timeout_s=60)
         _, sender = await wire({"type": "cuda_ipc"}, client)  # engines now expect cuda_ipc
         v = await engines[0].call("get_version")
         bstrategy = build_strategy({"type": "broadcast"})
@@ -217,7 +218,7 @@ def test_chunk_rejected_mid_stream_with_the_next_in_flight(engines, models, cfg)
     stream_chunks = good[:3] + [bad] + good[4:]
 
     async def run():
-        client = LocalEngineClient(engines, timeout_s=60)
+        client = FanOutClient(engines, timeout_s=60)
         assert client.max_inflight_updates == 2
         _, sender = await wire({**cfg, "max_inflight_chunks": 2}, client)
         v = await engines[0].call("get_version")

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from weightsync import WeightChunk, WeightSyncError, build_strategy
-from weightsync.local import LocalEngineClient, LocalEngineProcess
+from weightsync.clients import FanOutClient
+from weightsync.local import LocalEngineProcess
 from weightsync.local.modules import qwen2_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -41,7 +42,7 @@ def test_engine_killed_mid_sync_makes_the_sender_raise_in_time(strategy, infligh
             yield c
 
     async def run():
-        client = LocalEngineClient(engines, timeout_s=60)
+        client = FanOutClient(engines, timeout_s=60)
         s = build_strategy({"type": strategy, "timeout_s": TIMEOUT_S, "bucket_size_mb": 1,
                             "max_inflight_chunks": inflight})
         info = await s.create_sync_info(None, client)
@@ -55,7 +56,7 @@ def test_engine_killed_mid_sync_makes_the_sender_raise_in_time(strategy, infligh
         assert "engine0" in str(ei.value), str(ei.value)
         if strategy == "broadcast":  # the group is unusable now, and the sender says so
             with pytest.raises(WeightSyncError, match="create a new sender"):
-                await sender.send_chunks(chunks[:1], LocalEngineClient([engines[1]]), version=2)
+                await sender.send_chunks(chunks[:1], FanOutClient([engines[1]]), version=2)
         await sender.close()
         return elapsed
 

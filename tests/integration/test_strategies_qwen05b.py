@@ -13,7 +13,8 @@ import gc
 import pytest
 
 from weightsync import WeightChunk, build_strategy
-from weightsync.local import LocalEngineClient, LocalEngineProcess
+from weightsync.clients import FanOutClient
+from weightsync.local import LocalEngineProcess
 from weightsync.local.modules import qwen2_module
 from weightsync.pipeline import make_chunks
 from weightsync.testing.digest import tensor_digest
@@ -54,7 +55,7 @@ def test_qwen2_05b_bit_exact(trainer_weights, cfg):
     )
     try:
         async def run():
-            client = LocalEngineClient([engine], timeout_s=240)
+            client = FanOutClient([engine], timeout_s=240)
             s = build_strategy({**cfg, "bucket_size_mb": BUCKET_MB, "timeout_s": 120})
             info = await s.create_sync_info(None, client)
             sender = await s.create_sender(None, client, info)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from weightsync import build_extractor, build_strategy
-from weightsync.local import LocalEngineClient, LocalEngineProcess
+from weightsync.clients import FanOutClient
+from weightsync.local import LocalEngineProcess
 from weightsync.local.modules import qwen2_module
 from weightsync.strategies import locate_shared, share_cpu_weights
 from weightsync.testing.digest import tensor_digest
@@ -60,7 +61,7 @@ def test_shared_weights_sync_zero_copy_bit_exact_across_training_steps(engines, 
     n_tensors = len(model.state_dict())
 
     async def run():
-        client = LocalEngineClient(engines, timeout_s=60)
+        client = FanOutClient(engines, timeout_s=60)
         s = build_strategy({"type": strategy, "timeout_s": 30, "bucket_size_mb": 0.1})
         sender = await s.create_sender(None, client, await s.create_sync_info(None, client))
         extractor = build_extractor({"type": "hf", "bucket_size_mb": 0.1})
@@ -114,7 +115,7 @@ def test_shared_weights_with_a_cast_take_the_copy_path(engines):
     shared = share_cpu_weights(model)
 
     async def run():
-        client = LocalEngineClient(engines, timeout_s=60)
+        client = FanOutClient(engines, timeout_s=60)
         s = build_strategy({"type": "packed_cuda_ipc", "timeout_s": 30, "bucket_size_mb": 0.5})
         sender = await s.create_sender(None, client, await s.create_sync_info(None, client))
         extractor = build_extractor({"type": "hf", "bucket_size_mb": 0.5})

@@ -69,12 +69,12 @@ def cuda_state(model_dir):
 
 @pytest.mark.parametrize("strategy", ["cuda_ipc", "packed_cuda_ipc"])
 def test_direct_load_over_cuda_ipc(rm, strategy):
-    from weightsync.loaders.vllm_worker import VLLMEngineClient
+    from weightsync.clients import FanOutClient
 
     llm, base, new = rm
     (state,) = llm.collective_rpc("weightsync_state")
     assert state["load_mode"] == "direct"
-    client = VLLMEngineClient(llm)
+    client = FanOutClient([llm])
     target, other = (new, base) if state["version"] % 2 == 0 else (base, new)
     sd = cuda_state(target)
     names = list(sd)

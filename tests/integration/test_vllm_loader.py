@@ -86,7 +86,7 @@ def test_worker_extension_reports(lm):
 
 
 def test_sync_into_generative_llm_matches_transformers(lm):
-    from weightsync.loaders.vllm_worker import VLLMEngineClient
+    from weightsync.clients import FanOutClient
 
     llm, base, new = lm
     before, _ = vllm_greedy(llm)
@@ -94,7 +94,7 @@ def test_sync_into_generative_llm_matches_transformers(lm):
     want_tokens, want_lp = hf_greedy(new)
     assert want_tokens != before
 
-    client = VLLMEngineClient(llm)
+    client = FanOutClient([llm])
     sd_new, sd_base = state_dict(new), state_dict(base)
 
     async def go():

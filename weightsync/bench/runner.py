@@ -141,8 +141,9 @@ async def bench_strategy(
     ``memcpy_gbps``."""
     import torch
 
+    from weightsync.clients import FanOutClient
     from weightsync.config import build_extractor, build_strategy
-    from weightsync.local import LocalEngineClient, LocalEngineProcess
+    from weightsync.local import LocalEngineProcess
     from weightsync.testing.digest import compare_digests, module_digest
 
     strategy_cfg, extractor_cfg = strategy_config(name, cfg)
@@ -161,7 +162,7 @@ async def bench_strategy(
             {"shape": cfg.shape, "dtype": cfg.dtype, "device": device, "fill": 0.0},
             name=f"bench-{name}", env=env or None,
         )
-        client = LocalEngineClient([engine], timeout_s=cfg.timeout_s)
+        client = FanOutClient([engine], timeout_s=cfg.timeout_s)
         strategy = build_strategy(strategy_cfg)
         extractor = build_extractor(extractor_cfg)
         sync_info = await strategy.create_sync_info(strategy.cfg, client)

@@ -203,13 +203,13 @@ class Bench:
 
     async def run_ours(self, row: str, llm: Any) -> dict[str, Any]:
         from weightsync.bench.vllm_engine import rpc_one
+        from weightsync.clients import FanOutClient
         from weightsync.config import build_extractor, build_strategy
-        from weightsync.loaders.vllm_worker import VLLMEngineClient
 
         cfg = self.cfg
         strategy_cfg, extractor_cfg = self.ours_config(row)
         rec: dict[str, Any] = {"row": row, "kind": "ours", "strategy": strategy_cfg}
-        client = ProbeClient(VLLMEngineClient(llm, timeout_s=cfg.timeout_s))
+        client = ProbeClient(FanOutClient([llm], timeout_s=cfg.timeout_s))
         extractor = build_extractor(extractor_cfg)
         manifest = extractor.metadata(self.module)
         version = int(rpc_one(llm, "weightsync_version"))

@@ -16,7 +16,7 @@ own engine exists only on GPU, so its rows are skipped there.
 Rows (``--rows``):
 
 * ours, end to end (extract -> transfer -> ``load_weights`` in vLLM -> version published), through
-  ``VLLMEngineClient`` + ``build_strategy`` + ``send_chunks``: ``broadcast``, ``cuda_ipc``,
+  ``FanOutClient`` + ``build_strategy`` + ``send_chunks``: ``broadcast``, ``cuda_ipc``,
   ``packed_cuda_ipc``;
 * ``per_param``: ours made per-parameter (one announce, one broadcast and one ``load_weights``
   per tensor), through the same client with one chunk per tensor and no packing;

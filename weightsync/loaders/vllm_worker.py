@@ -31,7 +31,6 @@ from typing import Any
 
 from weightsync._runtime import vllm_compat as compat
 from weightsync.errors import WeightSyncError, error_from_dict, error_to_dict, most_telling
-from weightsync.interfaces import InferenceEngineClient
 
 #: the dotted path to give vLLM as ``worker_extension_cls``
 WORKER_EXTENSION = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
@@ -112,72 +111,3 @@ def raise_for_results(results: Sequence[Any], *, engine: str = "vLLM engine") ->
     if errors:
         raise most_telling(errors)
     return [r.get("result") for r in results]
-
-
-# --------------------------------------------------------------------------------------------
-# Driver side: an engine client for in-process LLM / AsyncLLM
-# --------------------------------------------------------------------------------------------
-
-
-class VLLMEngineClient(InferenceEngineClient):
-    """Fan-out to in-process vLLM engines (``LLM`` or ``AsyncLLM``) built with the worker
-    extension. Lives in the sending process; sync ``LLM.collective_rpc`` calls run in a thread so
-    the sender's data plane (e.g. a broadcast) proceeds at the same time."""
-
-    def __init__(self, engines: Any, *, timeout_s: float | None = None) -> None:
-        self.engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
-        self.timeout_s = timeout_s
-        self._offsets: list[int] | None = None
-
-    # One chunk at a time. ``AsyncLLM``'s engine core runs utility calls in the order they were
-    # sent, so 2 should be safe there, but no test drives an ``AsyncLLM`` through this client
-    # yet; the blocking ``LLM``'s client is not meant for concurrent calls at all.
-    max_inflight_updates = 1
-
-    async def _rpc(self, engine: Any, method: str, *args: Any) -> list[Any]:
-        fn = engine.collective_rpc
-        if asyncio.iscoroutinefunction(fn):
-            return await fn(method, timeout=self.timeout_s, args=args)
-        return await asyncio.to_thread(fn, method, self.timeout_s, args)
-
-    async def _call_all(self, method: str, kwargs_per_engine: Sequence[dict]) -> list[list[Any]]:
-        answers = await asyncio.gather(
-            *(self._rpc(e, "weightsync_call", method, kw)
-              for e, kw in zip(self.engines, kwargs_per_engine, strict=True)),
-        )
-        return [raise_for_results(a, engine=f"vLLM engine {i}") for i, a in enumerate(answers)]
-
-    async def get_world_sizes(self) -> list[int]:
-        sizes = await asyncio.gather(*(self._rpc(e, "weightsync_world_size") for e in self.engines))
-        return [int(s[0]) for s in sizes]
-
-    async def init_weight_transfer(self, strategy_cfg: dict, sync_info: dict) -> None:
-        offsets = self.rank_offsets(await self.get_world_sizes())
-        self._offsets = offsets
-        await self._call_all(
-            "init_weight_transfer",
-            [{"strategy_cfg": strategy_cfg, "sync_info": sync_info, "rank_offset": o}
-             for o in offsets],
-        )
-
-    async def start_weight_update(self, start: dict) -> None:
-        await self._call_all("start_weight_update", [{"start": start}] * len(self.engines))
-
-    async def update_named_weights(self, request: dict) -> None:
-        await self._call_all("update_named_weights", [{"request": request}] * len(self.engines))
-
-    async def finish_weight_update(self, finish: dict) -> list[int | None]:
-        results = await self._call_all("finish_weight_update", [{"finish": finish}] * len(self.engines))
-        for e in self.engines:
-            fn = e.reset_prefix_cache
-            if asyncio.iscoroutinefunction(fn):
-                await compat.async_reset_prefix_cache(e)
-            else:
-                await asyncio.to_thread(compat.reset_prefix_cache, e)
-        return [int(r[0]) if r and r[0] is not None else None for r in results]
-
-    async def close_weight_transfer(self) -> None:
-        await self._call_all("close_weight_transfer", [{}] * len(self.engines))
-
-    async def states(self) -> list[list[dict]]:
-        return list(await asyncio.gather(*(self._rpc(e, "weightsync_state") for e in self.engines)))

@@ -36,7 +36,6 @@ from typing import Any
 from weightsync._runtime.threads import SerialLane, in_thread
 from weightsync.errors import (
     EngineDiedError,
-    WeightMismatchError,
     WeightSyncError,
     WeightSyncTimeout,
 )
@@ -270,7 +269,10 @@ class LocalEngineProcess:
             return asyncio.ensure_future(answer(*issued[0]))
 
         async def first(aws: list[Any]) -> Any:
-            return (await first_error_gather(aws))[0]
+            from weightsync.clients.policy import gather
+
+            names = [w.label for w, _, _ in issued]
+            return (await gather(aws, names=names, method=method, timeout_s=timeout))[0]
 
         return asyncio.ensure_future(first([answer(*i) for i in issued]))
 
@@ -314,39 +316,6 @@ class LocalEngineProcess:
 
     def __repr__(self) -> str:
         return f"LocalEngineProcess({self.name!r}, pids={self.pids})"
-
-
-async def first_error_gather(aws: list[Any], *, grace_s: float = 2.0) -> list[Any]:
-    """Like ``asyncio.gather`` but a failure is raised as soon as it happens (after a short
-    grace for the others, so that the most telling error wins: a ``WeightMismatchError`` beats
-    the "another engine rejected" errors it causes, and an engine that died beats the failed
-    collectives of the engines that outlived it). Nothing is left un-retrieved."""
-
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [t for t in done if not t.cancelled() and t.exception() is not None]
-        if not failed:
-            return [t.result() for t in tasks]
-        if pending:
-            await asyncio.wait(pending, timeout=grace_s)
-        errs = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
-        best = next(
-            (e for kind in (WeightMismatchError, EngineDiedError) for e in errs if isinstance(e, kind)),
-            errs[0],
-        )
-        raise best  # type: ignore[misc]
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.add_done_callback(_consume)
-            else:
-                _consume(t)
-
-
-def _consume(t: asyncio.Future) -> None:
-    if not t.cancelled():
-        t.exception()
 
 
 def _start_worker(engine: str, index: int, spec: dict[str, Any], env: dict[str, str] | None) -> _Worker:

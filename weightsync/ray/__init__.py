@@ -1,5 +1,6 @@
-"""Ray wiring: trainer and engine actor mixins, an engine client over actor handles, ready-made
-torch-module actors, and a controller that wires a sync group and runs syncs.
+"""Ray wiring: trainer and engine actor mixins, ready-made torch-module actors, and a controller
+that wires a sync group and runs syncs (the trainer reaches engine actors through
+``weightsync.clients.FanOutClient``: ``RayChannel``).
 
     import ray
     from weightsync.ray import (
@@ -23,7 +24,6 @@ from weightsync.ray.actors import (
     spawn_engine_actors,
     spawn_trainer_actor,
 )
-from weightsync.ray.client import RayEngineClient
 from weightsync.ray.controller import (
     SyncGroup,
     close_sync_group,
@@ -37,7 +37,7 @@ from weightsync.ray.engine import WeightSyncEngineMixin
 from weightsync.ray.trainer import WeightSyncTrainerMixin
 
 __all__ = [
-    "RayEngineClient", "SyncGroup", "TorchModuleEngineActor", "TorchModuleTrainerActor",
+    "SyncGroup", "TorchModuleEngineActor", "TorchModuleTrainerActor",
     "WeightSyncEngineMixin", "WeightSyncTrainerMixin", "close_sync_group",
     "close_sync_group_async", "load_factory", "run_sync", "run_sync_async",
     "spawn_engine_actors", "spawn_trainer_actor", "wire_sync_group", "wire_sync_group_async",

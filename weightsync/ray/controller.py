@@ -143,7 +143,7 @@ def close_sync_group(group: SyncGroup) -> None:
 
 
 async def _engine_names(engines: list[Any], timeout: float) -> list[str]:
-    from weightsync.ray.client import _actor_label
+    from weightsync.clients import actor_label
 
     refs = []
     for i, h in enumerate(engines):
@@ -157,7 +157,7 @@ async def _engine_names(engines: list[Any], timeout: float) -> list[str]:
     try:
         names = await _gather(refs, timeout, what="get_weight_sync_name")
     except Exception:
-        return [_actor_label(h, i) for i, h in enumerate(engines)]
+        return [actor_label(h, i) for i, h in enumerate(engines)]
     return [f"engine{i} {n}" if not str(n).startswith("engine") else str(n)
             for i, n in enumerate(names)]
 

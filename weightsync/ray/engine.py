@@ -2,7 +2,7 @@
 
 Mix it into the Ray actor class that owns the inference model (a torch module, a vLLM engine,
 ...) and implement ``_weightsync_loader()`` to return the ``WeightLoader`` for it. The mixin
-exposes the endpoint methods that ``RayEngineClient`` calls, as async actor methods, and
+exposes the endpoint methods that ``weightsync.clients.RayChannel`` calls, as async actor methods, and
 forwards them to one ``weightsync.engine.WeightUpdateEndpoint`` created on first use in the
 actor's process:
 
@@ -69,7 +69,7 @@ class WeightSyncEngineMixin:
         live elsewhere (vLLM workers, see ``weightsync.ray.vllm``) override this."""
         return await self._weightsync_endpoint().call(method, kwargs)
 
-    # -- actor methods (called by RayEngineClient) -------------------------------------------
+    # -- actor methods (called by weightsync.clients.RayChannel) ------------------------------
     async def get_weight_sync_world_size(self) -> int:
         """Receiving workers of this engine; 1 for a module in this process."""
         return 1

@@ -6,8 +6,8 @@ model to extract from. Then (usually through ``weightsync.ray.controller``):
     await trainer.setup_weight_sync.remote(strategy_cfg, extractor_cfg, engine_handles)
     stats = await trainer.sync_weights.remote(version=None)
 
-On the sending rank ``setup_weight_sync`` builds the strategy, a ``RayEngineClient`` over the
-engine handles, the sync info and the sender; building the sender makes every engine build its
+On the sending rank ``setup_weight_sync`` builds the strategy, a ``FanOutClient`` over the
+engine handles (``RayChannel`` each), the sync info and the sender; building the sender makes every engine build its
 receiver at the same time (rendezvous). A broadcast strategy without ``master_addr`` gets this
 node's address from Ray (``ray.util.get_node_ip_address()``), so the same code spans nodes.
 
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from weightsync.clients import FanOutClient
     from weightsync.interfaces import (
         WeightExtractor,
         WeightTransferSender,
         WeightTransferStrategy,
     )
-    from weightsync.ray.client import RayEngineClient
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 class _TrainerSyncState:
     extractor: WeightExtractor
     strategy: WeightTransferStrategy | None = None
-    client: RayEngineClient | None = None
+    client: FanOutClient | None = None
     sender: WeightTransferSender | None = None
     generator_dtype: torch.dtype | None = None
     version: int = 0  # last version the engines published
@@ -73,8 +73,8 @@ class WeightSyncTrainerMixin:
         Returns ``{"sync_info", "world_sizes", "versions"}`` on the sender, ``{}`` elsewhere.
         Calling it again tears the previous set-up down first.
         """
+        from weightsync.clients import FanOutClient
         from weightsync.config import build_extractor, build_strategy
-        from weightsync.ray.client import RayEngineClient
         from weightsync.types import str_to_dtype
 
         await self.close_weight_sync()
@@ -91,10 +91,10 @@ class WeightSyncTrainerMixin:
         strategy = build_strategy(strategy_cfg)
         _fill_ray_address(strategy.cfg)
         timeout = float(timeout_s if timeout_s is not None else strategy.cfg.timeout_s)
-        client = RayEngineClient(engine_handles, timeout_s=timeout, names=engine_names)
+        client = FanOutClient(engine_handles, timeout_s=timeout, names=engine_names)
         sync_info = await strategy.create_sync_info(strategy.cfg, client)
         sender = await strategy.create_sender(strategy.cfg, client, sync_info)
-        versions = await client.get_weight_versions()
+        versions = await client.versions()
         state.strategy, state.client, state.sender = strategy, client, sender
         state.version = max(versions)
         self._weightsync = state

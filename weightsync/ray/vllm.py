@@ -6,7 +6,7 @@ SkyRL (one actor per engine, its workers inside).
 ``_weightsync_llm()``. Receivers live in the vLLM workers (one per TP x PP rank); the mixin
 forwards every endpoint call to them with ``collective_rpc("weightsync_call", ...)``, turns
 their answers back into weightsync errors, and resets the prefix cache after a finished update.
-``RayEngineClient`` / the controller drive it like any other engine actor.
+``weightsync.clients.RayChannel`` / the controller drive it like any other engine actor.
 
 ``VLLMEngineActor``: a ready-made one (offline ``LLM``) with ``generate`` and ``classify``.
 """

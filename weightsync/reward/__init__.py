@@ -28,7 +28,6 @@ _LAZY = {
     "TokenizerMismatchError": "weightsync.reward.client",
     "TrainingModeWarning": "weightsync.reward.selection",
     "select_params": "weightsync.reward.selection",
-    "HttpEngineClient": "weightsync.reward.http_engine_client",
     "RewardServerConfig": "weightsync.servers.reward",
     "RewardModelPublisher": "weightsync.reward.publisher",
     "create_reward_publisher": "weightsync.reward.publisher",
@@ -61,7 +60,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AGGREGATIONS", "DEFAULT_HEAD_NAME_PATTERNS", "CreditAssigner", "EpisodicReturn",
-    "GRPOAssigner", "HttpEngineClient", "PerStepReward", "PolicyLoss", "PoolingType",
+    "GRPOAssigner", "PerStepReward", "PolicyLoss", "PoolingType",
     "RLAlgorithm", "RewardModelClient", "RewardModelCreditAssigner", "RewardModelPublisher",
     "RewardModelScorer", "RewardModelTrainingMode", "RewardServerConfig", "Rollout",
     "RolloutStepKey", "ScaleRLAssigner", "ScorerSettings", "ScoringError", "ScoringRequest",

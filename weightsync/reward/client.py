@@ -2,8 +2,9 @@
 
 ``RewardModelClient`` is the structural protocol the scorer / publisher / RL loop code against;
 ``VLLMRewardClient`` implements it for ``weightsync.servers.reward``. It lives in the training
-process (rank 0). Scoring is plain HTTP. Weight sync goes through the framework: an
-``HttpEngineClient`` over the server's control plane plus a strategy sender (default
+process (rank 0). Scoring is plain HTTP. Weight sync goes through the framework: a
+``weightsync.clients.FanOutClient`` over the server's HTTP control plane plus a strategy sender
+(default
 ``broadcast``: gloo for CPU tensors, NCCL for CUDA ones; any strategy config works, e.g.
 ``cuda_ipc`` when the server shares the host) built on the first sync and reused after. Each sync is one update with a manifest, so
 the server refuses bad names / shapes / dtypes / training modes before any byte moves.
@@ -30,12 +31,12 @@ from collections.abc import AsyncIterable, Coroutine, Iterable, Mapping, Sequenc
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from weightsync._runtime.threads import LoopThread
-from weightsync.errors import UpdateIncompleteError, WeightMismatchError, WeightSyncError
-from weightsync.reward.http_engine_client import (
+from weightsync.errors import (
     CommunicatorReplacedError,
-    HttpEngineClient,
+    UpdateIncompleteError,
     UpdateRefusedError,
-    _error_from_response,
+    WeightMismatchError,
+    WeightSyncError,
 )
 from weightsync.reward.selection import select_params
 from weightsync.reward.types import RewardModelTrainingMode, ScoringRequest, ScoringResponse
@@ -43,8 +44,8 @@ from weightsync.reward.types import RewardModelTrainingMode, ScoringRequest, Sco
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from weightsync.interfaces import SyncStats
-    from weightsync.types import TensorMeta, WeightChunk
+    from weightsync.clients import FanOutClient
+    from weightsync.types import SyncStats, TensorMeta, WeightChunk
 
 T = TypeVar("T")
 
@@ -147,7 +148,7 @@ class VLLMRewardClient:
             self.strategy_cfg = self._strategy_cfg(str(self.device or "cpu"))
         self.last_sync_stats: SyncStats | None = None
         self._http_clients: dict[int, Any] = {}
-        self._engine_client: HttpEngineClient | None = None
+        self._engine_client: FanOutClient | None = None
         self._strategy: Any = None
         self._sender: Any = None
         self._sender_loop: asyncio.AbstractEventLoop | None = None
@@ -254,7 +255,7 @@ class VLLMRewardClient:
         info = {"latency_s": time.perf_counter() - t0, "status": r.status_code,
                 "url": self.base_url + "/score", "num_inputs": len(request)}
         if r.status_code >= 400:
-            err = _error_from_response(self.base_url + "/score", r)
+            err = _http_error(self.base_url + "/score", r)
             if r.status_code == 503 and "in progress" in str(err):
                 raise WeightSyncError(str(err))  # waiting for an update, not torn: retryable
             raise err
@@ -289,7 +290,7 @@ class VLLMRewardClient:
         await self._ensure_server()
         r = await self._http().get(self.base_url + "/runtime_version")
         if r.status_code >= 400:
-            raise _error_from_response(self.base_url + "/runtime_version", r)
+            raise _http_error(self.base_url + "/runtime_version", r)
         return int(r.json()["version"])
 
     # -- weight sync --------------------------------------------------------------------------
@@ -396,7 +397,6 @@ class VLLMRewardClient:
     ) -> SyncStats:
         sender = await self._ensure_sender()
         assert self._engine_client is not None
-        self._engine_client.training_mode = mode
         try:
             return await sender.send_chunks(
                 chunks, self._engine_client, version=version, manifest=manifest,
@@ -417,8 +417,10 @@ class VLLMRewardClient:
         from weightsync.config import build_strategy
 
         if self._engine_client is None:
-            self._engine_client = HttpEngineClient(
-                self.base_url, api_key=self.api_key, timeout_s=self.request_timeout_s
+            from weightsync.clients import FanOutClient
+
+            self._engine_client = FanOutClient(
+                [self.base_url], api_key=self.api_key, timeout_s=self.request_timeout_s
             )
         assert self.strategy_cfg is not None
         self._strategy = build_strategy(self.strategy_cfg)
@@ -468,6 +470,16 @@ class VLLMRewardClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+
+def _http_error(where: str, r: Any) -> BaseException:
+    from weightsync.errors import error_from_http
+
+    try:
+        body: Any = r.json()
+    except ValueError:
+        body = {"detail": r.text[:2000]}
+    return error_from_http(r.status_code, body, where=where)
 
 
 def _served(stats: SyncStats) -> str:

@@ -275,8 +275,6 @@ class RewardModelPublisher:
         version: int | None,
     ) -> SyncStats:
         client = self._client()
-        if hasattr(client, "training_mode"):
-            client.training_mode = mode  # the HTTP control plane carries it on every call
         sender = await self._ensure_sender(client)
         heads = self.head_name_patterns if mode is RewardModelTrainingMode.HEAD_ONLY else None
         return await asyncio.wait_for(
@@ -297,10 +295,10 @@ class RewardModelPublisher:
                     f"comm= given but {type(self.control).__name__} is neither an "
                     f"InferenceEngineClient nor a reward client with a base_url"
                 )
-            from weightsync.reward.http_engine_client import HttpEngineClient
+            from weightsync.clients import FanOutClient
 
-            self._engine_client = HttpEngineClient(
-                base_url, api_key=getattr(self.control, "api_key", None),
+            self._engine_client = FanOutClient(
+                [base_url], api_key=getattr(self.control, "api_key", None),
                 timeout_s=self.timeout_s,
             )
         return self._engine_client
