@@ -98,7 +98,7 @@ async def _rank_async(rank: int, world: int, kind: str, strategy: str, root: str
     from _vllm_helpers import close, prompt_ids, start_llm, vllm_prompt_logprobs
 
     from weightsync import build_extractor, build_strategy
-    from weightsync.loaders.vllm_worker import VLLMEngineClient
+    from weightsync.clients import FanOutClient
     from weightsync.types import EmptyWeightSyncInfo
 
     base, new = os.path.join(root, "base"), os.path.join(root, "new")
@@ -110,7 +110,7 @@ async def _rank_async(rank: int, world: int, kind: str, strategy: str, root: str
         torch.distributed.barrier()
         if rank == 0:
             llm = start_llm(base, "0,1", tp=2)
-            client = VLLMEngineClient(llm, timeout_s=120)
+            client = FanOutClient([llm], timeout_s=120)
         torch.distributed.barrier()  # the engine is up before anyone joins
         ids = prompt_ids(base)
         before = vllm_prompt_logprobs(llm, ids) if rank == 0 else None

@@ -16,9 +16,9 @@ receivers from an older one, which then re-joins on its next sync).
 ``policy_server`` starts ``python -m weightsync.servers.policy`` (vLLM's OpenAI server plus our
 control plane) on a tiny tied-embedding Llama causal LM, fp32, with a chat template, on a free
 port with an API key, and yields a ``PolicyServerHandle``: ``url``, ``port``, ``api_key``,
-``model_dir``, ``headers`` (the token), ``push(weights, version=None)`` (our dialect: a strategy
-sender + ``HttpEngineClient``), ``restore()`` (push the base weights back). The same sharing
-rules hold.
+``model_dir``, ``headers`` (the token), ``push(weights, version=None)`` (our dialect: a
+strategy sender + ``FanOutClient`` over the URL), ``restore()`` (push the base weights back). The
+same sharing rules hold.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ class PolicyServerHandle:
 
     def push(self, weights: dict, *, version: int | None = None,
              strategy: dict | None = None) -> Any:
-        """Push ``weights`` through our dialect (a strategy sender + ``HttpEngineClient``,
+        """Push ``weights`` through our dialect (a strategy sender + ``FanOutClient`` over the URL,
         chunks grouped by module); returns the ``SyncStats``."""
         return asyncio.run(push_over_http(self.url, self.api_key, weights, version=version,
                                           strategy=strategy))
@@ -247,18 +247,17 @@ class PolicyServerHandle:
 
 async def push_over_http(url: str, api_key: str, weights: dict, *, version: int | None = None,
                          strategy: dict | None = None) -> Any:
-    from weightsync.reward.http_engine_client import HttpEngineClient
+    from weightsync import build_strategy
+    from weightsync.clients import FanOutClient
+    from weightsync.pipeline import make_chunks
 
-    from weightsync import WeightExtractor, build_strategy
-
-    client = HttpEngineClient(url, api_key=api_key, timeout_s=120)
+    client = FanOutClient([url], api_key=api_key, timeout_s=120)
     strat = build_strategy(strategy or {"type": "broadcast", "backend": "gloo", "timeout_s": 60})
     try:
         info = await strat.create_sync_info(None, client)
         sender = await strat.create_sender(None, client, info)
         try:
-            chunks = list(WeightExtractor._batch_by_threshold(
-                WeightExtractor._group_by_module(list(weights.items())), 64 << 20))
+            chunks = list(make_chunks(list(weights.items()), bucket_size_mb=64))
             return await sender.send_chunks(chunks, client, version=version)
         finally:
             await sender.close()

@@ -22,8 +22,9 @@ async def _rank_async(rank: int, world: int, out: str) -> None:
 
     from weightsync import WeightChunk, build_extractor, build_strategy
     from weightsync.bench.shapes import build_module
+    from weightsync.clients import FanOutClient
     from weightsync.errors import WeightMismatchError
-    from weightsync.local import LocalEngineClient, LocalEngineProcess
+    from weightsync.local import LocalEngineProcess
     from weightsync.testing.digest import state_digest
     from weightsync.types import EmptyWeightSyncInfo
 
@@ -38,7 +39,7 @@ async def _rank_async(rank: int, world: int, out: str) -> None:
         if rank == 0:
             engine = LocalEngineProcess.spawn(FACTORY, {"shape": "tiny", "dtype": "float32",
                                                         "fill": 0.0}, world_size=2)
-            client = LocalEngineClient([engine], timeout_s=60)
+            client = FanOutClient([engine], timeout_s=60)
         strategy = build_strategy({"type": strategy_type, "every_rank": True, "timeout_s": 60,
                                    "bucket_size_mb": 0.02})
         sender = await strategy.create_sender(None, client, EmptyWeightSyncInfo())
@@ -65,7 +66,7 @@ async def _rank_async(rank: int, world: int, out: str) -> None:
         except WeightMismatchError as e:
             report["refused"] = list(e.offenders)
         if rank == 0:
-            report["engine_versions"] = await client.get_versions()
+            report["engine_versions"] = await client.versions()
         await sender.close()
     finally:
         if client is not None:
