@@ -56,7 +56,7 @@ def test_fanout_one_push_into_two_engines(tmp_path):
 
     from weightsync import WeightChunk, build_strategy
     from weightsync._runtime.vllm_compat import shutdown_llm
-    from weightsync.loaders.vllm_worker import VLLMEngineClient
+    from weightsync.clients import FanOutClient
 
     torch.cuda.set_device(0)
     base, new = _models(str(tmp_path))
@@ -71,7 +71,7 @@ def test_fanout_one_push_into_two_engines(tmp_path):
                     for i in range(0, len(names), 4)]
 
         async def pushes(targets, n):
-            client = VLLMEngineClient(targets, timeout_s=120)
+            client = FanOutClient(targets, timeout_s=120)
             strategy = build_strategy({"type": "broadcast", "backend": "nccl", "timeout_s": 120})
             info = await strategy.create_sync_info(None, client)
             sender = await strategy.create_sender(None, client, info)
@@ -140,7 +140,7 @@ async def _rank_async(rank: int, world: int, root: str) -> None:
 
     from weightsync import build_extractor, build_strategy
     from weightsync._runtime.vllm_compat import shutdown_llm
-    from weightsync.loaders.vllm_worker import VLLMEngineClient
+    from weightsync.clients import FanOutClient
 
     base, new = os.path.join(root, "base"), os.path.join(root, "new")
     report: dict = {"rank": rank}
@@ -155,7 +155,7 @@ async def _rank_async(rank: int, world: int, root: str) -> None:
         chunks = ext.extract_weights(model, torch.bfloat16)
         if rank == 0:
             llm = start_llm(base, "2,3", tp=2)
-            client = VLLMEngineClient(llm, timeout_s=120)
+            client = FanOutClient([llm], timeout_s=120)
             ids = prompt_ids(base)
             strategy = build_strategy({"type": "broadcast", "backend": "nccl", "timeout_s": 120})
             info = await strategy.create_sync_info(None, client)
