@@ -18,6 +18,7 @@ from weightsync.config import (
     build_strategy,
     load_config,
 )
+from weightsync.connect import BlockingSyncSession, SyncSession, connect, connect_sync
 from weightsync.engine import EndpointState, EndpointStatus, WeightUpdateEndpoint
 from weightsync.errors import (
     CommunicatorReplacedError,
@@ -57,17 +58,16 @@ from weightsync.types import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BroadcastConfig", "BroadcastWeightUpdateRequest", "CommunicatorReplacedError",
-    "CudaIpcWeightUpdateRequest", "EmptyWeightSyncInfo", "EndpointState", "EndpointStatus",
-    "EngineDiedError", "ExtractorConfig", "HeadExtractorConfig", "InferenceEngineClient",
-    "IpcBufferHandle", "IpcConfig", "LoaderConfig", "PackedCudaIpcWeightUpdateRequest",
-    "PackedIpcConfig", "StrategyConfig", "SyncStats", "TensorMeta",
-    "TorchDistributedWeightSyncInfo", "TrainingMode", "UpdateIncompleteError",
-    "UpdateRefusedError", "WeightChunk",
-    "WeightExtractor", "WeightLoader", "WeightMismatchError", "WeightSyncConfig",
-    "WeightSyncError", "WeightSyncInfo", "WeightSyncTimeout", "WeightTransferReceiver",
-    "WeightTransferSender", "WeightTransferStrategy", "WeightUpdateEndpoint",
-    "WeightUpdateFinish", "WeightUpdateRequest", "WeightUpdateStart", "build_extractor",
-    "build_loader", "build_strategy", "load_config", "register_extractor", "register_loader",
-    "register_strategy",
+    "BlockingSyncSession", "BroadcastConfig", "BroadcastWeightUpdateRequest",
+    "CommunicatorReplacedError", "CudaIpcWeightUpdateRequest", "EmptyWeightSyncInfo",
+    "EndpointState", "EndpointStatus", "EngineDiedError", "ExtractorConfig", "HeadExtractorConfig",
+    "InferenceEngineClient", "IpcBufferHandle", "IpcConfig", "LoaderConfig",
+    "PackedCudaIpcWeightUpdateRequest", "PackedIpcConfig", "StrategyConfig", "SyncSession",
+    "SyncStats", "TensorMeta", "TorchDistributedWeightSyncInfo", "TrainingMode",
+    "UpdateIncompleteError", "UpdateRefusedError", "WeightChunk", "WeightExtractor",
+    "WeightLoader", "WeightMismatchError", "WeightSyncConfig", "WeightSyncError", "WeightSyncInfo",
+    "WeightSyncTimeout", "WeightTransferReceiver", "WeightTransferSender",
+    "WeightTransferStrategy", "WeightUpdateEndpoint", "WeightUpdateFinish", "WeightUpdateRequest",
+    "WeightUpdateStart", "build_extractor", "build_loader", "build_strategy", "connect",
+    "connect_sync", "load_config", "register_extractor", "register_loader", "register_strategy",
 ]

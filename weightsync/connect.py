@@ -1,0 +1,505 @@
+"""The front door: one object in the trainer that pushes weights into running engines.
+
+    import weightsync as ws
+
+    sync = await ws.connect(["http://127.0.0.1:8000"], strategy="broadcast", api_key=TOKEN)
+    stats = await sync.push(model, version=step)    # every step
+    await sync.close()                               # or: async with ws.connect(...) as sync:
+
+Who calls it: the training process. ``connect`` returns a ``SyncSession`` (await it, or use it
+as an ``async with``); ``connect_sync`` is the blocking twin for synchronous training loops (a
+``BlockingSyncSession`` on a private event-loop thread, also a context manager).
+
+``engines``: one or several of an ``http(s)://`` URL (a policy or reward server's control
+plane), an in-process vLLM ``LLM`` / ``AsyncLLM`` (with the worker extension), a Ray actor handle
+(``WeightSyncEngineMixin``), a ``LocalEngineProcess``, an in-process ``WeightUpdateEndpoint``,
+or any ``weightsync.clients.Channel``. Several fan out in one push (``FanOutClient``).
+
+``strategy``: a registered name (``"broadcast"``, ``"packed_cuda_ipc"``, ...), a preset name
+(``"broadcast_nccl"``), a YAML path (a preset or a bare strategy mapping), a mapping
+(``{"type": "broadcast", "backend": "gloo", "bucket_size_mb": 8}``) or a ``StrategyConfig``. When
+a strategy with a ``backend`` (broadcast) is not told one, the backend follows the tensors: gloo
+for CPU, NCCL for CUDA. It is read from the model at the first push (the sender is built then),
+or at connect when ``device=`` is given; a complete config builds the sender at connect, so an
+unreachable engine fails there.
+
+``push(model_or_state_dict, version=, training_mode=)``: a model goes through the extractor its
+kind needs (``weightsync.extractors.auto``: DeepSpeed -> ``deepspeed``, FSDP2 -> ``fsdp``, PEFT
+with LoRA -> ``lora_merge``, else ``hf``; ``extractor=`` at connect overrides); a mapping of
+name -> tensor is sent as given (names normalised to engine names, chunked by the strategy's
+bucket size). The training mode (``TrainingMode`` / ``"head_only"`` / ...) is checked here
+before anything moves, travels in the update's start, and the engines enforce it; head-only
+pushes of a model send only the head. Returns ``SyncStats`` (bytes, chunks, tensors, seconds,
+the version each engine serves, the engines' names).
+
+After a failed push the session stays usable where the transport allows:
+
+* a refusal (``WeightMismatchError``, a stale version, an engine that is torn or refuses the
+  call: ``UpdateRefusedError`` / ``UpdateIncompleteError``) moved nothing on the data plane:
+  the next push goes out on the same group;
+* anything else (an engine died, a timeout, a broken collective, another sender took a
+  server's receivers, a cancelled push) drops the sender: the next push builds a new group with
+  the same engines. If an engine is gone for good that push fails with ``EngineDiedError``
+  naming it: connect again without it.
+
+Sharded trainers (FSDP2, DeepSpeed ZeRO): every training rank calls ``connect`` and ``push`` in
+lockstep with the same arguments. Only the sending rank (``is_sender``, default ``rank ==
+src_rank``; ``rank`` defaults to ``torch.distributed``'s) reaches the engines; the others join
+the extractor's gathers and ``push`` returns None there. An unsharded model is pushed by the
+sending rank alone (the others return None at once).
+
+The low-level path stays for power users: ``build_strategy`` -> ``create_sync_info`` ->
+``create_sender`` -> ``send_chunks`` over a ``FanOutClient``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Awaitable, Generator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from weightsync.errors import (
+    CommunicatorReplacedError,
+    UpdateIncompleteError,
+    UpdateRefusedError,
+    WeightMismatchError,
+)
+from weightsync.types import SyncStats, TrainingMode
+
+if TYPE_CHECKING:  # pragma: no cover
+    from weightsync.clients import FanOutClient
+
+#: failures after which the data plane is still in step: the session keeps its sender
+_REFUSALS = (WeightMismatchError, ValueError, UpdateRefusedError, UpdateIncompleteError)
+
+
+def connect(
+    engines: Any,
+    strategy: Any = "broadcast",
+    *,
+    api_key: str | None = None,
+    extractor: Any = None,
+    device: str | None = None,
+    timeout_s: float | None = None,
+    rank: int | None = None,
+    src_rank: int = 0,
+    is_sender: bool | None = None,
+    names: Sequence[str] | None = None,
+) -> Connecting:
+    """Connect the trainer to ``engines`` (see the module docstring). Await the result for a
+    ``SyncSession``, or use it as ``async with connect(...) as sync``."""
+    return Connecting(lambda: SyncSession.open(
+        engines, strategy, api_key=api_key, extractor=extractor, device=device,
+        timeout_s=timeout_s, rank=rank, src_rank=src_rank, is_sender=is_sender, names=names,
+    ))
+
+
+def connect_sync(engines: Any, strategy: Any = "broadcast", **kwargs: Any) -> BlockingSyncSession:
+    """``connect`` for synchronous code: a ``BlockingSyncSession`` (``push``, ``close``, a
+    context manager) whose calls run on a private event-loop thread."""
+    return BlockingSyncSession(engines, strategy, **kwargs)
+
+
+class Connecting:
+    """What ``connect`` returns: awaitable (-> ``SyncSession``) and an async context manager
+    (closes the session on exit)."""
+
+    def __init__(self, make: Any) -> None:
+        self._make = make
+        self._session: SyncSession | None = None
+
+    def __await__(self) -> Generator[Any, None, SyncSession]:
+        return self._open().__await__()
+
+    async def _open(self) -> SyncSession:
+        if self._session is None:
+            self._session = await self._make()
+        return self._session
+
+    async def __aenter__(self) -> SyncSession:
+        return await self._open()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class SyncSession:
+    """A trainer's connection to its engines (build it with ``connect``)."""
+
+    def __init__(
+        self, *, client: FanOutClient | None, strategy_cfg: dict[str, Any],
+        extractor_cfg: dict[str, Any] | None, device: str | None, rank: int, src_rank: int,
+        is_sender: bool,
+    ) -> None:
+        self.client = client
+        self.strategy_cfg = strategy_cfg
+        self.extractor_cfg = extractor_cfg
+        self.device = device
+        self.rank, self.src_rank, self.is_sender = rank, src_rank, is_sender
+        self.strategy: Any = None
+        self.sender: Any = None
+        self.closed = False
+
+    @classmethod
+    async def open(
+        cls, engines: Any, strategy: Any, *, api_key: str | None, extractor: Any,
+        device: str | None, timeout_s: float | None, rank: int | None, src_rank: int,
+        is_sender: bool | None, names: Sequence[str] | None,
+    ) -> SyncSession:
+        strategy_cfg = resolve_strategy(strategy)
+        if timeout_s is not None:
+            strategy_cfg["timeout_s"] = float(timeout_s)
+        extractor_cfg = _resolve_extractor(extractor)
+        rank = _default_rank() if rank is None else int(rank)
+        sender = (rank == int(src_rank)) if is_sender is None else bool(is_sender)
+        client = None
+        if sender:
+            from weightsync.clients import FanOutClient
+
+            targets = [engines] if isinstance(engines, str) or not isinstance(
+                engines, (list, tuple)) else list(engines)
+            client = FanOutClient(
+                targets, api_key=api_key, names=names,
+                timeout_s=float(strategy_cfg.get("timeout_s", 600.0)),
+            )
+        session = cls(client=client, strategy_cfg=strategy_cfg, extractor_cfg=extractor_cfg,
+                      device=device, rank=rank, src_rank=int(src_rank), is_sender=sender)
+        if sender and (device is not None or not _needs_backend(strategy_cfg)):
+            try:
+                await session._ensure_sender(device)
+            except BaseException:
+                await session.close()
+                raise
+        return session
+
+    # -- the one call ----------------------------------------------------------------------------
+    async def push(
+        self,
+        model_or_state_dict: Any,
+        *,
+        version: int | None = None,
+        training_mode: TrainingMode | str | None = None,
+        head_name_patterns: Sequence[str] | None = None,
+        dtype: Any = None,
+    ) -> SyncStats | None:
+        """One update of every engine (see the module docstring). ``dtype``: cast floating
+        tensors to it before sending (e.g. the engine's served dtype). Returns the stats on the
+        sending rank, None on the others."""
+        if self.closed:
+            raise RuntimeError("this weight-sync session is closed; connect again")
+        from weightsync.types import str_to_dtype
+
+        mode = TrainingMode.parse(training_mode) if training_mode is not None else None
+        heads = _head_patterns(mode, head_name_patterns)
+        cast = str_to_dtype(dtype) if isinstance(dtype, str) else dtype
+        if _is_tensor_mapping(model_or_state_dict):
+            if not self.is_sender:
+                return None
+            return await self._push_tensors(model_or_state_dict, version, mode, heads, cast)
+        return await self._push_model(model_or_state_dict, version, mode, heads, cast)
+
+    async def _push_model(
+        self, model: Any, version: int | None, mode: TrainingMode | None,
+        heads: list[str] | None, dtype: Any,
+    ) -> SyncStats | None:
+        from weightsync.config import build_extractor
+        from weightsync.extractors.auto import device_of, extractor_config_for, model_kind
+
+        sharded = model_kind(model) in ("fsdp", "deepspeed")
+        if not sharded and not self.is_sender:
+            return None  # nothing to gather: the sending rank pushes alone
+        if self.extractor_cfg is not None:
+            cfg = {**self.extractor_cfg, "is_sender": self.is_sender}
+            if sharded or cfg.get("type") in ("fsdp", "deepspeed"):
+                cfg.setdefault("rank", self.rank)
+                cfg.setdefault("src_rank", self.src_rank)
+        else:
+            cfg = extractor_config_for(
+                model, bucket_size_mb=float(self.strategy_cfg.get("bucket_size_mb", 1024)),
+                rank=self.rank, src_rank=self.src_rank, is_sender=self.is_sender,
+                head_name_patterns=heads if mode is TrainingMode.HEAD_ONLY else None,
+            )
+        ext = build_extractor(cfg)
+        manifest = ext.metadata(model, dtype)  # the same on every rank; no collective
+        _check_mode(manifest, mode, heads)  # every rank refuses alike, before any gather
+        if not self.is_sender:
+            async for _ in ext.extract_weights(model, dtype):  # lockstep gathers, nothing kept
+                pass
+            return None
+        started = getattr(ext, "runs_started", None)
+        try:
+            await self._ensure_sender(_device_name(device_of(model)))
+            return await self._send(ext.extract_weights(model, dtype), manifest, version, mode,
+                                    heads)
+        except BaseException:
+            if sharded and started is not None and ext.runs_started == started:
+                ext.drain(model, dtype)  # never started: run this rank's gathers anyway
+            raise
+
+    async def _push_tensors(
+        self, tensors: Any, version: int | None, mode: TrainingMode | None,
+        heads: list[str] | None, dtype: Any,
+    ) -> SyncStats:
+        from weightsync.extractors.auto import device_of
+        from weightsync.naming import NamingError, engine_names
+        from weightsync.pipeline import make_chunks
+
+        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        if not items:
+            raise ValueError("push: nothing to send (an empty mapping)")
+        try:
+            mapping = engine_names(n for n, _ in items)
+        except NamingError as e:
+            raise WeightMismatchError([str(e)], target="update") from None
+        named = [(mapping[n], _cast(t.detach(), dtype)) for n, t in items if n in mapping]
+        chunks = list(make_chunks(named, bucket_size_mb=float(
+            self.strategy_cfg.get("bucket_size_mb", 1024))))
+        manifest = [m for c in chunks for m in c.metas()]
+        _check_mode(manifest, mode, heads)
+        await self._ensure_sender(_device_name(device_of(named)))
+        return await self._send(chunks, manifest, version, mode, heads)
+
+    async def _send(
+        self, chunks: Any, manifest: list[Any], version: int | None, mode: TrainingMode | None,
+        heads: list[str] | None,
+    ) -> SyncStats:
+        assert self.client is not None and self.sender is not None
+        try:
+            stats = await self.sender.send_chunks(
+                chunks, self.client, version=version, manifest=manifest, training_mode=mode,
+                head_name_patterns=heads if mode is TrainingMode.HEAD_ONLY else None,
+            )
+        except BaseException as e:
+            if isinstance(e, CommunicatorReplacedError) or not isinstance(e, _REFUSALS):
+                await self._drop_sender()  # the group is gone or out of step: rebuild next time
+            raise
+        stats.engines = self.client.names
+        return stats
+
+    # -- the sender ------------------------------------------------------------------------------
+    async def _ensure_sender(self, device: str | None) -> None:
+        if self.sender is not None:
+            return
+        from weightsync.config import build_strategy
+
+        assert self.client is not None
+        cfg = dict(self.strategy_cfg)
+        if _needs_backend(cfg):
+            cfg["backend"] = "nccl" if str(device or "cpu").startswith("cuda") else "gloo"
+        strategy = build_strategy(cfg)
+        info = await strategy.create_sync_info(strategy.cfg, self.client)
+        self.sender = await strategy.create_sender(strategy.cfg, self.client, info)
+        self.strategy = strategy
+
+    async def _drop_sender(self) -> None:
+        sender, self.sender = self.sender, None
+        if sender is None:
+            return
+        for step in (sender.close(), self.client.close_weight_transfer() if self.client else None):
+            if step is not None:
+                try:
+                    await step
+                except Exception:  # noqa: BLE001 - already failing; the first error is the news
+                    pass
+
+    # -- beyond push -----------------------------------------------------------------------------
+    async def status(self) -> list[dict[str, Any]]:
+        """Every engine's state, served version, last error and update in progress."""
+        if self.client is None:
+            return []
+        return await self.client.status()
+
+    async def close(self) -> None:
+        """Tear down the receivers on every engine (best effort) and the sender, and release
+        the connections. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        await self._drop_sender()
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def __aenter__(self) -> SyncSession:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        where = self.client.names if self.client is not None else "(not the sending rank)"
+        return f"SyncSession({self.strategy_cfg.get('type')!r} -> {where})"
+
+
+class BlockingSyncSession:
+    """``SyncSession`` for synchronous code: every call runs on one private event-loop thread
+    (so the sender's state stays on one loop). ``push`` / ``status`` / ``close`` block; use it
+    as a context manager or call ``close``."""
+
+    def __init__(self, engines: Any, strategy: Any = "broadcast", **kwargs: Any) -> None:
+        from weightsync._runtime.threads import LoopThread
+
+        self._loop = LoopThread("weightsync-connect")
+        try:
+            self.session: SyncSession = self._loop.run(_open(connect(engines, strategy, **kwargs)))
+        except BaseException:
+            self._loop.close()
+            raise
+
+    def push(self, model_or_state_dict: Any, **kwargs: Any) -> SyncStats | None:
+        return self._loop.run(self.session.push(model_or_state_dict, **kwargs))
+
+    def status(self) -> list[dict[str, Any]]:
+        return self._loop.run(self.session.status())
+
+    def close(self) -> None:
+        if self._loop.started:
+            try:
+                self._loop.run(self.session.close())
+            finally:
+                self._loop.close()
+
+    def __enter__(self) -> BlockingSyncSession:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# resolving what the caller gave
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_strategy(strategy: Any) -> dict[str, Any]:
+    """A strategy given any way ``connect`` takes it -> its config mapping (``type`` set; no
+    ``backend`` when the caller gave none)."""
+    from weightsync.config import (
+        StrategyConfig,
+        WeightSyncConfig,
+        load_config,
+        preset_names,
+        to_plain,
+    )
+    from weightsync.interfaces import WeightTransferStrategy
+    from weightsync.registry import STRATEGIES
+
+    if strategy is None:
+        return {"type": "broadcast"}
+    if isinstance(strategy, WeightTransferStrategy):
+        return strategy.config_dict()
+    if isinstance(strategy, StrategyConfig):
+        return dataclasses.asdict(strategy)
+    if isinstance(strategy, WeightSyncConfig):
+        return dict(strategy.strategy)
+    if isinstance(strategy, (str, os.PathLike)):
+        s = os.fspath(strategy)
+        if s in STRATEGIES:
+            return {"type": s}
+        if os.path.exists(s) or s.endswith((".yaml", ".yml")):
+            return _strategy_section(to_plain(s), where=s)
+        if s in preset_names() or s.removesuffix(".yaml") in preset_names():
+            return dict(load_config(s).strategy)
+        raise ValueError(
+            f"strategy {s!r}: not a registered strategy ({', '.join(STRATEGIES.names())}), a "
+            f"preset ({', '.join(preset_names())}) or a YAML file"
+        )
+    if isinstance(strategy, Mapping) or type(strategy).__module__.startswith("omegaconf"):
+        return _strategy_section(to_plain(strategy), where="strategy")
+    raise TypeError(
+        f"strategy: expected a name, a preset, a YAML path, a mapping or a StrategyConfig, got "
+        f"{type(strategy).__name__}"
+    )
+
+
+def _strategy_section(data: Mapping[str, Any], *, where: str) -> dict[str, Any]:
+    if "type" not in data and isinstance(data.get("strategy"), Mapping):
+        data = data["strategy"]  # a whole preset: its strategy section
+    out = dict(data)
+    out.setdefault("type", "broadcast")
+    return out
+
+
+def _resolve_extractor(extractor: Any) -> dict[str, Any] | None:
+    if extractor is None:
+        return None
+    from weightsync.config import load_config, preset_names, to_plain
+    from weightsync.registry import EXTRACTORS
+
+    if isinstance(extractor, str) and extractor in EXTRACTORS:
+        return {"type": extractor}
+    if isinstance(extractor, str) and not os.path.exists(extractor) and (
+        extractor in preset_names() or extractor.removesuffix(".yaml") in preset_names()
+    ):
+        return dict(load_config(extractor).extractor)
+    data = to_plain(extractor)
+    if "type" not in data and isinstance(data.get("extractor"), Mapping):
+        data = data["extractor"]
+    return dict(data)
+
+
+def _needs_backend(cfg: Mapping[str, Any]) -> bool:
+    """A strategy whose config has a ``backend`` field the caller did not set."""
+    from weightsync.registry import STRATEGIES
+
+    if "backend" in cfg:
+        return False
+    config_cls = getattr(STRATEGIES.get(str(cfg.get("type", "broadcast"))), "config_cls", None)
+    return dataclasses.is_dataclass(config_cls) and any(
+        f.name == "backend" for f in dataclasses.fields(config_cls))
+
+
+def _default_rank() -> int:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _is_tensor_mapping(x: Any) -> bool:
+    if isinstance(x, Mapping):
+        return True
+    if isinstance(x, (list, tuple)):
+        return all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in x)
+    return False
+
+
+def _head_patterns(mode: TrainingMode | None, given: Sequence[str] | None) -> list[str] | None:
+    if given is not None:
+        return list(given)
+    if mode is TrainingMode.HEAD_ONLY:
+        from weightsync.naming import DEFAULT_HEAD_NAME_PATTERNS
+
+        return list(DEFAULT_HEAD_NAME_PATTERNS)
+    return None
+
+
+def _check_mode(manifest: list[Any], mode: TrainingMode | None, heads: list[str] | None) -> None:
+    """The update's names against its training mode, here, before anything moves (the engines
+    check again)."""
+    if not manifest:
+        raise WeightMismatchError(["nothing to send: the update selects no tensors"],
+                                  target="update")
+    if mode is None:
+        return
+    from weightsync.validation import training_mode_offenders
+
+    offenders = training_mode_offenders([m.name for m in manifest], mode, heads, whole_update=True)
+    if offenders:
+        raise WeightMismatchError(offenders, target=f"{mode.value} update")
+
+
+def _cast(t: Any, dtype: Any) -> Any:
+    if dtype is None or t.dtype == dtype or not t.is_floating_point():
+        return t
+    return t.to(dtype)
+
+
+def _device_name(device: Any) -> str | None:
+    return None if device is None else str(getattr(device, "type", device))
+
+
+async def _open(connecting: Awaitable[SyncSession]) -> SyncSession:
+    return await connecting
