@@ -79,6 +79,11 @@ async def _rank_async(rank: int, stage: int, out_path: str) -> None:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
+    from weightsync.extractors.auto import model_kind
+
+    # the front door picks this extractor from the engine (ZeRO-1/2 and -3 alike)
+    assert model_kind(engine) == "deepspeed" and model_kind(engine.module) == (
+        "deepspeed" if stage == 3 else "hf")
     ext = build_extractor({"type": "deepspeed", "bucket_size_mb": BUCKET_MB})
     assert ext.is_sender == (rank == 0)
     # the engine itself is passed (names start with "module."): the extractor unwraps it

@@ -15,6 +15,7 @@ import weightsync
 from weightsync import *  # noqa: F403 - every public name
 import weightsync.registry, weightsync.config, weightsync.engine, weightsync.validation
 import weightsync.extractors, weightsync.loaders, weightsync.strategies, weightsync.reward
+import weightsync.clients, weightsync.connect, weightsync.pipeline
 print(json.dumps(sorted(m for m in HEAVY if m in sys.modules)))
 """
 

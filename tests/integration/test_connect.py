@@ -1,0 +1,118 @@
+"""The front door with real processes: a sharded (FSDP2) trainer on 2 gloo ranks pushing in
+lockstep (only rank 0 reaches the engine), and an engine killed between pushes (the session
+drops its group, says which engine is gone, and a new connection without it works)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+from _sharded_sync import batch, spawn_gloo_ranks, tiny_qwen2
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+async def _fsdp_rank(rank: int, world: int, out: str) -> None:
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import weightsync as ws
+    from weightsync.extractors.auto import model_kind
+    from weightsync.local import LocalEngineProcess
+    from weightsync.testing.digest import state_digest
+
+    model = tiny_qwen2()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    report: dict = {"rank": rank, "kind": model_kind(model), "stats": [], "equal": []}
+    engine = None
+    if rank == 0:
+        metas = ws.build_extractor({"type": "fsdp"}).metadata(model)
+        engine = LocalEngineProcess.spawn(
+            "weightsync.local.modules:metas_module",
+            {"metas": [m.to_dict() for m in metas], "fill": "zeros"}, name="engine0",
+            num_threads=1,
+        )
+    try:
+        # every rank: the same call; rank 1 is not the sender and reaches no engine
+        async with ws.connect([engine] if engine else [], "broadcast", rank=rank) as sync:
+            report["is_sender"] = sync.is_sender
+            for step in (1, 2):
+                ids = batch(rank, step)
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+                stats = await sync.push(model, version=step)  # lockstep gathers on both ranks
+                report["stats"].append(None if stats is None else stats.versions)
+                if rank == 0:
+                    got = await engine.call("state_digest")
+                    want = state_digest({n: full[n] for n in got})
+                    report["equal"].append(got == want)
+    finally:
+        if engine is not None:
+            engine.stop()
+        with open(out.replace(".json", f".rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+
+
+def test_sharded_ranks_push_in_lockstep_and_only_rank0_reaches_the_engine(tmp_path):
+    out = str(tmp_path / "fsdp.json")
+    spawn_gloo_ranks(_fsdp_rank, out)
+    r0, r1 = (json.loads(Path(out.replace(".json", f".rank{r}.json")).read_text()) for r in (0, 1))
+    assert r0["kind"] == r1["kind"] == "fsdp"
+    assert (r0["is_sender"], r1["is_sender"]) == (True, False)
+    assert r0["stats"] == [[1], [2]] and r1["stats"] == [None, None]
+    assert r0["equal"] == [True, True]  # bit-exact: what the engine holds is the full model
+
+
+def test_a_dead_engine_drops_the_group_and_a_new_connection_without_it_works():
+    import torch
+
+    import weightsync as ws
+    from weightsync.errors import EngineDiedError
+    from weightsync.local import LocalEngineProcess
+    from weightsync.local.modules import qwen2_module
+    from weightsync.testing.digest import module_digest
+
+    factory, shape = "weightsync.local.modules:qwen2_module", {"size": "tiny", "dtype": "float32"}
+    engines = [LocalEngineProcess.spawn(factory, {**shape, "fill": "zeros"}, name=f"engine{i}")
+               for i in range(2)]
+    trainer = qwen2_module(**shape, seed=1)
+    strategy = {"type": "broadcast", "backend": "gloo", "timeout_s": 10}
+
+    async def go():
+        sync = await ws.connect(engines, strategy)
+        try:
+            assert (await sync.push(trainer, version=1)).versions == [1, 1]
+            engines[1].kill()
+            t0 = time.monotonic()
+            with pytest.raises(EngineDiedError, match="engine1"):
+                await sync.push(trainer, version=2)
+            assert time.monotonic() - t0 < 10  # seen at once (EOF), not after a timeout
+            assert sync.sender is None  # the group is gone: the next push builds a new one
+            with pytest.raises(EngineDiedError, match="engine1"):
+                await sync.push(trainer, version=2)  # ... which needs every engine: reconnect
+        finally:
+            await sync.close()
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.mul_(2)
+        async with ws.connect(engines[:1], strategy, timeout_s=60) as sync:
+            stats = await sync.push(trainer, version=3)
+        assert stats.versions == [3]
+        assert await engines[0].call("state_digest") == module_digest(trainer)
+
+    try:
+        asyncio.run(go())
+    finally:
+        for e in engines:
+            e.kill()
