@@ -102,25 +102,31 @@ def test_scores_equal_transformers_single_and_batched(restored, hf):
     ref = hf_scores(tok, model, TEXTS, batched=False)
     assert max_err([r[0] for r in ref], hf_scores(tok, model, TEXTS, batched=True)) <= 1e-5
 
-    r = httpx.post(restored.url + "/score", json={"input": TEXTS})
+    r = httpx.post(restored.url + "/score", json={"input": TEXTS, "normalize": False})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert set(body) == {"model", "data", "usage", "version"}
+    assert set(body) == {"model", "data", "usage", "version", "pooling_type"}
+    assert body["pooling_type"] == "last"
     assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
     assert all(isinstance(d["score"], float) for d in body["data"])  # one label: a float
     assert max_err([d["score"] for d in body["data"]], ref) <= TOL
     assert body["usage"]["prompt_tokens"] == sum(len(tok(t).input_ids) for t in TEXTS)
 
     for i, text in enumerate(TEXTS[:2]):  # single string input
-        r = httpx.post(restored.url + "/score", json={"input": text})
+        r = httpx.post(restored.url + "/score", json={"input": text, "normalize": False})
         assert r.status_code == 200
         (d,) = r.json()["data"]
         assert abs(d["score"] - ref[i][0]) <= TOL
 
 
-def test_raw_logits_by_default_activation_on_request(restored):
-    raw = httpx.post(restored.url + "/score", json={"input": TEXTS[:3]}).json()
-    act = httpx.post(restored.url + "/score", json={"input": TEXTS[:3], "use_activation": True}).json()
+def test_normalize_by_default_raw_logits_on_request(restored):
+    """The design's default ``normalize=True`` is the sigmoid of the raw logit; ``false`` (or
+    vLLM's ``use_activation: false``) gives the logit."""
+    raw = httpx.post(restored.url + "/score", json={"input": TEXTS[:3], "normalize": False}).json()
+    also_raw = httpx.post(restored.url + "/score",
+                          json={"input": TEXTS[:3], "use_activation": False}).json()
+    act = httpx.post(restored.url + "/score", json={"input": TEXTS[:3]}).json()
+    assert also_raw["data"] == raw["data"]
     for a, b in zip(raw["data"], act["data"], strict=True):
         assert b["score"] == pytest.approx(1 / (1 + math.exp(-a["score"])), abs=1e-5)
         assert a["score"] != pytest.approx(b["score"], abs=1e-3)
@@ -132,7 +138,7 @@ def test_client_score_and_batch(restored, hf):
 
     async def go():
         async with restored.client(max_batch_size=2) as c:
-            resp, info = await c.score(ScoringRequest(TEXTS))
+            resp, info = await c.score(ScoringRequest(TEXTS, normalize=False))
             batch = await c.score_batch(TEXTS)
             return resp, info, batch, await c.get_model_version()
 
@@ -243,11 +249,11 @@ def test_sync_full_then_head_only_matches_transformers(restored, hf):
             v0 = await c.get_model_version()
             full = perturbed(model, seed=1)
             stats = await push(c, full)  # FULL is the default
-            r1, _ = await c.score(ScoringRequest(TEXTS))
+            r1, _ = await c.score(ScoringRequest(TEXTS, normalize=False))
             head = perturbed(model, seed=2, head_only=True)
             stats2 = await push(c, {"score.weight": head["score.weight"]},
                                           training_mode=RewardModelTrainingMode.HEAD_ONLY)
-            r2, _ = await c.score(ScoringRequest(TEXTS))
+            r2, _ = await c.score(ScoringRequest(TEXTS, normalize=False))
             return v0, stats, r1, stats2, r2
 
     v0, stats, r1, stats2, r2 = run(go())
@@ -280,7 +286,7 @@ def test_every_strategy_small_buckets(restored, hf, strategy):
     async def go():
         async with restored.client(strategy=strategy) as c:
             stats = await push(c, new)
-            return stats, (await c.score(ScoringRequest(TEXTS)))[0]
+            return stats, (await c.score(ScoringRequest(TEXTS, normalize=False)))[0]
 
     stats, resp = run(go())
     assert stats.num_chunks > 5
@@ -307,7 +313,7 @@ def test_bad_updates_refused_before_any_byte(restored, params, mode, needle):
     model and version untouched."""
     h = {"Authorization": f"Bearer {restored.api_key}"}
     before_v = httpx.get(restored.url + "/runtime_version").json()["version"]
-    before = httpx.post(restored.url + "/score", json={"input": TEXTS}).json()["data"]
+    before = httpx.post(restored.url + "/score", json={"input": TEXTS, "normalize": False}).json()["data"]
     manifest = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                 for n, t in params.items()]
     r = httpx.post(restored.url + "/update_param_batch", headers=h, json={
@@ -332,7 +338,7 @@ def test_bad_updates_refused_before_any_byte(restored, params, mode, needle):
         run(through_client())
     assert any(needle in o for o in ei.value.offenders)
     assert httpx.get(restored.url + "/runtime_version").json()["version"] == before_v
-    assert httpx.post(restored.url + "/score", json={"input": TEXTS}).json()["data"] == before
+    assert httpx.post(restored.url + "/score", json={"input": TEXTS, "normalize": False}).json()["data"] == before
 
 
 def test_client_refuses_mode_violations_locally(reward_server):
@@ -406,11 +412,11 @@ def test_torn_update_answers_503_until_a_complete_one_lands(restored, hf):
             with pytest.raises(RuntimeError, match="trainer died"):
                 await sender.send_chunks(dying_chunks(), c._engine_client)
             state = httpx.get(restored.url + "/runtime_version").json()
-            r = httpx.post(restored.url + "/score", json={"input": TEXTS})
+            r = httpx.post(restored.url + "/score", json={"input": TEXTS, "normalize": False})
             with pytest.raises(UpdateIncompleteError, match="incomplete"):
-                await c.score(ScoringRequest(TEXTS))
+                await c.score(ScoringRequest(TEXTS, normalize=False))
             stats = await push(c, new)
-            resp, _ = await c.score(ScoringRequest(TEXTS))
+            resp, _ = await c.score(ScoringRequest(TEXTS, normalize=False))
             return v0, state, r, stats, resp
 
     v0, state, r, stats, resp = run(go())
@@ -496,7 +502,7 @@ def test_scores_during_syncs_never_mix_versions(restored, hf):
     def scorer():
         with httpx.Client() as h:
             while not stop.is_set():
-                r = h.post(restored.url + "/score", json={"input": TEXTS}, timeout=60)
+                r = h.post(restored.url + "/score", json={"input": TEXTS, "normalize": False}, timeout=60)
                 if r.status_code != 200:
                     errors.append(r.text)
                     return
@@ -540,7 +546,7 @@ def test_scores_during_syncs_never_mix_versions(restored, hf):
 def test_restore_base_weights_for_other_tests(restored, hf):
     tok, model = hf
     restored.restore()
-    r = httpx.post(restored.url + "/score", json={"input": TEXTS}).json()
+    r = httpx.post(restored.url + "/score", json={"input": TEXTS, "normalize": False}).json()
     assert max_err([d["score"] for d in r["data"]], hf_scores(tok, model, TEXTS)) <= TOL
 
 

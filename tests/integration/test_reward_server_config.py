@@ -46,3 +46,24 @@ def test_engine_args_cpu_defaults(tiny_reward_model_dir):
     assert gpu.dtype == "auto" and gpu.gpu_memory_utilization == 0.25 and gpu.enforce_eager is False
     with pytest.raises(ValueError, match="model"):
         engine_args(RewardServerConfig())
+
+
+@pytest.mark.slow  # imports vllm (~5 s)
+def test_token_pooling_fields_reach_vllms_pooler_config(tiny_reward_model_dir):
+    d = tiny_reward_model_dir
+    args = engine_args(RewardServerConfig(model=d, device="cpu", tok_pooling_type="step",
+                                          step_tag_id=3, returned_token_ids=[0]))
+    pooler = args.pooler_config
+    assert (pooler.tok_pooling_type, pooler.step_tag_id, pooler.returned_token_ids) == (
+        "STEP", 3, [0])
+    assert engine_args(RewardServerConfig(model=d, device="cpu")).pooler_config is None
+    both = engine_args(RewardServerConfig(model=d, device="cpu", pooling_type="LAST",
+                                          tok_pooling_type="ALL")).pooler_config
+    assert (both.seq_pooling_type, both.tok_pooling_type) == ("LAST", "ALL")
+    with pytest.raises(ValueError, match="returned_token_ids: only with tok_pooling_type STEP"):
+        engine_args(RewardServerConfig(model=d, device="cpu", returned_token_ids=[0]))
+    with pytest.raises(ValueError, match="tok_pooling_type: must be ALL or STEP"):
+        engine_args(RewardServerConfig(model=d, device="cpu", tok_pooling_type="last"))
+    cfg = parse_args(["--model", "m", "--tok-pooling-type", "STEP", "--step-tag-id", "3",
+                      "--returned-token-ids", "0,2"])
+    assert (cfg.tok_pooling_type, cfg.step_tag_id, cfg.returned_token_ids) == ("STEP", 3, [0, 2])

@@ -1,6 +1,7 @@
 """A 3-label reward model (Llama family) behind the reward server: scores are lists, equal to
 transformers, activation is a softmax on request; a HEAD_ONLY sync moves them as transformers
-says. Its own server (module scope), shut down when the module ends."""
+says; with ``--tok-pooling-type STEP`` vLLM's step pooler returns a 3-vector per step tag.
+Its own server (module scope), shut down when the module ends."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def server3(tmp_path_factory, reward_server_launcher):
 
     root = tmp_path_factory.mktemp("rm3")
     model_dir = build_tiny_reward_model(root / "model", family="llama", num_labels=3, seed=3)
-    handle = reward_server_launcher(model_dir, str(root / "server.log"))
+    handle = reward_server_launcher(model_dir, str(root / "server.log"),
+                                    extra=["--tok-pooling-type", "STEP"])
     try:
         yield handle
     finally:
@@ -46,14 +48,14 @@ def hf_logits(model_dir, texts, head=None):
 
 def test_three_labels_match_transformers(server3):
     ref = hf_logits(server3.model_dir, TEXTS)
-    body = httpx.post(server3.url + "/score", json={"input": TEXTS}).json()
+    body = httpx.post(server3.url + "/score", json={"input": TEXTS, "normalize": False}).json()
     scores = torch.tensor([d["score"] for d in body["data"]])
     assert scores.shape == (3, 3)
     assert (scores - ref).abs().max() <= 1e-4
-    single = httpx.post(server3.url + "/score", json={"input": TEXTS[1]}).json()["data"][0]["score"]
+    single = httpx.post(server3.url + "/score", json={"input": TEXTS[1], "normalize": False}).json()["data"][0]["score"]
     assert isinstance(single, list) and len(single) == 3
     assert (torch.tensor(single) - ref[1]).abs().max() <= 1e-4
-    act = httpx.post(server3.url + "/score", json={"input": TEXTS, "use_activation": True}).json()
+    act = httpx.post(server3.url + "/score", json={"input": TEXTS}).json()
     probs = torch.tensor([d["score"] for d in act["data"]])
     assert (probs - ref.softmax(-1)).abs().max() <= 1e-5
 
@@ -67,10 +69,43 @@ def test_three_labels_head_only_sync(server3):
             v0 = await c.get_model_version()
             served = await c.sync_weights_async({"score.weight": head},
                                                 training_mode=RewardModelTrainingMode.HEAD_ONLY)
-            resp, _ = await c.score(ScoringRequest(TEXTS))
+            resp, _ = await c.score(ScoringRequest(TEXTS, normalize=False))
             return v0, served, resp
 
     v0, served, resp = asyncio.run(go())
     assert served == str(v0 + 1) and resp.version == v0 + 1 and resp.n_labels == 3
     ref = hf_logits(server3.model_dir, TEXTS, head=head)
     assert (torch.tensor(resp.scores) - ref).abs().max() <= 1e-4
+
+
+def test_three_labels_step_pooling_by_vllm(server3):
+    """The server's token pooler is vLLM's STEP: the request's tag goes to vLLM
+    (``PoolingParams.step_tag_id``), which keeps the tag positions; each is a 3-vector equal to
+    transformers' head output there (for a head this test syncs first)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from weightsync.testing.tiny_models import STEP_TOKEN
+
+    head = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+
+    async def sync_head():
+        async with server3.client() as c:
+            await c.sync_weights_async({"score.weight": head},
+                                       training_mode=RewardModelTrainingMode.HEAD_ONLY)
+
+    asyncio.run(sync_head())
+    text = f"First step.{STEP_TOKEN}\nSecond step.{STEP_TOKEN}"
+    body = httpx.post(server3.url + "/score", json={
+        "input": [text, "none"], "pooling_type": "step", "step_tag": STEP_TOKEN,
+        "normalize": False, "n_labels": 3}).json()
+    assert body["pooling_type"] == "step", body
+    steps, empty = (d["score"] for d in body["data"])
+    assert empty == [] and len(steps) == 2 and all(len(v) == 3 for v in steps)
+    tok = AutoTokenizer.from_pretrained(server3.model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(server3.model_dir).eval()
+    model.score.weight.data.copy_(head)
+    enc = tok(text, return_tensors="pt")
+    with torch.no_grad():
+        per_token = model.score(model.model(**enc).last_hidden_state)[0]
+    at_tags = per_token[enc.input_ids[0] == tok.convert_tokens_to_ids(STEP_TOKEN)]
+    assert (torch.tensor(steps) - at_tags).abs().max() <= 1e-4

@@ -463,3 +463,19 @@ def test_scores_feed_the_grpo_preset(client1):
                     if r.meta["initial_obs"] == prompt]
         assert sorted(range(3), key=lambda i: group[i]) == sorted(range(3),
                                                                    key=lambda i: combined[i])
+
+
+def test_step_tag_needs_step_level_and_a_score_client(client1):
+    with pytest.raises(ValueError, match="step_tag is for score_level='step'"):
+        RewardModelScorer(client1, step_tag="<|step|>")
+    with pytest.raises(TypeError, match="needs a client with score"):
+        RewardModelScorer(client1, score_level="step", step_tag="<|step|>")  # score_batch only
+    with pytest.raises(ValueError, match="step_tag must be a non-empty string"):
+        RewardModelScorer(client1, score_level="step", step_tag="")
+
+
+def test_tagged_rollout_text_puts_the_tag_after_every_step():
+    from weightsync.reward.scorer import tagged_rollout_text
+
+    r = Rollout("r", [Step(0, "Q?", "a1"), Step(1, "", "a2")])
+    assert tagged_rollout_text("<t>")(r, r.steps) == "Q?\na1<t>\na2<t>"

@@ -26,6 +26,7 @@ before any score or sync: a reward model fed another tokenizer's text scores gar
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterable, Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
@@ -249,7 +250,7 @@ class VLLMRewardClient:
 
     async def _score_request(self, request: ScoringRequest) -> tuple[ScoringResponse, dict]:
         if request.model is None and self.model_name is not None:
-            request = ScoringRequest(request.inputs, request.use_activation, self.model_name)
+            request = dataclasses.replace(request, model=self.model_name)
         t0 = time.perf_counter()
         r = await self._http().post(self.base_url + "/score", json=request.to_dict())
         info = {"latency_s": time.perf_counter() - t0, "status": r.status_code,
@@ -266,14 +267,15 @@ class VLLMRewardClient:
     ) -> list[float] | list[list[float]]:
         """Scores in input order (floats for one label, lists otherwise). ``normalize``: apply
         the model's activation (sigmoid for one label, softmax otherwise); None (default) keeps
-        the raw scores, what transformers computes. With ``max_batch_size`` the texts go as
-        concurrent sub-batches."""
+        the raw scores, what transformers computes (the request says ``normalize: false``).
+        With ``max_batch_size`` the texts go as concurrent sub-batches."""
         texts = list(inputs)
-        kwargs = {} if normalize is None else {"use_activation": normalize}
-        ScoringRequest(texts, **kwargs)  # validate before any request
+        norm = False if normalize is None else normalize
+        ScoringRequest(texts, normalize=norm)  # validate before any request
         size = self.max_batch_size or len(texts)
         parts = [texts[i:i + size] for i in range(0, len(texts), size)]
-        answers = await asyncio.gather(*(self.score(ScoringRequest(p, **kwargs)) for p in parts))
+        answers = await asyncio.gather(
+            *(self.score(ScoringRequest(p, normalize=norm)) for p in parts))
         out: list[Any] = []
         for resp, _ in answers:
             out.extend(resp.scores)

@@ -8,14 +8,21 @@ Score levels:
 
 - ``"sequence"`` (outcome reward): one text per rollout, ``text_fn(rollout, rollout.steps)``;
   the score goes to ``rollout.meta[score_key]``.
-- ``"step"`` (process reward): one text per step prefix, ``text_fn(rollout, steps[: i + 1])``
-  for the i-th step, scored by the same sequence-level reward model; the score goes to
-  ``step.meta[score_key]``. (A server-side step pooler would score every step of a rollout in
-  one request; ours sends the prefixes, which needs no special model.)
+- ``"step"`` (process reward): the score goes to ``step.meta[score_key]``. Two ways:
+
+  - ``step_tag=None`` (default): one text per step prefix, ``text_fn(rollout, steps[: i + 1])``
+    for the i-th step, scored by any sequence-level reward model.
+  - ``step_tag="<tag>"``: server-side step pooling, one text per rollout with the tag after
+    every step (``text_fn(rollout, rollout.steps)``, default ``tagged_rollout_text``), sent with
+    ``pooling_type="step"``; the server returns the score at each tag, i.e. the score of the
+    text up to that step, in one forward pass instead of one per prefix. The tag must be one
+    token for the server's tokenizer and appear in the text exactly once per step (checked on
+    both sides). Needs a client with ``score(ScoringRequest)`` (``VLLMRewardClient``).
 
 The default ``text_fn`` is ``rollout_text``: the non-empty ``prev_obs`` and ``action`` strings
-of the steps joined by newlines. Train the reward model on the same format, or pass your own
-``text_fn`` (e.g. a chat template).
+of the steps joined by newlines (with ``step_tag``: ``tagged_rollout_text``, the same with the
+tag after each step). Train the reward model on the same format, or pass your own ``text_fn``
+(e.g. a chat template).
 
 Batches of ``batch_size`` texts go to the client with at most ``max_concurrency`` in flight;
 results are put back in input order. Fail-fast and all-or-nothing: every text is built and
@@ -34,7 +41,8 @@ the score. A client with ``score(ScoringRequest)`` and ``get_model_version()`` (
 carries its version. Otherwise ``score_batch(texts)`` is used and, when the client has
 ``get_model_version``, the version is read before and after the run and recorded only if it did
 not change (else None and ``last_stats.version_changed``): scores are never attributed to the
-wrong weights. ``normalize`` (None: the client's default) is passed to the client.
+wrong weights. ``normalize`` (None: raw scores, what transformers computes; True: the model's
+activation) is passed to the client.
 """
 
 from __future__ import annotations
@@ -92,6 +100,17 @@ def rollout_text(rollout: Any, steps: Sequence[Any]) -> str:
     return "\n".join(parts)
 
 
+def tagged_rollout_text(step_tag: str) -> TextFn:
+    """The default text of server-side step pooling: each step as ``rollout_text`` writes it,
+    followed by ``step_tag``, steps newline-joined (so the text up to step i's tag is the
+    scored prefix of step i)."""
+
+    def text(rollout: Any, steps: Sequence[Any]) -> str:
+        return "\n".join(rollout_text(rollout, [s]) + step_tag for s in steps)
+
+    return text
+
+
 class RewardModelScorer:
     """See the module docstring."""
 
@@ -110,6 +129,7 @@ class RewardModelScorer:
         max_retries: int = 0,
         retry_backoff_s: float = 0.5,
         timeout_s: float | None = None,
+        step_tag: str | None = None,
     ) -> None:
         if not callable(getattr(client, "score_batch", None)) and not callable(
             getattr(client, "score", None)
@@ -135,12 +155,24 @@ class RewardModelScorer:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
         if normalize is not None and not isinstance(normalize, bool):
             raise ValueError(f"normalize must be a bool or None, got {normalize!r}")
+        if step_tag is not None:
+            if not isinstance(step_tag, str) or not step_tag:
+                raise ValueError(f"step_tag must be a non-empty string or None, got {step_tag!r}")
+            if score_level != "step":
+                raise ValueError(f"step_tag is for score_level='step', got {score_level!r}")
+            if not callable(getattr(client, "score", None)):
+                raise TypeError(
+                    f"step_tag needs a client with score(ScoringRequest) (server-side step "
+                    f"pooling); a {type(client).__name__} has none"
+                )
         self.client = client
+        self.step_tag = step_tag
         self.score_key = score_key
         self.score_level = score_level
         self.batch_size = batch_size
         self.max_concurrency = max_concurrency
-        self.text_fn: TextFn = text_fn or rollout_text
+        self.text_fn: TextFn = text_fn or (
+            tagged_rollout_text(step_tag) if step_tag is not None else rollout_text)
         self.aggregate = aggregate
         self._reduce = resolve_aggregate(aggregate)
         self.vector_key = vector_key
@@ -149,7 +181,7 @@ class RewardModelScorer:
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.timeout_s = timeout_s
-        self.use_score_api = all(
+        self.use_score_api = step_tag is not None or all(
             callable(getattr(client, m, None)) for m in ("score", "get_model_version")
         )
         self.last_stats = ScoringStats()
@@ -161,13 +193,22 @@ class RewardModelScorer:
         rollouts = list(rollouts)
         targets, texts, labels = self._texts(rollouts)
         scores, versions = await self.score_texts(texts, labels)
-        scalars = []
-        for label, s in zip(labels, scores, strict=True):
-            try:
-                scalars.append(reduce_score(s, self._reduce))
-            except ValueError as e:
-                raise ScoringError(f"{label}: {e}; no scores were written") from e
-        for meta, s, x, v in zip(targets, scores, scalars, versions, strict=True):
+        writes = []  # (meta, raw score, scalar, version), all computed before any write
+        for metas, label, s, v in zip(targets, labels, scores, versions, strict=True):
+            per_target = s if self.step_tag is not None else [s]
+            if len(per_target) != len(metas):
+                raise ScoringError(
+                    f"{label}: {self._server()} returned {len(per_target)} step scores for "
+                    f"{len(metas)} steps; the step tag {self.step_tag!r} must be one token for "
+                    f"the server's tokenizer and occur once per step; no scores were written"
+                )
+            for i, (meta, one) in enumerate(zip(metas, per_target, strict=True)):
+                try:
+                    writes.append((meta, one, reduce_score(one, self._reduce), v))
+                except ValueError as e:
+                    where = f"{label} step {i}" if self.step_tag is not None else label
+                    raise ScoringError(f"{where}: {e}; no scores were written") from e
+        for meta, s, x, v in writes:
             meta[self.score_key] = x
             meta[self.version_key] = v
             if self.vector_key is not None:
@@ -221,9 +262,10 @@ class RewardModelScorer:
         return scores, versions
 
     # -- texts ---------------------------------------------------------------------------------
-    def _texts(self, rollouts: list[Any]) -> tuple[list[dict], list[str], list[str]]:
-        """(meta dict to write into, text, label) per scored unit, all checked up front."""
-        targets: list[dict] = []
+    def _texts(self, rollouts: list[Any]) -> tuple[list[list[dict]], list[str], list[str]]:
+        """(meta dicts to write into, text, label) per scored text, all checked up front: one
+        dict per text, except with server-side step pooling (one per step of the rollout)."""
+        targets: list[list[dict]] = []
         texts: list[str] = []
         labels: list[str] = []
         for pos, r in enumerate(rollouts):
@@ -235,6 +277,22 @@ class RewardModelScorer:
             rid = getattr(r, "id", pos)
             if not steps:
                 raise ValueError(f"rollout {rid!r}: has no steps; nothing to score")
+            if self.step_tag is not None:
+                label = f"rollout {rid!r}"
+                text = self.text_fn(r, steps)
+                if not isinstance(text, str):
+                    raise ValueError(
+                        f"{label}: text_fn returned {type(text).__name__}, expected str")
+                if text.count(self.step_tag) != len(steps):
+                    raise ValueError(
+                        f"{label}: the step tag {self.step_tag!r} occurs "
+                        f"{text.count(self.step_tag)} times in its text, expected once per "
+                        f"step ({len(steps)}); keep the tag out of the step texts"
+                    )
+                targets.append([_meta_of(s, f"{label} step {s.index}") for s in steps])
+                texts.append(text)
+                labels.append(label)
+                continue
             if self.score_level == "sequence":
                 units = [(r, f"rollout {rid!r}", steps)]
             else:
@@ -246,7 +304,7 @@ class RewardModelScorer:
                     raise ValueError(
                         f"{label}: text_fn returned {type(text).__name__}, expected str"
                     )
-                targets.append(_meta_of(holder, label))
+                targets.append([_meta_of(holder, label)])
                 texts.append(text)
                 labels.append(label)
         return targets, texts, labels
@@ -281,6 +339,8 @@ class RewardModelScorer:
                 f"{self._batch_name(index, start, len(batch), len(texts), labels)}: "
                 f"{self._server()} returned {len(scores)} scores for {len(batch)} texts"
             )
+        if self.step_tag is not None:
+            return [_check_step_scores(labels[start + i], s) for i, s in enumerate(scores)], version
         return [_check_score(labels[start + i], s) for i, s in enumerate(scores)], version
 
     def _batch_name(self, index: int, start: int, n: int, total: int, labels: list[str]) -> str:
@@ -297,11 +357,11 @@ class RewardModelScorer:
             if self.normalize is None:
                 return await self.client.score_batch(batch)
             return await self.client.score_batch(batch, normalize=self.normalize)
-        from weightsync.reward.types import ScoringRequest
+        from weightsync.reward.types import PoolingType, ScoringRequest
 
-        kwargs: dict[str, Any] = {}
-        if self.normalize is not None:
-            kwargs["use_activation"] = self.normalize
+        kwargs: dict[str, Any] = {"normalize": bool(self.normalize)}  # None: raw scores
+        if self.step_tag is not None:
+            kwargs.update(pooling_type=PoolingType.STEP, step_tag=self.step_tag)
         result = await self.client.score(ScoringRequest(inputs=batch, **kwargs))
         return result[0] if isinstance(result, tuple) else result  # (response, info)
 
@@ -372,6 +432,13 @@ def _check_score(label: str, s: Any) -> Score:
             raise ScoringError(f"{label}: empty score list")
         return [_check_number(label, x) for x in s]
     return _check_number(label, s)
+
+
+def _check_step_scores(label: str, s: Any) -> list[Score]:
+    if not isinstance(s, (list, tuple)):
+        raise ScoringError(f"{label}: step pooling returned a {type(s).__name__}, expected a "
+                           "list with one score per step")
+    return [_check_score(f"{label} step {i}", x) for i, x in enumerate(s)]
 
 
 def _check_number(label: str, s: Any) -> float:

@@ -28,11 +28,12 @@ RewardModelTrainingMode = TrainingMode
 
 
 class PoolingType(StrEnum):
-    """How token states become one score, as vLLM's pooler names them.
+    """How token states become scores, as vLLM's pooler names them.
 
-    Sequence-level (usable for reward scores): LAST (decoder reward models, the HF default for
-    ``*ForSequenceClassification``), MEAN, CLS (encoder models). Token-level: ALL, STEP
-    (process reward models scoring each step).
+    Sequence-level (one score per text): LAST (decoder reward models, the HF default for
+    ``*ForSequenceClassification``), MEAN, CLS (encoder models). Token-level (a list per text):
+    ALL (every token), STEP (the tokens equal to a step tag: process reward models scoring
+    each step). On the wire the reward design spells them in lower case (``"last"``).
     """
 
     LAST = "LAST"
@@ -45,13 +46,20 @@ class PoolingType(StrEnum):
     def is_sequence_level(self) -> bool:
         return self in (PoolingType.LAST, PoolingType.MEAN, PoolingType.CLS)
 
+    @property
+    def wire(self) -> str:
+        """The design's wire spelling: ``"last"``, ``"step"``, ..."""
+        return self.value.lower()
+
     @classmethod
     def parse(cls, value: Any) -> PoolingType:
         if isinstance(value, cls):
             return value
         if isinstance(value, str) and value.strip().upper() in cls.__members__:
             return cls[value.strip().upper()]
-        raise ValueError(f"pooling_type must be one of {[m.value for m in cls]}, got {value!r}")
+        raise ValueError(
+            f"pooling_type must be one of {[m.wire for m in cls]} (any case), got {value!r}"
+        )
 
 
 def compile_head_patterns(patterns: Iterable[str] | None = None) -> list[Any]:
@@ -63,18 +71,41 @@ def compile_head_patterns(patterns: Iterable[str] | None = None) -> list[Any]:
 # --------------------------------------------------------------------------------------------
 
 
+#: The model name the reward design's client sends by default; the reward server answers to it
+#: as well as to its served name.
+DEFAULT_MODEL_NAME = "reward-model"
+
+_REQUEST_FIELDS = ("input", "model", "normalize", "use_activation", "pooling_type",
+                   "return_hidden_states", "n_labels", "step_tag", "step_tag_id")
+
+
 @dataclass
 class ScoringRequest:
-    """Texts to score. A single string gives a one-element response.
+    """Texts to score (``POST /score``). A single string gives a one-element response.
 
-    Wire form: ``{"model": str?, "input": str | [str], "use_activation": bool}``.
-    ``use_activation=False`` (default) returns raw logits; True applies the model's activation
-    (sigmoid for one label, softmax otherwise).
+    The reward design's fields, with its defaults: ``model``, ``inputs`` (wire: ``input``),
+    ``normalize=True`` (apply the model's activation: sigmoid for one label, softmax
+    otherwise; False returns the raw logits, what transformers computes), ``pooling_type``
+    (None: the server's configured sequence pooling; a different sequence pooling is refused,
+    vLLM fixes it when the engine starts), ``return_hidden_states=False`` (the reward server
+    refuses True: vLLM's classification pooler returns only the head's outputs), ``n_labels``
+    (None: any; else checked against the model's).
+
+    Ours, for ``pooling_type="step"`` (process rewards: one score per step, at every position
+    of a step-tag token): ``step_tag`` (the tag text; the server resolves it with its tokenizer
+    and refuses a tag that is not exactly one token) or ``step_tag_id`` (vLLM's name: the
+    token id). Neither: the server's configured tag. The wire also takes ``use_activation``
+    (vLLM's name for ``normalize``); given both, they must agree.
     """
 
     inputs: str | list[str]
-    use_activation: bool = False
+    normalize: bool = True
     model: str | None = None
+    pooling_type: PoolingType | str | None = None
+    return_hidden_states: bool = False
+    n_labels: int | None = None
+    step_tag: str | None = None
+    step_tag_id: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,12 +127,35 @@ class ScoringRequest:
             raise ValueError(
                 f"input: must be a string or a list of strings, got {type(self.inputs).__name__}"
             )
-        if not isinstance(self.use_activation, bool):
-            raise ValueError(
-                f"use_activation: must be a boolean, got {type(self.use_activation).__name__}"
-            )
+        for name in ("normalize", "return_hidden_states"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"{name}: must be a boolean, got {type(getattr(self, name)).__name__}"
+                )
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model: must be a string, got {type(self.model).__name__}")
+        if self.pooling_type is not None:
+            self.pooling_type = PoolingType.parse(self.pooling_type)
+        if self.n_labels is not None and (
+            isinstance(self.n_labels, bool) or not isinstance(self.n_labels, int)
+            or self.n_labels < 1
+        ):
+            raise ValueError(f"n_labels: must be an int >= 1, got {self.n_labels!r}")
+        if self.step_tag is not None and (not isinstance(self.step_tag, str) or not self.step_tag):
+            raise ValueError(f"step_tag: must be a non-empty string, got {self.step_tag!r}")
+        if self.step_tag_id is not None and (
+            isinstance(self.step_tag_id, bool) or not isinstance(self.step_tag_id, int)
+            or self.step_tag_id < 0
+        ):
+            raise ValueError(f"step_tag_id: must be a token id (int >= 0), got {self.step_tag_id!r}")
+        if (self.step_tag is not None or self.step_tag_id is not None) and (
+            self.pooling_type is not PoolingType.STEP
+        ):
+            given = "step_tag" if self.step_tag is not None else "step_tag_id"
+            raise ValueError(
+                f"{given}: only with pooling_type='step', got pooling_type="
+                f"{self.pooling_type.wire if self.pooling_type else None!r}"
+            )
 
     @property
     def texts(self) -> list[str]:
@@ -111,25 +165,46 @@ class ScoringRequest:
         return len(self.texts)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"input": self.inputs, "use_activation": self.use_activation}
+        d: dict[str, Any] = {"input": self.inputs, "normalize": self.normalize}
         if self.model is not None:
             d["model"] = self.model
+        if self.pooling_type is not None:
+            d["pooling_type"] = PoolingType.parse(self.pooling_type).wire
+        if self.return_hidden_states:
+            d["return_hidden_states"] = True
+        for name in ("n_labels", "step_tag", "step_tag_id"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
         return d
 
     @classmethod
     def from_dict(cls, d: Any) -> ScoringRequest:
         if not isinstance(d, dict):
             raise ValueError(f"request body must be a JSON object, got {type(d).__name__}")
-        known = {"input", "inputs", "use_activation", "model"}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - set(_REQUEST_FIELDS) - {"inputs"})
         if unknown:
-            raise ValueError(f"unknown field(s) {unknown}; expected {sorted(known - {'inputs'})}")
+            raise ValueError(f"unknown field(s) {unknown}; expected {list(_REQUEST_FIELDS)}")
         if "input" not in d and "inputs" not in d:
             raise ValueError("input: missing; give a string or a list of strings")
+        normalize = d.get("normalize", d.get("use_activation", True))
+        if "normalize" in d and "use_activation" in d and d["normalize"] != d["use_activation"]:
+            raise ValueError(
+                f"normalize ({d['normalize']!r}) and use_activation ({d['use_activation']!r}) "
+                "disagree; they are the same switch (use_activation is vLLM's name), send one"
+            )
+        if "use_activation" in d and "normalize" not in d and not isinstance(normalize, bool):
+            raise ValueError(
+                f"use_activation: must be a boolean, got {type(normalize).__name__}"
+            )
         return cls(
             inputs=d["input"] if "input" in d else d["inputs"],
-            use_activation=d.get("use_activation", False),
+            normalize=normalize,
             model=d.get("model"),
+            pooling_type=d.get("pooling_type"),
+            return_hidden_states=d.get("return_hidden_states", False),
+            n_labels=d.get("n_labels"),
+            step_tag=d.get("step_tag"),
+            step_tag_id=d.get("step_tag_id"),
         )
 
 
@@ -138,31 +213,41 @@ Score = float | list[float]
 
 @dataclass
 class ScoringResponse:
-    """Scores in input order: a float per text for one label, a list per text otherwise.
+    """Scores in input order.
+
+    Sequence pooling (``last``/``mean``/``cls``): a float per text for one label, a list of
+    ``n_labels`` floats otherwise. Token pooling (``step``/``all``): per text a list with one
+    entry per step (or token), each a float or a list of ``n_labels`` floats; a text without a
+    step tag gets an empty list.
 
     ``version`` is the weight version that produced every score in this response;
-    ``prompt_tokens`` is the real token count over all inputs.
-    Wire form: ``{"model", "data": [{"index", "score"}], "usage": {"prompt_tokens"}, "version"}``.
+    ``prompt_tokens`` is the real token count over all inputs; ``pooling_type`` how they were
+    pooled. Wire form (the design's, plus ``version`` and ``pooling_type``):
+    ``{"model", "data": [{"index", "score"}], "usage": {"prompt_tokens"}, "version",
+    "pooling_type"}``.
     """
 
-    scores: list[float] | list[list[float]]
+    scores: list[Any]
     version: int
     prompt_tokens: int = 0
     model: str = ""
+    pooling_type: PoolingType | str = PoolingType.LAST
 
     def __post_init__(self) -> None:
+        self.pooling_type = PoolingType.parse(self.pooling_type)
         if not isinstance(self.scores, list):
             raise ValueError(f"scores: must be a list, got {type(self.scores).__name__}")
-        multi = [isinstance(s, (list, tuple)) for s in self.scores]
-        if any(multi) and not all(multi):
-            raise ValueError("scores: mixes floats and lists; all must have the same n_labels")
-        if any(multi):
-            widths = {len(s) for s in self.scores}  # type: ignore[arg-type]
-            if len(widths) != 1 or 0 in widths:
-                raise ValueError(f"scores: lists of different or zero lengths {sorted(widths)}")
-            self.scores = [[_as_float(x, "scores") for x in s] for s in self.scores]  # type: ignore[union-attr]
+        if self.pooling_type.is_sequence_level:
+            self.scores = _check_scores(self.scores, "scores")
         else:
-            self.scores = [_as_float(s, "scores") for s in self.scores]
+            bad = [i for i, s in enumerate(self.scores) if not isinstance(s, (list, tuple))]
+            if bad:
+                raise ValueError(
+                    f"scores: pooling_type {self.pooling_type.wire!r} gives a list per text; "
+                    f"texts {bad[:10]} are not lists"
+                )
+            self.scores = [_check_scores(list(s), f"scores[{i}]")
+                           for i, s in enumerate(self.scores)]
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
             raise ValueError(f"version: must be an int >= 0, got {self.version!r}")
         if isinstance(self.prompt_tokens, bool) or not isinstance(self.prompt_tokens, int):
@@ -170,9 +255,10 @@ class ScoringResponse:
 
     @property
     def n_labels(self) -> int:
-        if self.scores and isinstance(self.scores[0], list):
-            return len(self.scores[0])
-        return 1
+        first = self.scores[0] if self.scores else None
+        if not self.pooling_type.is_sequence_level:
+            first = next((s[0] for s in self.scores if s), None)
+        return len(first) if isinstance(first, list) else 1
 
     def __len__(self) -> int:
         return len(self.scores)
@@ -183,6 +269,7 @@ class ScoringResponse:
             "data": [{"index": i, "score": s} for i, s in enumerate(self.scores)],
             "usage": {"prompt_tokens": self.prompt_tokens},
             "version": self.version,
+            "pooling_type": PoolingType.parse(self.pooling_type).wire,
         }
 
     @classmethod
@@ -204,7 +291,21 @@ class ScoringResponse:
             version=d["version"],
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             model=str(d.get("model") or ""),
+            pooling_type=d.get("pooling_type") or PoolingType.LAST,
         )
+
+
+def _check_scores(scores: list[Any], what: str) -> list[Any]:
+    """Floats, or lists of one common non-zero width; -> the same as plain floats."""
+    multi = [isinstance(s, (list, tuple)) for s in scores]
+    if any(multi) and not all(multi):
+        raise ValueError(f"{what}: mixes floats and lists; all must have the same n_labels")
+    if any(multi):
+        widths = {len(s) for s in scores}
+        if len(widths) != 1 or 0 in widths:
+            raise ValueError(f"{what}: lists of different or zero lengths {sorted(widths)}")
+        return [[_as_float(x, what) for x in s] for s in scores]
+    return [_as_float(s, what) for s in scores]
 
 
 def _as_float(x: Any, what: str) -> float:

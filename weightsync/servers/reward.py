@@ -55,6 +55,9 @@ class RewardServerConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool | None = None  # default: True on CPU (fast start), False on GPU
     pooling_type: str | None = None  # LAST / MEAN / CLS; default: the model's
+    tok_pooling_type: str | None = None  # ALL / STEP (pooling_type "step"/"all"); default ALL
+    step_tag_id: int | None = None  # the default step tag of pooling_type "step" requests
+    returned_token_ids: list[int] | None = None  # STEP only: head columns to return
     load_mode: str = "auto"  # VLLMWeightLoader: auto / direct / reload
     head_name_patterns: list[str] | None = None  # for head_only updates; default score./...
     score_wait_timeout_s: float = 60.0  # a score waits this long for an update (and vice versa)
@@ -102,21 +105,46 @@ def engine_args(cfg: RewardServerConfig) -> Any:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
-    if cfg.pooling_type:
-        from weightsync.reward.types import PoolingType
-
-        kwargs["pooler_config"] = _pooler_config(PoolingType.parse(cfg.pooling_type).value)
+    pooler = _pooler_config(cfg)
+    if pooler is not None:
+        kwargs["pooler_config"] = pooler
     kwargs.update(cfg.extra_engine_args)
     return AsyncEngineArgs(**kwargs)
 
 
-def _pooler_config(pooling_type: str) -> Any:
+def _pooler_config(cfg: RewardServerConfig) -> Any:
+    """vLLM's ``PoolerConfig`` from the pooling fields, or None for the model's defaults.
+    ``pooling_type`` may name a sequence pooling (LAST / MEAN / CLS) or a token pooling
+    (ALL / STEP, the same as ``tok_pooling_type``)."""
+    from weightsync.reward.types import PoolingType
+
+    fields: dict[str, Any] = {}
+    tok = PoolingType.parse(cfg.tok_pooling_type) if cfg.tok_pooling_type else None
+    if tok is not None and tok.is_sequence_level:
+        raise ValueError(f"tok_pooling_type: must be ALL or STEP, got {cfg.tok_pooling_type!r}")
+    if cfg.pooling_type:
+        kind = PoolingType.parse(cfg.pooling_type)
+        if kind.is_sequence_level:
+            fields["seq_pooling_type"] = kind.value
+        elif tok is not None and tok is not kind:
+            raise ValueError(f"pooling_type {kind.value} and tok_pooling_type {tok.value} "
+                             "disagree; give one")
+        else:
+            tok = kind
+    if tok is not None:
+        fields["tok_pooling_type"] = tok.value
+    if cfg.step_tag_id is not None:
+        fields["step_tag_id"] = int(cfg.step_tag_id)
+    if cfg.returned_token_ids:
+        if tok is not PoolingType.STEP:
+            raise ValueError("returned_token_ids: only with tok_pooling_type STEP (vLLM's step "
+                             "pooler applies it)")
+        fields["returned_token_ids"] = [int(i) for i in cfg.returned_token_ids]
+    if not fields:
+        return None
     from vllm.config import PoolerConfig
 
-    names = {f.name for f in dataclasses.fields(PoolerConfig)}
-    if "seq_pooling_type" in names and pooling_type in ("LAST", "MEAN", "CLS"):
-        return PoolerConfig(seq_pooling_type=pooling_type)
-    return PoolerConfig(pooling_type=pooling_type)
+    return PoolerConfig(**fields)
 
 
 @dataclass
@@ -153,7 +181,7 @@ async def build_server(cfg: RewardServerConfig) -> RewardServer:
 
     from weightsync.servers.control import UpdateControl
     from weightsync.servers.ludic import LudicDialect
-    from weightsync.servers.scoring import RewardScorer
+    from weightsync.servers.scoring import PoolingSetup, RewardScorer
 
     engine = AsyncLLM.from_engine_args(engine_args(cfg))
     model_config = engine.model_config
@@ -170,6 +198,7 @@ async def build_server(cfg: RewardServerConfig) -> RewardServer:
     scorer = RewardScorer(
         engine, control, model_name=str(name),
         num_labels=int(getattr(model_config.hf_config, "num_labels", 1) or 1),
+        pooling=PoolingSetup.from_engine(engine), tokenizer=engine.get_tokenizer(),
     )
     if cfg.load_mode != "auto":
         await engine.collective_rpc("weightsync_setup", args=({"load_mode": cfg.load_mode},))
@@ -243,6 +272,14 @@ def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
     p.add_argument("--tensor-parallel-size", type=int)
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--pooling-type", help="LAST | MEAN | CLS (default: the model's)")
+    p.add_argument("--tok-pooling-type",
+                   help="ALL | STEP: the token pooler behind pooling_type 'step'/'all' "
+                        "(default ALL; STEP lets vLLM select the step-tag positions, and turns "
+                        "off prefix caching and chunked prefill)")
+    p.add_argument("--step-tag-id", type=int,
+                   help="default step tag (token id) of pooling_type 'step' requests")
+    p.add_argument("--returned-token-ids", type=lambda s: [int(x) for x in s.split(",")],
+                   help="with --tok-pooling-type STEP: comma-separated head columns to return")
     p.add_argument("--load-mode", choices=["auto", "direct", "reload"])
     p.add_argument("--score-wait-timeout-s", type=float)
     p.add_argument("--update-timeout-s", type=float)

@@ -6,7 +6,8 @@ the reward server) load:
 
 * ``config.json`` + ``model.safetensors`` (float32 unless told otherwise), ``pad_token_id`` set;
 * a byte-level BPE tokenizer trained with the ``tokenizers`` library on a small built-in corpus,
-  wrapped in ``PreTrainedTokenizerFast`` and saved with ``save_pretrained``.
+  wrapped in ``PreTrainedTokenizerFast`` and saved with ``save_pretrained``; its special tokens
+  are pad, eos, bos and ``STEP_TOKEN`` (``<|step|>``, a one-token step tag for step pooling).
 
 Shapes are chosen for what vLLM's CPU backend accepts: the attention head size
 (``hidden_size // num_heads``) must be 32, 64, 80 or larger (16 fails), so the defaults are
@@ -27,7 +28,8 @@ FAMILIES = ("qwen2", "llama")
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|bos|>"
-SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN)
+STEP_TOKEN = "<|step|>"  # one token: the step tag of process-reward (step pooling) scoring
+SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, STEP_TOKEN)
 
 _SUBJECTS = (
     "the model", "a policy", "the reward", "this answer", "my response", "the assistant",
