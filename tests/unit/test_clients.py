@@ -169,6 +169,22 @@ def test_a_call_that_outlives_its_timeout_is_a_timeout_naming_the_engine():
         _run(lambda: client.finish_weight_update({"update_id": "u"}))
 
 
+def test_a_channel_that_ignores_its_timeout_is_caught_by_the_backstop():
+    from weightsync.clients import gather
+
+    async def hangs():
+        await asyncio.sleep(30)
+
+    async def go():
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(WeightSyncTimeout, match=r"mute: no answer to status within 0.1s"):
+            await gather([hangs(), asyncio.sleep(0, result=1)], names=["mute", "fine"],
+                         method="status", timeout_s=0.1, backstop_s=0.1)
+        return asyncio.get_running_loop().time() - t0
+
+    assert asyncio.run(go()) < 5
+
+
 def test_invalid_world_sizes_and_duplicate_names_are_refused():
     with pytest.raises(WeightSyncError, match=r"invalid weight-sync world sizes.*b: 0"):
         asyncio.run(FanOutClient([ScriptedChannel("a"), ScriptedChannel("b", world=0)])

@@ -2,7 +2,7 @@
 workers of one engine) follows the same one: ``gather``.
 
 * every call has a timeout; a call that outlives it is a ``WeightSyncTimeout`` naming the engine
-  (the channel enforces it; ``gather`` has a backstop a few seconds later);
+  (the channel enforces it; ``gather`` has a backstop ``BACKSTOP_S`` later);
 * all calls are awaited, so none is left mid-call while another's failure is raised; once one
   failed, the others get ``grace_s`` to answer (an engine stuck in a collective with a dead peer
   may otherwise hang until its own timeout), then they are cancelled on our side and reported
@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from weightsync.errors import (
-    WeightSyncError,
     WeightSyncTimeout,
     error_from_dict,
     error_to_dict,
@@ -30,6 +29,8 @@ from weightsync.errors import (
 
 #: once an engine failed, how long the others may take to answer before they are cancelled
 DEFAULT_GRACE_S = 5.0
+#: how long past the call's own timeout the fan-out waits before it calls the engine silent
+BACKSTOP_S = 5.0
 
 
 async def gather(
@@ -39,26 +40,37 @@ async def gather(
     method: str,
     timeout_s: float,
     grace_s: float = DEFAULT_GRACE_S,
+    backstop_s: float = BACKSTOP_S,
 ) -> list[Any]:
     """Await one call per engine with the fan-out's error policy (see the module docstring);
     the results in engine order."""
-    tasks = [asyncio.ensure_future(_bounded(c, n, method, timeout_s))
-             for c, n in zip(calls, names, strict=True)]
+    tasks = [asyncio.ensure_future(c) for c in calls]
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        if not any(_error(t) for t in done):
+        # the channels enforce timeout_s themselves; this deadline is a backstop for one that
+        # does not (one wait for all calls: no timer per call on the hot path)
+        done, pending = await asyncio.wait(
+            tasks, timeout=timeout_s + backstop_s, return_when=asyncio.FIRST_EXCEPTION
+        )
+        failed = any(_error(t) is not None for t in done)
+        if not failed and not pending:
             return [t.result() for t in tasks]
-        if pending:
+        if failed and pending:
             _, pending = await asyncio.wait(pending, timeout=grace_s)
         errors: list[BaseException] = []
         for task, name in zip(tasks, names, strict=True):
             err = _error(task)
             if err is not None:
                 errors.append(named(err, name, method))
+            elif task in pending and not failed:
+                errors.append(WeightSyncTimeout(
+                    f"{name}: no answer to {method} within {timeout_s:g}s (the engine may have "
+                    f"died or hung; raise timeout_s if it is just slow)"
+                ))
         best = most_telling(errors)
-        for task, name in zip(tasks, names, strict=True):
-            if task in pending:
-                best.add_note(f"{name}: {method} still running after {grace_s:g}s; abandoned")
+        if failed:
+            for task, name in zip(tasks, names, strict=True):
+                if task in pending:
+                    best.add_note(f"{name}: {method} still running after {grace_s:g}s; abandoned")
         raise best
     finally:
         for t in tasks:
@@ -81,20 +93,6 @@ def named(e: BaseException, engine: str, method: str) -> BaseException:
     except AttributeError:  # pragma: no cover - an exception type with __slots__
         pass
     return e
-
-
-async def _bounded(aw: Awaitable[Any], name: str, method: str, timeout_s: float) -> Any:
-    """The channel enforces ``timeout_s`` itself; this backstop keeps a channel that does not
-    from hanging the fan-out."""
-    try:
-        return await asyncio.wait_for(aw, timeout_s + 5.0)
-    except TimeoutError as e:
-        if isinstance(e, WeightSyncError):  # the channel's own timeout: it says more
-            raise
-        raise WeightSyncTimeout(
-            f"{name}: no answer to {method} within {timeout_s:g}s (the engine may have died or "
-            f"hung; raise timeout_s if it is just slow)"
-        ) from None
 
 
 async def failed(e: BaseException) -> Any:
