@@ -62,7 +62,7 @@ def test_build_module_state_dict_follows_specs():
 
 
 def test_unknown_shape_lists_valid_ones():
-    with pytest.raises(ValueError, match="valid shapes: tiny, qwen2-0.5b"):
+    with pytest.raises(ValueError, match="valid shapes: tiny, tiny-tied, qwen2-0.5b"):
         shape_specs("qwen3-235b")
 
 

@@ -52,6 +52,11 @@ SHAPES: dict[str, DecoderShape | ManySmallShape] = {
         hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, vocab=256,
         tie_embeddings=False, qkv_bias=True,
     ),
+    # tiny with tied embeddings (like Qwen2-0.5B/1.5B): the head shares the embedding's tensor
+    "tiny-tied": DecoderShape(
+        hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, vocab=256,
+        tie_embeddings=True, qkv_bias=True,
+    ),
     "qwen2-0.5b": DecoderShape(
         hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=151936,
         tie_embeddings=True, qkv_bias=True,

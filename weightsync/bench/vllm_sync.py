@@ -17,7 +17,8 @@ Rows (``--rows``):
 
 * ours, end to end (extract -> transfer -> ``load_weights`` in vLLM -> version published), through
   ``FanOutClient`` + ``build_strategy`` + ``send_chunks``: ``broadcast``, ``cuda_ipc``,
-  ``packed_cuda_ipc``;
+  ``packed_cuda_ipc``, and ``cuda_ipc_1chunk`` (``cuda_ipc`` with the whole model in one chunk:
+  its handles point at the trainer's own tensors, so no buffer bounds the chunk);
 * ``per_param``: ours made per-parameter (one announce, one broadcast and one ``load_weights``
   per tensor), through the same client with one chunk per tensor and no packing;
 * ``ludic``: the Ludic / TRL client's protocol (``weightsync.bench.ludic``): one announce of the
