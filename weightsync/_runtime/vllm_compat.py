@@ -405,3 +405,48 @@ def openai_server_parts() -> Any:
         make_arg_parser=make_arg_parser, validate_parsed_serve_args=validate_parsed_serve_args,
         FlexibleArgumentParser=FlexibleArgumentParser,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Tied parameters (tied word embeddings: lm_head.weight is embed_tokens.weight)
+# --------------------------------------------------------------------------------------------
+
+
+def tied_parameter_groups(worker: Any) -> list[list[str]]:
+    """Names that are one parameter in the served model, first name first (vLLM's
+    ``named_parameters`` order: ``[["model.embed_tokens.weight", "lm_head.weight"]]`` for a
+    model with tied word embeddings)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in get_model(worker).named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def retie(worker: Any, groups: list[list[str]], loaded: Iterable[str]) -> None:
+    """After a layer-wise reload of ``loaded`` (checkpoint names): for every tied group the
+    reload touched, point the other members at the first one's parameter and re-run their
+    ``process_weights_after_loading``.
+
+    Why: on CPU a layer's GEMM handle is packed from its weight at load time (oneDNN / sgl
+    ``cpu_linear``). The reload re-packs the layer it reloads (``embed_tokens``), but its tied
+    partner (the ``lm_head`` that shares ``embed_tokens.weight``) keeps a handle packed from the
+    old tensor, so logits would still come from the old embedding (measured: served logprobs
+    equalled an untied model with the old ``lm_head``). Should a reload give the layer a new
+    parameter object, the partner is pointed at it too."""
+    import torch
+
+    loaded = set(loaded)
+    model = get_model(worker)
+    for names in groups:
+        if not loaded.intersection(names):
+            continue
+        source = model.get_parameter(names[0])
+        for name in names[1:]:
+            prefix, _, attr = name.rpartition(".")
+            module = model.get_submodule(prefix) if prefix else model
+            if getattr(module, attr) is not source:
+                setattr(module, attr, source)
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                with _vllm_config_ctx(worker), torch.no_grad():
+                    method.process_weights_after_loading(module)

@@ -85,6 +85,7 @@ class VLLMWeightLoader(WeightLoader):
             [n for n in (self._meta or {}) if n not in self._aliases], self._packed
         )
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._ties = compat.tied_parameter_groups(worker)  # e.g. lm_head.weight = embed_tokens'
         self.loads = 0
 
     # -- metadata ----------------------------------------------------------------------------
@@ -165,6 +166,7 @@ class VLLMWeightLoader(WeightLoader):
             ready = self._collect_whole_layers(items)
             if ready:
                 compat.load_reload(self.worker, ready)
+                compat.retie(self.worker, self._ties, (n for n, _ in ready))
         self.loads += 1
 
     async def finish_update(self, finish: WeightUpdateFinish) -> None:
