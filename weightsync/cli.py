@@ -1,10 +1,10 @@
-"""The ``weightsync`` command: ``bench``, ``demo``, ``serve-reward``.
+"""The ``weightsync`` command: ``bench``, ``demo``, ``serve-reward``, ``serve-policy``.
 
 A dispatcher only: each subcommand hands its remaining arguments to the ``main(argv)`` of its
 own module (``_SUBCOMMANDS``: ``weightsync.bench.cli``, ``weightsync.demo.cli``,
-``weightsync.servers.reward``), imported only when chosen, so ``weightsync bench --help`` stays
-fast. Bad arguments exit with status 2 and a message that names the argument and lists the valid
-values.
+``weightsync.servers.reward``, ``weightsync.servers.policy``), imported only when chosen, so
+``weightsync bench --help`` stays fast. Bad arguments exit with status 2 and a message that
+names the argument and lists the valid values.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ _SUBCOMMANDS = {
     "demo": ("weightsync.demo.cli", "main", "train -> sync -> score cycle on CPU (the main job)"),
     "serve-reward": (
         "weightsync.servers.reward", "main", "serve a reward model on vLLM with weight-sync endpoints"
+    ),
+    "serve-policy": (
+        "weightsync.servers.policy", "main",
+        "serve a causal LM: vLLM's OpenAI server plus weight-sync endpoints",
     ),
 }
 

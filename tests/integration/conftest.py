@@ -230,8 +230,8 @@ class PolicyServerHandle:
 
     def push(self, weights: dict, *, version: int | None = None,
              strategy: dict | None = None) -> Any:
-        """Push ``weights`` through our dialect (a strategy sender + ``FanOutClient`` over the URL,
-        chunks grouped by module); returns the ``SyncStats``."""
+        """Push ``weights`` (a model or a state dict) through our dialect with the front door
+        (``ws.connect(...).push``); returns the ``SyncStats``."""
         return asyncio.run(push_over_http(self.url, self.api_key, weights, version=version,
                                           strategy=strategy))
 
@@ -245,25 +245,14 @@ class PolicyServerHandle:
         return _tail(self.log_path, n)
 
 
-async def push_over_http(url: str, api_key: str, weights: dict, *, version: int | None = None,
-                         strategy: dict | None = None) -> Any:
-    from weightsync import build_strategy
-    from weightsync.clients import FanOutClient
-    from weightsync.pipeline import make_chunks
+async def push_over_http(url: str, api_key: str, weights: Any, *, version: int | None = None,
+                         strategy: Any = None) -> Any:
+    """One push through the front door (``ws.connect(...).push``); returns the ``SyncStats``."""
+    import weightsync as ws
 
-    client = FanOutClient([url], api_key=api_key, timeout_s=120)
-    strat = build_strategy(strategy or {"type": "broadcast", "backend": "gloo", "timeout_s": 60})
-    try:
-        info = await strat.create_sync_info(None, client)
-        sender = await strat.create_sender(None, client, info)
-        try:
-            chunks = list(make_chunks(list(weights.items()), bucket_size_mb=64))
-            return await sender.send_chunks(chunks, client, version=version)
-        finally:
-            await sender.close()
-            await client.close_weight_transfer()
-    finally:
-        await client.aclose()
+    strategy = strategy or {"type": "broadcast", "backend": "gloo", "timeout_s": 60}
+    async with ws.connect([url], strategy=strategy, api_key=api_key, timeout_s=120) as sync:
+        return await sync.push(weights, version=version)
 
 
 def start_policy_server(model_dir: str, log_path: str, *, api_key: str | None = API_KEY,
@@ -283,14 +272,14 @@ def start_policy_server(model_dir: str, log_path: str, *, api_key: str | None = 
 
 @pytest.fixture(scope="session")
 def tiny_policy_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from weightsync.tiny_models import build_tiny_causal_lm
+    from weightsync.testing.tiny_models import build_tiny_causal_lm
 
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny-policy") / "model", family="llama",
                                 tie_word_embeddings=True, seed=0)
 
 
 @pytest.fixture(scope="session")
-def policy_server(tiny_policy_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+def policy_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """The shared policy server. ``WEIGHTSYNC_TEST_POLICY_SERVER=PORT:DIR`` reuses one you
     started yourself (``--api-key test-token --served-model-name tiny-policy``)."""
     external = os.environ.get("WEIGHTSYNC_TEST_POLICY_SERVER")
@@ -300,7 +289,7 @@ def policy_server(tiny_policy_model_dir: str, tmp_path_factory: pytest.TempPathF
                                  None, "")
         return
     log_path = str(tmp_path_factory.mktemp("policy-server") / "server.log")
-    handle = start_policy_server(tiny_policy_model_dir, log_path)
+    handle = start_policy_server(request.getfixturevalue("tiny_policy_model_dir"), log_path)
     try:
         yield handle
     finally:

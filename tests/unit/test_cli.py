@@ -67,7 +67,7 @@ def test_strategy_all_and_lists_parse():
 
 def test_unknown_command_lists_commands(capsys):
     err = _error(capsys, ["benchmark"])
-    assert "unknown command 'benchmark'; valid commands: bench, demo, serve-reward" in err
+    assert "unknown command 'benchmark'; valid commands: bench, demo, serve-reward, serve-policy" in err
 
 
 def test_no_command_prints_help(capsys):
@@ -75,7 +75,7 @@ def test_no_command_prints_help(capsys):
     assert "bench" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", ["demo", "serve-reward"])
+@pytest.mark.parametrize("command", ["demo", "serve-reward", "serve-policy"])
 def test_subcommands_hand_argv_to_their_main(monkeypatch, command):
     """The real ``weightsync.demo`` / ``weightsync.servers.reward`` start vLLM; a stand-in module
     records what the dispatcher passes (this tests the dispatch only)."""

@@ -18,6 +18,7 @@ from typing import Any
 
 _LAZY = {
     "RewardServerConfig": "weightsync.servers.reward",
+    "PolicyServerConfig": "weightsync.servers.policy",
     "UpdateControl": "weightsync.servers.control",
     "ServiceError": "weightsync.servers.control",
 }
@@ -30,4 +31,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["RewardServerConfig", "ServiceError", "UpdateControl"]
+__all__ = ["PolicyServerConfig", "RewardServerConfig", "ServiceError", "UpdateControl"]

@@ -1,0 +1,257 @@
+"""The policy server: vLLM's own OpenAI-compatible server with our weight-sync control plane.
+
+    weightsync serve-policy --model DIR [--host 127.0.0.1] [--port 8000] [--api-key T]
+                            [--tensor-parallel-size N] [any other vLLM engine argument]
+    python -m weightsync.servers.policy ...   (same thing)
+
+Runs in its own process, on one asyncio loop: vLLM's ``AsyncLLM`` (``worker_extension_cls`` =
+weightsync's ``WeightSyncWorkerExtension``) and vLLM's own FastAPI app, built by vLLM's app
+builder and ``init_app_state`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+streaming, ``/tokenize``, ...: nothing OpenAI is re-implemented here), served by uvicorn. Beside
+it: ``GET /health`` -> ``{"status": "ok"}`` (503 if the engine died) and the control plane shared
+with the reward server (``weightsync.servers.control_routes``: our dialect and the Ludic/TRL
+one). ``VersionedResponses`` gates and tags every model response (``x-weight-version``).
+
+Arguments: ours are ``--host`` (127.0.0.1), ``--port`` (8000), ``--api-key`` (default
+``$WEIGHTSYNC_API_KEY``; guards the control plane, not the OpenAI routes: vLLM's own
+``--api-key`` is therefore not available, set ``VLLM_API_KEY`` for that),
+``--update-timeout-s``, ``--request-wait-timeout-s``, ``--group-timeout-s``,
+``--max-body-bytes``, ``--log-level``; everything else goes to vLLM's own parser unchanged. On
+CPU, unless given: ``--dtype float32``, ``--enforce-eager``, ``--kv-cache-memory-bytes``
+256 MiB (vLLM CPU otherwise asks for most of a NUMA node).
+
+Updates (the pause policy): an update waits until the requests in flight have finished on the
+old weights (drain), new requests wait at the gate until it is done, then run on the new
+weights; the engine's scheduler is paused meanwhile as well. A request's latency therefore
+grows by at most the update's transfer time plus the longest request in flight when it began.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.loaders.vllm_worker import WORKER_EXTENSION
+
+log = logging.getLogger("weightsync.servers.policy")
+
+CPU_KV_CACHE_BYTES = 256 << 20
+
+
+@dataclass(kw_only=True)
+class PolicyServerConfig:
+    """Our own settings; vLLM's engine and frontend arguments travel separately (``vllm_args``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    update_timeout_s: float = 600.0  # an update with no call for this long is aborted
+    request_wait_timeout_s: float = 300.0  # a request waits this long for an update (and v.v.)
+    group_timeout_s: float = 120.0  # a Ludic-style trainer group: joining and each collective
+    max_body_bytes: int = 16 << 20
+    log_level: str = "info"
+
+
+def _our_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightsync serve-policy", add_help=False)
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--api-key", help="token required by every weight/communicator route "
+                                     "(default: $WEIGHTSYNC_API_KEY)")
+    p.add_argument("--update-timeout-s", type=float, help="abort an update silent this long (600)")
+    p.add_argument("--request-wait-timeout-s", type=float,
+                   help="how long a request waits for an update, and an update for requests "
+                        "in flight (300)")
+    p.add_argument("--group-timeout-s", type=float,
+                   help="a Ludic-style trainer group: joining it and each collective (120)")
+    p.add_argument("--max-body-bytes", type=int, help="control-plane body limit (16 MiB)")
+    p.add_argument("--log-level", help="ours and uvicorn's (info)")
+    return p
+
+
+def _given(argv: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
+
+
+def parse_args(argv: list[str] | None = None, *, device: str | None = None
+               ) -> tuple[PolicyServerConfig, argparse.Namespace]:
+    """argv -> (our config, vLLM's parsed serve arguments with our defaults applied).
+
+    ``device``: ``cpu`` or ``cuda`` (default: cuda when available) picks the defaults."""
+    from weightsync._runtime.vllm_compat import openai_server_parts
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours = _our_parser()
+    if "-h" in argv or "--help" in argv:
+        ours.print_help()
+        print("\nEvery other argument is vLLM's (see `vllm serve --help`), e.g. --model DIR "
+              "--dtype float32 --max-model-len 2048 --tensor-parallel-size 2.")
+        raise SystemExit(0)
+    ns, rest = ours.parse_known_args(argv)
+    parts = openai_server_parts()
+    vparser = parts.make_arg_parser(parts.FlexibleArgumentParser(prog="weightsync serve-policy"))
+    args = vparser.parse_args(rest)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    if not _given(rest, "--model") and not getattr(args, "model_tag", None):
+        vparser.error("--model is required (a directory or hub id of a causal LM)")
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        if not _given(rest, "--dtype"):
+            args.dtype = "float32"
+        if not _given(rest, "--enforce-eager", "--no-enforce-eager"):
+            args.enforce_eager = True
+        if not _given(rest, "--kv-cache-memory-bytes"):
+            args.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
+    given_ext = getattr(args, "worker_extension_cls", "") or ""
+    if given_ext and given_ext != WORKER_EXTENSION:
+        vparser.error(f"--worker-extension-cls: the policy server needs {WORKER_EXTENSION} "
+                      f"(weight updates run there), got {given_ext}")
+    args.worker_extension_cls = WORKER_EXTENSION
+    cfg = PolicyServerConfig(**{k: v for k, v in vars(ns).items() if v is not None})
+    if cfg.api_key is None and os.environ.get("WEIGHTSYNC_API_KEY"):
+        cfg.api_key = os.environ["WEIGHTSYNC_API_KEY"]
+    args.host, args.port, args.api_key = cfg.host, cfg.port, None
+    parts.validate_parsed_serve_args(args)
+    return cfg, args
+
+
+@dataclass
+class PolicyServer:
+    """The running parts (one asyncio loop): engine, vLLM's app, our control plane."""
+
+    cfg: PolicyServerConfig
+    engine: Any
+    app: Any  # vLLM's FastAPI app with our routes
+    asgi: Any  # what uvicorn serves: ``VersionedResponses`` around ``app``
+    control: Any
+
+
+async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine: Any
+                       ) -> PolicyServer:
+    """vLLM's app and state for ``engine``, with our routes and middleware added."""
+    import torch
+
+    from weightsync._runtime.vllm_compat import openai_server_parts
+    from weightsync.servers.control import UpdateControl
+    from weightsync.servers.control_routes import CONTROL_PATHS, control_router, mount
+    from weightsync.servers.ludic import LudicDialect
+    from weightsync.servers.versioned import VersionedResponses
+
+    parts = openai_server_parts()
+    supported = await engine.get_supported_tasks()
+    app = parts.build_app(args, supported, engine.model_config)
+    await parts.init_app_state(engine, app.state, args, supported)
+    control = UpdateControl(
+        engine, name=f"policy server {args.model}",
+        wait_timeout_s=cfg.request_wait_timeout_s, update_timeout_s=cfg.update_timeout_s,
+        default_training_mode=None, pause_generation=True,
+    )
+    await control.refresh_state()
+    ludic = LudicDialect(control, backend="nccl" if torch.cuda.is_available() else "gloo",
+                         group_timeout_s=cfg.group_timeout_s)
+    mount(app, _health_router(engine))
+    mount(app, control_router(control, ludic, api_key=cfg.api_key,
+                              max_body_bytes=cfg.max_body_bytes))
+    # outermost (vLLM's app has built its middleware stack already): a plain ASGI wrapper
+    asgi = VersionedResponses(app, control=control, exempt=CONTROL_PATHS)
+    return PolicyServer(cfg, engine, app, asgi, control)
+
+
+def _health_router(engine: Any) -> Any:
+    from fastapi import APIRouter
+    from fastapi.responses import JSONResponse
+
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Any:
+        try:
+            await engine.check_health()
+        except Exception as e:  # noqa: BLE001 - a dead engine is the answer
+            return JSONResponse({"status": "error", "detail": f"{type(e).__name__}: {e}"},
+                                status_code=503)
+        return {"status": "ok"}
+
+    return router
+
+
+async def serve(
+    cfg: PolicyServerConfig,
+    args: argparse.Namespace,
+    *,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run until ``stop`` is set (or the task is cancelled); always shuts the engine down."""
+    import uvicorn
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from weightsync._runtime.vllm_compat import openai_server_parts
+
+    parts = openai_server_parts()
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    async with parts.build_async_engine_client_from_engine_args(engine_args) as engine:
+        server = await build_server(cfg, args, engine)
+        try:
+            http = uvicorn.Server(uvicorn.Config(
+                server.asgi, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                access_log=False, lifespan="on",
+            ))
+            http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+            watcher = None
+            if stop is not None:
+                async def _watch() -> None:
+                    await stop.wait()
+                    http.should_exit = True
+
+                watcher = asyncio.ensure_future(_watch())
+            log.info("policy server for %s on http://%s:%d (version %d)", args.model, cfg.host,
+                     cfg.port, server.control.version)
+            if ready is not None:
+                ready.set()
+            try:
+                await http.serve()
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
+            if not http.started:
+                raise OSError(f"could not serve on {cfg.host}:{cfg.port} (port in use?)")
+        finally:
+            await server.control.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_args(argv)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+
+    async def _run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, args, stop=stop)
+
+    code = 0
+    try:
+        asyncio.run(_run())
+    except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
+        log.error("policy server failed: %s: %s", type(e).__name__, e)
+        code = 1
+    # a gloo group joined by the workers can keep interpreter exit waiting: leave at once
+    logging.shutdown()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

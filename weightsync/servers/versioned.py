@@ -1,0 +1,171 @@
+"""Every model response of the policy server says which weight version produced it.
+
+``VersionedResponses`` is an ASGI middleware put in front of vLLM's OpenAI app (callers:
+``weightsync.servers.policy``, in the server process). For every request that may run the model
+(every path except the control plane and the plain informational routes in ``UNGATED``):
+
+* it holds the read side of the update gate (``UpdateControl.serving``) from the moment the
+  request arrives until its last byte (a whole stream included) has been sent, so an update
+  waits for it to finish and it never decodes across a weight change: all of its tokens come
+  from the version it reports;
+* it answers 503 (JSON ``{"detail": ...}``) while the weights are torn, or when an update holds
+  the gate longer than the control's ``wait_timeout_s``;
+* it adds ``x-weight-version: <v>`` to the response headers, and ``"weight_version": <v>`` as a
+  top-level field to every successful JSON object body and to every ``data: {...}`` event of a
+  server-sent-event stream (``data: [DONE]`` stays as it is). vLLM's OpenAI response objects
+  and the ``openai`` client's models both accept extra fields (``resp.model_extra``).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from typing import Any
+
+from weightsync.servers.control import ServiceError, UpdateControl
+
+VERSION_HEADER = "x-weight-version"
+VERSION_FIELD = "weight_version"
+
+#: paths that never run the model: not gated, not tagged
+UNGATED = (
+    "/health", "/ping", "/metrics", "/version", "/v1/models", "/tokenize", "/detokenize",
+    "/tokenizer_info", "/load", "/docs", "/redoc", "/openapi.json", "/server_info",
+    "/is_sleeping",
+)
+
+
+class VersionedResponses:
+    """ASGI middleware; ``exempt``: extra path prefixes to leave alone (the control plane)."""
+
+    def __init__(self, app: Any, *, control: UpdateControl, exempt: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.control = control
+        self.exempt = tuple(UNGATED) + tuple(exempt)
+
+    def _gated(self, path: str) -> bool:
+        return not any(path == p or path.startswith(p + "/") for p in self.exempt)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or not self._gated(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        serving = self.control.serving("generate")
+        try:
+            version = await serving.__aenter__()
+        except ServiceError as e:
+            await _send_error(send, e, self.control.version)
+            return
+        try:
+            tagger = _Tagger(send, version)
+            await self.app(scope, receive, tagger.send)
+            await tagger.flush()
+        finally:
+            await serving.__aexit__(None, None, None)
+
+
+class _Tagger:
+    """Wraps ``send``: header on the response start; the version field into JSON bodies
+    (buffered, ``content-length`` fixed) and into each SSE ``data:`` event (passed on event by
+    event as they complete)."""
+
+    def __init__(self, send: Any, version: int) -> None:
+        self._send = send
+        self.version = version
+        self._mode = "pass"  # "json" (buffer whole body), "sse" (per event), "pass"
+        self._start: dict | None = None
+        self._body = bytearray()
+        self._pending = ""  # SSE text of an event not complete yet
+        # bytes that are not UTF-8 pass through unchanged (surrogateescape both ways)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+
+    async def send(self, message: dict) -> None:
+        kind = message.get("type")
+        if kind == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", [])
+                       if k.lower() != VERSION_HEADER.encode()]
+            headers.append((VERSION_HEADER.encode(), str(self.version).encode()))
+            message = {**message, "headers": headers}
+            ctype = _header(headers, b"content-type")
+            ok = 200 <= int(message.get("status", 200)) < 300
+            if ok and ctype.startswith("application/json"):
+                self._mode, self._start = "json", message
+                return
+            if ok and ctype.startswith("text/event-stream"):
+                self._mode = "sse"
+            await self._send(message)
+            return
+        if kind != "http.response.body" or self._mode == "pass":
+            await self._send(message)
+            return
+        more = bool(message.get("more_body", False))
+        if self._mode == "json":
+            self._body += message.get("body", b"")
+            if not more:
+                await self._send_json()
+            return
+        text = self._pending + self._utf8.decode(message.get("body", b""), final=not more)
+        events = text.split("\n\n")
+        self._pending = events.pop() if more else ""
+        out = "".join(_tag_event(e, self.version) + "\n\n" for e in events if e)
+        if out or not more:
+            await self._send({**message, "body": out.encode("utf-8", "surrogateescape")})
+
+    async def _send_json(self) -> None:
+        body = bytes(self._body)
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict):
+            obj[VERSION_FIELD] = self.version
+            body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        start = self._start or {"type": "http.response.start", "status": 200, "headers": []}
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        self._start = None
+        await self._send({**start, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def flush(self) -> None:
+        """After the app returned: a JSON start never followed by its last body part (the
+        app raised mid-body) is dropped; an SSE remainder without its blank line is sent."""
+        if self._mode == "sse" and self._pending:
+            rest, self._pending = self._pending, ""
+            await self._send({"type": "http.response.body",
+                              "body": _tag_event(rest, self.version).encode(
+                                  "utf-8", "surrogateescape"),
+                              "more_body": False})
+
+
+def _tag_event(event: str, version: int) -> str:
+    """One SSE event: ``data: {json}`` lines get the version field; anything else is kept."""
+    lines = []
+    for line in event.split("\n"):
+        if line.startswith("data:"):
+            payload = line[5:].strip()
+            try:
+                obj = json.loads(payload) if payload and payload != "[DONE]" else None
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                obj[VERSION_FIELD] = version
+                line = "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _header(headers: list, name: bytes) -> str:
+    for k, v in headers:
+        if k.lower() == name:
+            return v.decode("latin-1").lower()
+    return ""
+
+
+async def _send_error(send: Any, e: ServiceError, version: int) -> None:
+    body = json.dumps({"detail": e.message}).encode()
+    await send({"type": "http.response.start", "status": e.status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (VERSION_HEADER.encode(), str(version).encode()),
+    ]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
