@@ -272,3 +272,75 @@ def preset_path(name: str) -> str:
     read_preset(name)  # the same check and error
     stem = name[: -len(".yaml")] if name.endswith(".yaml") else name
     return str(_preset_dir() / f"{stem}.yaml")
+
+
+# --------------------------------------------------------------------------------------------
+# Resolving a strategy / extractor given any way (the front door takes them all)
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_strategy(strategy: Any) -> dict[str, Any]:
+    """A strategy given any way: a registered name, a preset name, a YAML path (a preset or a
+    bare strategy mapping), a mapping, a ``StrategyConfig``, a ``WeightSyncConfig`` or a strategy
+    instance -> its config mapping (``type`` set; no ``backend`` when the caller gave none).
+    Callers: the front door (``weightsync.connect``)."""
+    if strategy is None:
+        return {"type": "broadcast"}
+    if callable(getattr(strategy, "create_sender", None)):  # a WeightTransferStrategy
+        return strategy.config_dict()
+    if isinstance(strategy, StrategyConfig):
+        return dataclasses.asdict(strategy)
+    if isinstance(strategy, WeightSyncConfig):
+        return dict(strategy.strategy)
+    if isinstance(strategy, (str, os.PathLike)):
+        s = os.fspath(strategy)
+        if s in STRATEGIES:
+            return {"type": s}
+        if os.path.exists(s) or s.endswith((".yaml", ".yml")):
+            return _strategy_section(to_plain(s), where=s)
+        if s in preset_names() or s.removesuffix(".yaml") in preset_names():
+            return dict(load_config(s).strategy)
+        raise ValueError(
+            f"strategy {s!r}: not a registered strategy ({', '.join(STRATEGIES.names())}), a "
+            f"preset ({', '.join(preset_names())}) or a YAML file"
+        )
+    if isinstance(strategy, Mapping) or type(strategy).__module__.startswith("omegaconf"):
+        return _strategy_section(to_plain(strategy), where="strategy")
+    raise TypeError(
+        f"strategy: expected a name, a preset, a YAML path, a mapping or a StrategyConfig, got "
+        f"{type(strategy).__name__}"
+    )
+
+
+def _strategy_section(data: Mapping[str, Any], *, where: str) -> dict[str, Any]:
+    if "type" not in data and isinstance(data.get("strategy"), Mapping):
+        data = data["strategy"]  # a whole preset: its strategy section
+    out = dict(data)
+    out.setdefault("type", "broadcast")
+    return out
+
+
+def resolve_extractor(extractor: Any) -> dict[str, Any] | None:
+    """An extractor given any way (a registered name, a preset, a YAML path, a mapping) -> its
+    config mapping; None stays None (the caller picks one from the model)."""
+    if extractor is None:
+        return None
+    if isinstance(extractor, str) and extractor in EXTRACTORS:
+        return {"type": extractor}
+    if isinstance(extractor, str) and not os.path.exists(extractor) and (
+        extractor in preset_names() or extractor.removesuffix(".yaml") in preset_names()
+    ):
+        return dict(load_config(extractor).extractor)
+    data = to_plain(extractor)
+    if "type" not in data and isinstance(data.get("extractor"), Mapping):
+        data = data["extractor"]
+    return dict(data)
+
+
+def strategy_needs_backend(cfg: Mapping[str, Any]) -> bool:
+    """A strategy whose config has a ``backend`` field the caller did not set."""
+    if "backend" in cfg:
+        return False
+    config_cls = getattr(STRATEGIES.get(str(cfg.get("type", "broadcast"))), "config_cls", None)
+    return dataclasses.is_dataclass(config_cls) and any(
+        f.name == "backend" for f in dataclasses.fields(config_cls))

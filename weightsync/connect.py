@@ -54,11 +54,10 @@ The low-level path stays for power users: ``build_strategy`` -> ``create_sync_in
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from collections.abc import Awaitable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from weightsync.config import resolve_extractor, resolve_strategy, strategy_needs_backend
 from weightsync.errors import (
     CommunicatorReplacedError,
     UpdateIncompleteError,
@@ -151,7 +150,7 @@ class SyncSession:
         strategy_cfg = resolve_strategy(strategy)
         if timeout_s is not None:
             strategy_cfg["timeout_s"] = float(timeout_s)
-        extractor_cfg = _resolve_extractor(extractor)
+        extractor_cfg = resolve_extractor(extractor)
         rank = _default_rank() if rank is None else int(rank)
         sender = (rank == int(src_rank)) if is_sender is None else bool(is_sender)
         client = None
@@ -166,7 +165,7 @@ class SyncSession:
             )
         session = cls(client=client, strategy_cfg=strategy_cfg, extractor_cfg=extractor_cfg,
                       device=device, rank=rank, src_rank=int(src_rank), is_sender=sender)
-        if sender and (device is not None or not _needs_backend(strategy_cfg)):
+        if sender and (device is not None or not strategy_needs_backend(strategy_cfg)):
             try:
                 await session._ensure_sender(device)
             except BaseException:
@@ -286,7 +285,7 @@ class SyncSession:
 
         assert self.client is not None
         cfg = dict(self.strategy_cfg)
-        if _needs_backend(cfg):
+        if strategy_needs_backend(cfg):
             cfg["backend"] = "nccl" if str(device or "cpu").startswith("cuda") else "gloo"
         strategy = build_strategy(cfg)
         info = await strategy.create_sync_info(strategy.cfg, self.client)
@@ -368,86 +367,8 @@ class BlockingSyncSession:
 
 
 # --------------------------------------------------------------------------------------------
-# resolving what the caller gave
+# helpers
 # --------------------------------------------------------------------------------------------
-
-
-def resolve_strategy(strategy: Any) -> dict[str, Any]:
-    """A strategy given any way ``connect`` takes it -> its config mapping (``type`` set; no
-    ``backend`` when the caller gave none)."""
-    from weightsync.config import (
-        StrategyConfig,
-        WeightSyncConfig,
-        load_config,
-        preset_names,
-        to_plain,
-    )
-    from weightsync.interfaces import WeightTransferStrategy
-    from weightsync.registry import STRATEGIES
-
-    if strategy is None:
-        return {"type": "broadcast"}
-    if isinstance(strategy, WeightTransferStrategy):
-        return strategy.config_dict()
-    if isinstance(strategy, StrategyConfig):
-        return dataclasses.asdict(strategy)
-    if isinstance(strategy, WeightSyncConfig):
-        return dict(strategy.strategy)
-    if isinstance(strategy, (str, os.PathLike)):
-        s = os.fspath(strategy)
-        if s in STRATEGIES:
-            return {"type": s}
-        if os.path.exists(s) or s.endswith((".yaml", ".yml")):
-            return _strategy_section(to_plain(s), where=s)
-        if s in preset_names() or s.removesuffix(".yaml") in preset_names():
-            return dict(load_config(s).strategy)
-        raise ValueError(
-            f"strategy {s!r}: not a registered strategy ({', '.join(STRATEGIES.names())}), a "
-            f"preset ({', '.join(preset_names())}) or a YAML file"
-        )
-    if isinstance(strategy, Mapping) or type(strategy).__module__.startswith("omegaconf"):
-        return _strategy_section(to_plain(strategy), where="strategy")
-    raise TypeError(
-        f"strategy: expected a name, a preset, a YAML path, a mapping or a StrategyConfig, got "
-        f"{type(strategy).__name__}"
-    )
-
-
-def _strategy_section(data: Mapping[str, Any], *, where: str) -> dict[str, Any]:
-    if "type" not in data and isinstance(data.get("strategy"), Mapping):
-        data = data["strategy"]  # a whole preset: its strategy section
-    out = dict(data)
-    out.setdefault("type", "broadcast")
-    return out
-
-
-def _resolve_extractor(extractor: Any) -> dict[str, Any] | None:
-    if extractor is None:
-        return None
-    from weightsync.config import load_config, preset_names, to_plain
-    from weightsync.registry import EXTRACTORS
-
-    if isinstance(extractor, str) and extractor in EXTRACTORS:
-        return {"type": extractor}
-    if isinstance(extractor, str) and not os.path.exists(extractor) and (
-        extractor in preset_names() or extractor.removesuffix(".yaml") in preset_names()
-    ):
-        return dict(load_config(extractor).extractor)
-    data = to_plain(extractor)
-    if "type" not in data and isinstance(data.get("extractor"), Mapping):
-        data = data["extractor"]
-    return dict(data)
-
-
-def _needs_backend(cfg: Mapping[str, Any]) -> bool:
-    """A strategy whose config has a ``backend`` field the caller did not set."""
-    from weightsync.registry import STRATEGIES
-
-    if "backend" in cfg:
-        return False
-    config_cls = getattr(STRATEGIES.get(str(cfg.get("type", "broadcast"))), "config_cls", None)
-    return dataclasses.is_dataclass(config_cls) and any(
-        f.name == "backend" for f in dataclasses.fields(config_cls))
 
 
 def _default_rank() -> int:

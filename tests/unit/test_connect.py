@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import weightsync as ws
-from weightsync.connect import resolve_strategy
+from weightsync.config import resolve_strategy
 from weightsync.errors import WeightMismatchError
 from weightsync.extractors.auto import extractor_config_for, model_kind
 from weightsync.loaders.torch_module import TorchModuleWeightLoader
@@ -61,10 +61,30 @@ def test_strategy_from_name_mapping_config_path_and_preset(tmp_path):
     whole = tmp_path / "preset.yaml"
     whole.write_text("strategy:\n  type: broadcast\n  backend: gloo\nextractor:\n  type: hf\n")
     assert resolve_strategy(whole) == {"type": "broadcast", "backend": "gloo"}
+    assert resolve_strategy(ws.build_strategy({"type": "cuda_ipc"}))["type"] == "cuda_ipc"
     with pytest.raises(ValueError, match=r"'pigeon': not a registered strategy \(broadcast.*preset"):
         resolve_strategy("pigeon")
     with pytest.raises(TypeError, match="strategy: expected a name"):
         resolve_strategy(3.5)
+
+
+def test_extractor_given_by_name_preset_or_mapping():
+    from weightsync.config import resolve_extractor
+
+    assert resolve_extractor(None) is None
+    assert resolve_extractor("lora_merge") == {"type": "lora_merge"}
+    assert resolve_extractor("extractor_fsdp")["type"] == "fsdp"
+    assert resolve_extractor({"extractor": {"type": "hf", "bucket_size_mb": 2}}) == {
+        "type": "hf", "bucket_size_mb": 2}
+    modules, eps = _engines()
+
+    async def go():  # an explicit extractor wins over the model's kind: tiny buckets here
+        async with ws.connect(eps, "packed_cuda_ipc",
+                              extractor={"type": "hf", "bucket_size_mb": 0.0004}) as sync:
+            return await sync.push(RewardNet(8), version=1)
+
+    stats = asyncio.run(go())
+    assert stats.num_chunks == 2 and _same(modules[0], RewardNet(8))
 
 
 # -- the backend follows the tensors' device --------------------------------------------------------
