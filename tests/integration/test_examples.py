@@ -1,6 +1,6 @@
 """Every example in ``examples/`` that shows the front door runs as written (short mode), and
 the README's sync example is, character for character, ``examples/push_to_server.py``, which
-runs against a real server started for it on a free port."""
+runs against a real policy server started for it on a free port."""
 
 from __future__ import annotations
 
@@ -49,18 +49,22 @@ def test_push_to_ray_actors_example():
 
 
 @pytest.mark.slow
-def test_readme_example_pushes_into_a_real_server(reward_server_launcher, tiny_reward_model_dir,
-                                                   tmp_path):
-    """A server of its own (versions start at 0, as in a fresh deployment): the README's loop
-    pushes steps 1..3 and the server serves version 3 afterwards."""
-    server = reward_server_launcher(tiny_reward_model_dir, str(tmp_path / "server.log"))
+def test_readme_example_pushes_into_a_real_policy_server(tiny_policy_model_dir, tmp_path):
+    """A policy server of its own (versions start at 0, as in a fresh deployment): the README's
+    loop pushes steps 1..3; afterwards the server serves version 3 and its completions say so."""
+    from conftest import start_policy_server, stop_reward_server
+
+    server = start_policy_server(tiny_policy_model_dir, str(tmp_path / "server.log"))
     try:
         out = _run("push_to_server.py", env={
             "WEIGHTSYNC_URL": server.url, "WEIGHTSYNC_API_KEY": server.api_key,
-            "WEIGHTSYNC_MODEL": tiny_reward_model_dir,
+            "WEIGHTSYNC_MODEL": tiny_policy_model_dir,
         })
         assert [f"step {i}:" in out for i in (1, 2, 3)] == [True] * 3
         assert "the server now serves version 3" in out
         assert httpx.get(server.url + "/runtime_version").json()["version"] == 3
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny-policy", "prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["x-weight-version"] == "3"
     finally:
-        reward_server_launcher.stop(server)
+        stop_reward_server(server)
