@@ -129,3 +129,28 @@ def test_sync_into_generative_llm_matches_transformers(lm):
     assert back.versions == [2] and vllm_greedy(llm)[0] == before
     (state,) = llm.collective_rpc("weightsync_state")
     assert state["version"] == 2 and state["state"] == "idle" and not state["has_receiver"]
+
+
+def test_front_door_pushes_a_transformers_model_into_an_in_process_llm(lm):
+    """``ws.connect(llm)``: the in-process engine is reached through its worker extension, the
+    extractor follows the model (a plain HF causal LM: ``hf``, tied embedding sent once)."""
+    from transformers import AutoModelForCausalLM
+
+    import weightsync as ws
+
+    llm, base, new = lm
+    want_tokens, _ = hf_greedy(new)
+    model = AutoModelForCausalLM.from_pretrained(new)
+
+    async def go():
+        async with ws.connect(llm, "packed_cuda_ipc") as sync:
+            v0 = (await sync.status())[0]["version"]
+            stats = await sync.push(model, version=v0 + 1)
+            tokens = vllm_greedy(llm)[0]
+            back = await sync.push(state_dict(base), version=v0 + 2)
+            return v0, stats, tokens, back
+
+    v0, stats, tokens, back = asyncio.run(go())
+    assert stats.versions == [v0 + 1] and stats.engines == ["vLLM engine 0"]
+    assert tokens == want_tokens
+    assert back.versions == [v0 + 2] and vllm_greedy(llm)[0] == hf_greedy(base)[0]
