@@ -6,6 +6,8 @@
 #   bash scripts/gpu_check.sh tests-vllm   vLLM 0.26 generative engine: colocated cuda_ipc and
 #                                          packed_cuda_ipc, eager and CUDA graphs; policy + reward
 #                                          engines sharing one GPU
+#   bash scripts/gpu_check.sh tests-servers broadcast (NCCL) through ws.connect from a trainer on GPU 0
+#                                          into serve-reward and serve-policy on GPU 1
 #   bash scripts/gpu_check.sh bench-small  benchmarks/bench_vllm_sync.py on qwen2-0.5b and qwen2-1.5b
 #   bash scripts/gpu_check.sh bench-7b     the same on qwen2-7b
 #   bash scripts/gpu_check.sh bench-graphs qwen2-0.5b, ours only, CUDA graphs captured
@@ -74,6 +76,10 @@ case "$stage" in
     need_vllm
     pytest_stage vllm_tests 560 tests/gpu/test_vllm_policy_gpu.py tests/gpu/test_vllm_colocated_gpu.py
     ;;
+  tests-servers)
+    need_vllm; need_gpus 2
+    pytest_stage servers_tests 560 tests/gpu/test_servers_gpu.py
+    ;;
   bench-small)
     need_vllm; need_gpus 2
     bench qwen2-0.5b 270 --shape qwen2-0.5b
@@ -112,7 +118,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {tests|tests-vllm|bench-small|bench-7b|bench-graphs|bench-p2p|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {tests|tests-vllm|tests-servers|bench-small|bench-7b|bench-graphs|bench-p2p|hybrid|four-gpu}"
     exit 2
     ;;
 esac

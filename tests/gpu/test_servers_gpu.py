@@ -4,8 +4,8 @@ NCCL). Afterwards what the server serves equals the trainer's model (bf16 tolera
 
 * ``serve-reward`` (pooling): ``/score`` against transformers' scores;
 * ``serve-policy`` (generative, vLLM's OpenAI app + our control plane): prompt logprobs from
-  ``/v1/completions`` against transformers'. Skipped while ``weightsync.servers.policy`` does
-  not exist.
+  ``/v1/completions`` against transformers' (skipped in a checkout without
+  ``weightsync.servers.policy``).
 
 Both servers share GPU 1 (reward about 25% of its memory, policy about 45%)."""
 
