@@ -101,11 +101,9 @@ def load_direct(worker: Any, items: list[tuple[str, Any]]) -> None:
 
 
 def load_reload(worker: Any, items: list[tuple[str, Any]]) -> None:
-    """Layer-wise reload of ``items`` (whole layers only, see the module docstring), then a
-    refresh of the layers that share a reloaded weight (``refresh_tied_layers``)."""
+    """Layer-wise reload of ``items`` (whole layers only, see the module docstring)."""
     if hasattr(worker, "reload_weights"):
         worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
-        refresh_tied_layers(worker, [n for n, _ in items])
         return
     try:  # pragma: no cover - older layouts
         from vllm.model_executor.model_loader.reload import reload_weights
@@ -116,28 +114,6 @@ def load_reload(worker: Any, items: list[tuple[str, Any]]) -> None:
         ) from e
     with _vllm_config_ctx(worker):  # pragma: no cover
         reload_weights(worker.vllm_config, get_model(worker), iter(items), None, True)
-
-
-def refresh_tied_layers(worker: Any, names: list[str]) -> None:
-    """Re-run ``process_weights_after_loading`` on layers that share their weight with a layer a
-    reload just loaded. On CPU vLLM keeps a prepacked oneDNN copy of the LM head; with tied
-    embeddings (Qwen2-0.5B/1.5B) the head is its own layer holding the embedding's tensor, the
-    reload loads (and repacks) only the embedding, and the head would go on computing logits
-    from the old packed copy. On GPU the method is a no-op for unquantized heads."""
-    model = get_model(worker)
-    loaded = {n.rsplit(".", 1)[0] for n in names}
-    owners: dict[int, list[tuple[str, Any]]] = {}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        w = getattr(mod, "weight", None)
-        if w is not None and getattr(mod, "quant_method", None) is not None:
-            owners.setdefault(id(w), []).append((mod_name, mod))
-    for group in owners.values():
-        if len(group) < 2 or not any(n in loaded for n, _ in group):
-            continue
-        for mod_name, mod in group:
-            if mod_name not in loaded:
-                with _vllm_config_ctx(worker):
-                    mod.quant_method.process_weights_after_loading(mod)
 
 
 def after_load(worker: Any) -> None:
