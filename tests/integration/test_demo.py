@@ -32,8 +32,8 @@ def _run_demo(args: list[str], tmp_path, timeout: int = 300) -> tuple[int, str, 
     return proc.returncode, output, record
 
 
-def _server_pid(output: str) -> int:
-    m = re.search(r"reward server starting \(pid (\d+)", output)
+def _server_pid(output: str, label: str = "reward server") -> int:
+    m = re.search(label + r" starting \(pid (\d+)", output)
     assert m, output
     return int(m.group(1))
 
@@ -60,7 +60,7 @@ def _tensor_bytes(model_dir, names=None) -> int:
 
 
 def test_demo_head_only_gloo_broadcast(tmp_path):
-    code, output, r = _run_demo([], tmp_path)
+    code, output, r = _run_demo(["--mode", "head_only"], tmp_path)
     assert code == 0, output
     assert r["strategy"] == "broadcast/gloo" and r["mode"] == "head_only"
     assert r["accuracy_after"] > r["accuracy_before"], r
@@ -89,8 +89,9 @@ def test_demo_full_mode_through_shared_memory(tmp_path):
     assert _gone(_server_pid(output))
 
 
-def test_demo_sigterm_takes_the_server_down(tmp_path):
-    """SIGTERM to the demo mid-start-up: it exits non-zero and the server group is gone."""
+def test_demo_sigterm_takes_the_servers_down(tmp_path):
+    """SIGTERM to the (RLHF) demo mid-start-up: it exits non-zero and both servers' process
+    groups are gone."""
     out_json = tmp_path / "demo.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "weightsync.demo", "--json", str(out_json),
@@ -101,16 +102,49 @@ def test_demo_sigterm_takes_the_server_down(tmp_path):
     try:
         for line in proc.stdout:
             lines.append(line)
-            if "reward server starting" in line:
+            if "policy server starting" in line:
                 break
-        pid = _server_pid("".join(lines))
-        time.sleep(2.0)  # let it get into vLLM start-up
+        pids = [_server_pid("".join(lines), label) for label in ("reward server", "policy server")]
+        time.sleep(2.0)  # let them get into vLLM start-up
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0, "".join(lines) + rest
-    assert _gone(pid, wait_s=20), "reward server survived SIGTERM to the demo"
+    for pid in pids:
+        assert _gone(pid, wait_s=20), "a server survived SIGTERM to the demo"
     record = json.loads(out_json.read_text())
     assert record["passed"] is False and record["failures"], record
+
+
+def test_demo_rlhf_reward_rises_and_both_versions_advance(tmp_path):
+    """The main job as the README runs it (``weightsync demo``, the default config): the mean
+    reward rises over the steps, the reward server's version rises once (the trained reward
+    model), the policy server's once per step, the servers sample and score with exactly the
+    pushed weights, and the PNG (or the note saying why not) is there."""
+    plot = tmp_path / "plot.png"
+    code, output, r = _run_demo(["--plot", str(plot)], tmp_path, timeout=900)
+    assert code == 0, output[-5000:]
+    assert r["mode"] == "rlhf" and r["passed"] is True, r["failures"]
+    steps = r["steps"]
+    assert [s["step"] for s in steps] == list(range(10))
+    for s in steps:
+        assert {"step", "mean_reward", "sync_seconds", "policy_version", "rm_version"} <= set(s)
+        assert s["sync_seconds"] > 0 and s["logprob_gap"] <= 1e-3
+    rewards = [s["mean_reward"] for s in steps]
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.5, rewards
+    judge = [s["judge_score"] for s in steps]
+    assert sum(judge[-2:]) > sum(judge[:2]), judge  # the hidden rule agrees: a real gain
+    assert [s["policy_version"] for s in steps] == list(range(1, 11))
+    assert [s["sampled_version"] for s in steps] == list(range(10))
+    assert r["rm_version_after"] == r["rm_version_before"] + 1
+    assert all(s["rm_version"] == r["rm_version_after"] for s in steps)
+    assert r["rm_max_abs_err_vs_hf"] <= 1e-4 and r["rm_served_accuracy"] > 0.7
+    if r["plot_path"]:
+        assert plot.exists() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "matplotlib" in r["plot_note"]
+    assert "step [####################] 10/10" in output and "PASS" in output
+    for label in ("reward server", "policy server"):
+        assert _gone(_server_pid(output, label)), f"{label} still running after the demo"

@@ -106,13 +106,19 @@ def test_demo_config_defaults_match_yaml_and_overrides_apply(tmp_path):
     from weightsync.demo.config import DemoConfig, load_demo_config
 
     assert load_demo_config(preset_path("demo")) == DemoConfig() == load_demo_config()
+    assert DemoConfig().mode == "rlhf"  # the main job is the RLHF loop
     args = demo.build_parser().parse_args(
         ["--strategy", "packed_cuda_ipc", "--mode", "full", "--steps", "7", "--seed", "5"]
     )
     cfg = demo.apply_overrides(load_demo_config(), args)
     assert cfg.strategy == {"type": "packed_cuda_ipc"}
-    assert cfg.train.mode == "full" and cfg.train.full_steps == 7 and cfg.train.steps == 300
-    assert cfg.model.seed == cfg.data.seed == 5
+    assert cfg.mode == "full" and cfg.train.full_steps == 7 and cfg.train.steps == 300
+    assert cfg.model.seed == cfg.data.seed == cfg.policy.seed == cfg.rlhf.seed == 5
+    rlhf = demo.apply_overrides(load_demo_config(), demo.build_parser().parse_args(
+        ["--steps", "3"]))
+    assert rlhf.mode == "rlhf" and rlhf.rlhf.steps == 3 and rlhf.train.steps == 300
+    dashed = demo.build_parser().parse_args(["--mode", "head-only"])
+    assert demo.apply_overrides(load_demo_config(), dashed).mode == "head_only"
     assert demo.strategy_label(DemoConfig().strategy) == "broadcast/gloo"
     cuda = demo.apply_overrides(load_demo_config(), demo.build_parser().parse_args(["--device", "cuda"]))
     assert cuda.strategy == {"type": "broadcast", "backend": "nccl"} and cuda.train.device == "cuda"
@@ -133,6 +139,12 @@ def test_demo_bad_config_and_args_exit_2_naming_the_problem(tmp_path, capsys):
     assert "carrier_pigeon" in err and "packed_cuda_ipc" in err
     with pytest.raises(SystemExit):
         demo.main(["--mode", "sideways"])
+    bad.write_text("rlhf:\n  group_size: 1\n")
+    assert demo.main(["--config", str(bad)]) == 2
+    assert "rlhf.group_size must be >= 2" in capsys.readouterr().err
+    bad.write_text("rlhf:\n  prompts_per_step: 99\n")
+    assert demo.main(["--config", str(bad)]) == 2
+    assert "prompts_per_step" in capsys.readouterr().err
 
 
 def test_result_record_is_strict_json():

@@ -1,28 +1,25 @@
-"""Command line of ``weightsync demo``: one real train -> sync -> score cycle on a vLLM-served
-reward model.
+"""Command line of ``weightsync demo``, the main job.
 
 Entry points: ``weightsync demo [...]`` (the ``weightsync`` dispatcher calls ``main(argv)``) and
-``python -m weightsync.demo [...]``. Runs on CPU with nothing downloaded, in about a minute:
+``python -m weightsync.demo [...]``. Runs on CPU with nothing downloaded.
 
-1. build a tiny ``Qwen2ForSequenceClassification`` (random weights, offline tokenizer) in a
-   temp dir;
-2. start the reward server on it as a real subprocess (``weightsync.servers.reward``, vLLM) on a
-   free port; it boots while the trainer works;
-3. build a synthetic preference set (``weightsync.demo.data``), take the transformers reference
-   scores of the held-out pairs, and train the head in this process with the Bradley-Terry loss
-   (``--mode head_only``: only ``score.weight``; ``--mode full``: a short full fine-tune);
-4. once the server is healthy, score the held-out pairs through it (pairwise accuracy before,
-   and served == transformers for the untouched model);
-5. publish the new weights through the configured strategy (``VLLMRewardClient.sync_weights``:
-   gloo broadcast by default, ``--strategy packed_cuda_ipc`` for shared memory);
-6. score again: served scores must equal transformers' for the trained model (max abs error
-   <= 1e-4), the version must have risen by one, and pairwise accuracy must have risen.
+``--mode rlhf`` (default): the RLHF loop of ``weightsync.demo.rlhf`` (``run_rlhf``): a reward
+model trained on judge-labelled preference pairs and pushed to the reward server, then RL
+steps in which the policy served by ``weightsync serve-policy`` samples groups of completions,
+the reward server scores them, ``make_grpo_with_rm`` assigns credit, the trainer takes a few
+policy-gradient steps on its copy and pushes it back. Both servers start at once, as
+subprocesses. A progress bar per step, a summary table, a PNG of mean reward and sync time per
+step (``--plot``; skipped with a note without matplotlib), ``--json PATH`` for the record
+(``{"steps": [{"step", "mean_reward", "sync_seconds", "policy_version", "rm_version", ...}],
+...}``).
 
-A summary table closes the run; ``--json PATH`` writes the record (also when the run breaks).
+``--mode head_only`` / ``full`` (``head-only`` too): one train -> sync -> score cycle of the
+reward model alone (``weightsync.demo.run``): train its head (or all of it) on synthetic
+preferences, publish through the configured strategy, check served scores == transformers.
+
 Exit code 0 when every check holds, 1 when one fails or the run breaks, 2 for bad arguments,
-130 on Ctrl-C. The server subprocess is stopped on every path (normal exit, exception, Ctrl-C,
-SIGTERM/SIGHUP, interpreter exit). This module is the command line; the run itself is
-``weightsync.demo.run`` (``run_demo(cfg)`` for library use).
+130 on Ctrl-C; the record is written on failure too. Every server subprocess is stopped on every
+path (normal exit, exception, Ctrl-C, SIGTERM/SIGHUP, interpreter exit).
 """
 
 from __future__ import annotations
@@ -31,16 +28,19 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from weightsync.demo.config import (
+    DEMO_MODES,
     STRATEGY_PRESETS,
-    TRAIN_MODES,
     DemoConfig,
     load_demo_config,
     strategy_from_name,
 )
 from weightsync.demo.report import Progress, format_table
 from weightsync.demo.run import DemoResult, run_demo, strategy_label
+
+DEFAULT_PLOT = "weightsync-demo.png"
 
 # --------------------------------------------------------------------------------------------
 # command line
@@ -51,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="weightsync demo",
         description=(
-            "Train a tiny vLLM-served reward model's head in this process, publish it through a "
-            "weight-sync strategy, and check served scores == transformers and accuracy rose."
+            "RLHF on CPU with tiny models: train a reward model, push it to a vLLM reward "
+            "server, then sample from a vLLM policy server, score, assign GRPO credit, update "
+            "the policy and push it back, step after step (--mode rlhf, the default). "
+            "--mode head_only | full: one train -> sync -> score cycle of the reward model."
         ),
     )
     p.add_argument("--config", help="demo YAML (default: the shipped demo preset, weightsync/configs/demo.yaml)")
@@ -61,32 +63,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="broadcast (gloo, default) | packed_cuda_ipc | cuda_ipc | broadcast_nccl | a "
         "strategy YAML | any registered strategy type",
     )
-    p.add_argument("--mode", choices=TRAIN_MODES, help="head_only (default) or full")
-    p.add_argument("--family", choices=("qwen2", "llama"), help="tiny model family")
-    p.add_argument("--steps", type=int, help="training steps (head_only: train.steps, full: train.full_steps)")
-    p.add_argument("--seed", type=int, help="seed for model and data")
-    p.add_argument("--num-eval", type=int, help="held-out pairs")
+    p.add_argument("--mode", type=_mode, metavar="{rlhf,head_only,full}",
+                   help="rlhf (default): the RLHF loop; head_only / full: one reward-model cycle")
+    p.add_argument("--family", choices=("qwen2", "llama"), help="tiny reward model family")
+    p.add_argument("--steps", type=int, help="rlhf: RL steps (rlhf.steps); head_only: "
+                                             "train.steps; full: train.full_steps")
+    p.add_argument("--seed", type=int, help="seed for models and data")
+    p.add_argument("--num-eval", type=int, help="head_only / full: held-out pairs")
     p.add_argument("--device", choices=("cpu", "cuda"), help="trainer device")
     p.add_argument("--json", dest="json_path", help="write the result record to this path")
+    p.add_argument("--plot", help=f"rlhf: write the PNG here (default {DEFAULT_PLOT}; needs "
+                                  "matplotlib, the 'demo' extra)")
+    p.add_argument("--no-plot", action="store_true", help="rlhf: no PNG")
     p.add_argument("--workdir", help="keep model, logs and caches here (default: a temp dir, removed)")
     p.add_argument("--quiet", action="store_true", help="no progress lines, only the summary")
     return p
+
+
+def _mode(value: str) -> str:
+    mode = value.replace("-", "_")
+    if mode not in DEMO_MODES:
+        raise argparse.ArgumentTypeError(f"{value!r}; choose one of {', '.join(DEMO_MODES)}")
+    return mode
 
 
 def apply_overrides(cfg: DemoConfig, args: argparse.Namespace) -> DemoConfig:
     if args.strategy:
         cfg.strategy = strategy_from_name(args.strategy)
     if args.mode:
-        cfg.train.mode = args.mode
+        cfg.mode = args.mode
     if args.family:
         cfg.model.family = args.family
     if args.steps is not None:
-        if cfg.train.mode == "full":
+        if cfg.mode == "rlhf":
+            cfg.rlhf.steps = args.steps
+        elif cfg.mode == "full":
             cfg.train.full_steps = args.steps
         else:
             cfg.train.steps = args.steps
     if args.seed is not None:
-        cfg.model.seed = cfg.data.seed = args.seed
+        cfg.model.seed = cfg.data.seed = cfg.policy.seed = cfg.rlhf.seed = args.seed
     if args.num_eval is not None:
         cfg.data.num_eval = args.num_eval
     if args.device:
@@ -117,6 +133,36 @@ def summary_table(r: DemoResult) -> str:
     return format_table(("metric", "value"), rows)
 
 
+def rlhf_tables(r: Any) -> str:
+    """The per-step table and the summary of an RLHF run."""
+    steps = format_table(
+        ("step", "mean reward", "judge", "sync ms", "policy v", "rm v", "logprob gap", "step s"),
+        [(s.step, round(s.mean_reward, 4), round(s.judge_score, 2),
+          round(1e3 * s.sync_seconds, 1), s.policy_version, s.rm_version, s.logprob_gap,
+          round(s.step_seconds, 2)) for s in r.steps],
+    )
+    syncs = [s.sync_seconds for s in r.steps]
+    rows = [
+        ("strategy", r.strategy),
+        ("steps x prompts x group", f"{r.num_steps} x {r.prompts_per_step} x {r.group_size}"),
+        ("reward model: pairs / seconds", f"{r.rm_train_pairs} / {r.rm_train_seconds:.1f}"),
+        ("reward model accuracy (held-out, served)",
+         f"{r.rm_accuracy:.3f} / {r.rm_served_accuracy:.3f}"),
+        ("max |served - transformers| (reward)", f"{r.rm_max_abs_err_vs_hf:.2e}"),
+        ("reward server version", f"{r.rm_version_before} -> {r.rm_version_after}"),
+        ("policy server version", f"{r.policy_version_before} -> {r.policy_version_after}"),
+        ("mean reward first -> last 2 steps", f"{r.reward_first:+.3f} -> {r.reward_last:+.3f}"),
+        ("judge score first -> last 2 steps", f"{r.judge_first:.2f} -> {r.judge_last:.2f}"),
+        ("policy sync ms (mean / max)",
+         f"{1e3 * sum(syncs) / max(len(syncs), 1):.1f} / {1e3 * max(syncs, default=0):.1f}"),
+        ("servers ready at", f"{r.servers_ready_seconds:.1f} s"),
+        ("total", f"{r.total_seconds:.1f} s"),
+        ("plot", r.plot_path or r.plot_note or "-"),
+        ("result", "PASS" if r.passed else "FAIL: " + "; ".join(r.failures)),
+    ]
+    return steps + "\n\n" + format_table(("metric", "value"), rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``weightsync demo`` -> exit code (0 pass, 1 check failed or run broke, 2 bad arguments)."""
     parser = build_parser()
@@ -127,11 +173,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weightsync demo: {e}", file=sys.stderr)
         return 2
     progress = Progress(quiet=args.quiet)
-    progress(f"weightsync demo: mode {cfg.train.mode}, strategy {strategy_label(cfg.strategy)}")
-    result = DemoResult.for_config(cfg)
+    progress(f"weightsync demo: mode {cfg.mode}, strategy {strategy_label(cfg.strategy)}")
+    result: Any
+    if cfg.mode == "rlhf":
+        from weightsync.demo.rlhf import RLHFResult, run_rlhf
+
+        result = RLHFResult(strategy=strategy_label(cfg.strategy),
+                            strategy_config=dict(cfg.strategy))
+        plot = None if args.no_plot else (args.plot or DEFAULT_PLOT)
+
+        def run() -> None:
+            run_rlhf(cfg, progress=progress, workdir=args.workdir, result=result, plot_path=plot)
+
+        def table() -> str:
+            return rlhf_tables(result)
+    else:
+        result = DemoResult.for_config(cfg)
+
+        def run() -> None:
+            run_demo(cfg, progress=progress, workdir=args.workdir, result=result)
+
+        def table() -> str:
+            return summary_table(result)
     code = 0
     try:
-        run_demo(cfg, progress=progress, workdir=args.workdir, result=result)
+        run()
     except KeyboardInterrupt:
         print("weightsync demo: interrupted", file=sys.stderr)
         result.failures.append("interrupted")
@@ -148,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     else:
         print()
-        print(summary_table(result))
+        print(table())
         code = 0 if result.passed else 1
     if args.json_path:
         with open(args.json_path, "w") as f:

@@ -26,7 +26,10 @@ STRATEGY_PRESETS: dict[str, dict[str, Any]] = {
     "packed_cuda_ipc": {"type": "packed_cuda_ipc"},
 }
 
-TRAIN_MODES = ("head_only", "full")
+#: ``rlhf``: the RLHF loop (``weightsync.demo.rlhf``); ``head_only`` / ``full``: one train ->
+#: sync -> score cycle of the reward model alone (``weightsync.demo.run``).
+DEMO_MODES = ("rlhf", "head_only", "full")
+TRAIN_MODES = ("head_only", "full")  # what the reward-model cycle trains
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,7 +51,6 @@ class DataSection:
 
 @dataclass(kw_only=True, slots=True)
 class TrainSection:
-    mode: str = "head_only"
     steps: int = 300
     lr: float = 1e-2
     batch_size: int = 64
@@ -65,16 +67,54 @@ class ServerSection:
     startup_timeout_s: float = 300.0
     max_model_len: int = 256
     extra_args: list[str] = field(default_factory=list)
+    policy_extra_args: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
 class CheckSection:
     max_abs_err: float = 1e-4
     min_accuracy_gain: float = 0.0
+    min_reward_rise: float = 0.5
+    max_logprob_gap: float = 1e-3
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicySection:
+    """The tiny causal LM the RLHF loop trains (``build_tiny_causal_lm``)."""
+
+    family: str = "llama"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class RLHFSection:
+    """The RLHF loop: the toy task (``weightsync.demo.task``), the reward model's training
+    on judge-labelled pairs, and the policy-gradient steps."""
+
+    steps: int = 10
+    prompts_per_step: int = 4
+    group_size: int = 8
+    completion_tokens: int = 16
+    temperature: float = 1.0
+    lr: float = 2e-2
+    epochs: int = 4
+    letter: str = "e"
+    rm_train_pairs: int = 512
+    rm_eval_pairs: int = 128
+    rm_steps: int = 150
+    rm_lr: float = 3e-3
+    rm_batch_size: int = 32
+    seed: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
 class DemoConfig:
+    mode: str = "rlhf"
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -83,12 +123,30 @@ class DemoConfig:
         default_factory=lambda: dict(STRATEGY_PRESETS["broadcast"])
     )
     check: CheckSection = field(default_factory=CheckSection)
+    policy: PolicySection = field(default_factory=PolicySection)
+    rlhf: RLHFSection = field(default_factory=RLHFSection)
 
     def validate(self) -> None:
-        if self.train.mode not in TRAIN_MODES:
-            raise ValueError(f"train.mode must be one of {TRAIN_MODES}, got {self.train.mode!r}")
-        if self.model.family not in ("qwen2", "llama"):
-            raise ValueError(f"model.family must be qwen2 or llama, got {self.model.family!r}")
+        if self.mode not in DEMO_MODES:
+            raise ValueError(f"mode must be one of {DEMO_MODES}, got {self.mode!r}")
+        for name, family in (("model", self.model.family), ("policy", self.policy.family)):
+            if family not in ("qwen2", "llama"):
+                raise ValueError(f"{name}.family must be qwen2 or llama, got {family!r}")
+        r = self.rlhf
+        for name in ("steps", "prompts_per_step", "completion_tokens", "epochs",
+                     "rm_train_pairs", "rm_eval_pairs", "rm_steps", "rm_batch_size"):
+            if getattr(r, name) < 1:
+                raise ValueError(f"rlhf.{name} must be >= 1, got {getattr(r, name)}")
+        if r.group_size < 2:
+            raise ValueError(f"rlhf.group_size must be >= 2 (GRPO compares completions of one "
+                             f"prompt), got {r.group_size}")
+        from weightsync.demo.task import PROMPTS
+
+        if r.prompts_per_step > len(PROMPTS):
+            raise ValueError(f"rlhf.prompts_per_step must be <= {len(PROMPTS)} (the task's "
+                             f"prompts; each is one GRPO group), got {r.prompts_per_step}")
+        if len(r.letter) != 1:
+            raise ValueError(f"rlhf.letter must be one character, got {r.letter!r}")
         for name in ("num_train", "num_eval"):
             if getattr(self.data, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self.data, name)}")
@@ -103,19 +161,23 @@ class DemoConfig:
 
 _SECTIONS = {
     "model": ModelSection, "data": DataSection, "train": TrainSection,
-    "server": ServerSection, "check": CheckSection,
+    "server": ServerSection, "check": CheckSection, "policy": PolicySection,
+    "rlhf": RLHFSection,
 }
+_SCALARS = ("mode", "strategy")
 
 
 def demo_config_from_mapping(data: Mapping[str, Any]) -> DemoConfig:
     """Build a ``DemoConfig``; unknown sections or fields raise naming them."""
-    unknown = sorted(set(data) - set(_SECTIONS) - {"strategy"})
+    unknown = sorted(set(data) - set(_SECTIONS) - set(_SCALARS))
     if unknown:
         raise ValueError(
             f"demo config: unknown section(s) {unknown}; valid: "
-            f"{', '.join(sorted([*_SECTIONS, 'strategy']))}"
+            f"{', '.join(sorted([*_SECTIONS, *_SCALARS]))}"
         )
     kwargs: dict[str, Any] = {}
+    if data.get("mode") is not None:
+        kwargs["mode"] = str(data["mode"])
     for name, cls in _SECTIONS.items():
         if data.get(name) is not None:
             kwargs[name] = make_config(cls, dict(data[name]), what=f"demo config [{name}]")

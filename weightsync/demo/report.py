@@ -1,7 +1,9 @@
-"""Progress lines and the closing summary table of ``weightsync demo`` (and the benchmarks).
+"""Progress lines, bars and the closing summary table of ``weightsync demo`` (and the
+benchmarks).
 
 Pure formatting, no heavy imports. ``Progress`` prints ``[  12.3s] message`` lines to a stream
-(stdout by default), flushed at once so a user watching a slow start sees where it is.
+(stdout by default), flushed at once so a user watching a slow start sees where it is;
+``progress_bar`` draws the bar the RLHF loop puts in each step's line.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ class Progress:
     def __call__(self, msg: str) -> None:
         if not self.quiet:
             print(f"[{self.elapsed:6.1f}s] {msg}", file=self.stream, flush=True)
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """``[########------------]  4/10``: a text bar that survives logs and CI output."""
+    total = max(total, 1)
+    filled = round(width * min(max(done, 0), total) / total)
+    digits = len(str(total))
+    return f"[{'#' * filled}{'-' * (width - filled)}] {done:>{digits}}/{total}"
 
 
 def _cell(v: Any) -> str:

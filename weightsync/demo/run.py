@@ -61,7 +61,7 @@ class DemoResult:
     @classmethod
     def for_config(cls, cfg: DemoConfig) -> DemoResult:
         return cls(strategy=strategy_label(cfg.strategy), strategy_config=dict(cfg.strategy),
-                   mode=cfg.train.mode)
+                   mode=cfg.mode)
 
     @property
     def passed(self) -> bool:
@@ -218,7 +218,7 @@ class DemoRun:
         r.hf_accuracy_before = demo_data.pairwise_accuracy(hf_before[:n], hf_before[n:])
         progress(f"transformers, before training: pairwise accuracy {r.hf_accuracy_before:.3f}")
 
-        if cfg.train.mode == "head_only":
+        if cfg.mode == "head_only":
             progress(f"training the head only (score.weight), {cfg.train.steps} Adam steps, "
                      "Bradley-Terry loss")
             tr = demo_train.train_head(

@@ -1,11 +1,15 @@
-"""Run the reward server as a real subprocess and always take it down again.
+"""Run a reward or policy server as a real subprocess and always take it down again.
 
 Used by ``weightsync demo``, ``benchmarks/bench_scoring.py`` and the examples, in the trainer's
-process. ``RewardServerProcess`` starts ``python -m weightsync.servers.reward --model DIR --port P``
-in its own session (so vLLM's engine-core children go down with it), sends its output to a log
-file, waits for ``GET /health`` while reporting progress, and stops the whole process group on
-``stop()``, on leaving a ``with`` block, and at interpreter exit (atexit), whichever comes first.
-A server that dies during start-up raises ``RuntimeError`` with the tail of its log.
+process. ``ServerProcess`` starts ``python -m MODULE --model DIR --host H --port P ...`` in its own
+session (so vLLM's engine-core children go down with it), sends its output to a log file, waits
+for ``GET /health`` while reporting progress, and stops the whole process group on ``stop()``,
+on leaving a ``with`` block, and at interpreter exit (atexit), whichever comes first. A server
+that dies during start-up raises ``RuntimeError`` with the tail of its log.
+``RewardServerProcess`` (``weightsync.servers.reward``) and ``PolicyServerProcess``
+(``weightsync.servers.policy``, i.e. ``weightsync serve-policy``) only fix module and label.
+``started_or_attached`` is what the examples use: a server of their own, or one already running
+at a URL they were given.
 """
 
 from __future__ import annotations
@@ -66,8 +70,12 @@ def vllm_scratch_env(scratch_dir: str) -> dict[str, str]:
     return env
 
 
-class RewardServerProcess:
-    """One reward server subprocess on ``host:port``, owned by the calling process."""
+class ServerProcess:
+    """One server subprocess (``python -m module``) on ``host:port``, owned by the calling
+    process; ``label`` names it in messages and in its log file's name."""
+
+    module = ""
+    label = "server"
 
     def __init__(
         self,
@@ -77,12 +85,16 @@ class RewardServerProcess:
         host: str = "127.0.0.1",
         port: int | None = None,
         extra_args: Sequence[str] = (),
-        module: str = "weightsync.servers.reward",
+        module: str | None = None,
     ) -> None:
+        module = module or self.module
+        if not module:
+            raise ValueError("ServerProcess: give module= (e.g. 'weightsync.servers.reward')")
         self.model_dir = model_dir
         self.host = host
         self.port = port or free_port(host)
-        self.log_path = os.path.join(scratch_dir, f"reward-server-{self.port}.log")
+        slug = self.label.replace(" ", "-")
+        self.log_path = os.path.join(scratch_dir, f"{slug}-{self.port}.log")
         self.cmd = [
             sys.executable, "-m", module, "--model", model_dir,
             "--host", host, "--port", str(self.port), *extra_args,
@@ -99,10 +111,10 @@ class RewardServerProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def start(self) -> RewardServerProcess:
+    def start(self) -> ServerProcess:
         """Launch the subprocess (returns at once; use ``wait_healthy`` to wait for it)."""
         if self._proc is not None:
-            raise RuntimeError("RewardServerProcess.start: already started")
+            raise RuntimeError(f"{type(self).__name__}.start: already started")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
             self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
@@ -146,7 +158,7 @@ class RewardServerProcess:
         """Block until ``/health`` answers 200; -> seconds waited. Raises if the server dies or
         ``timeout_s`` passes (the log tail is in the message)."""
         if self._proc is None:
-            raise RuntimeError("RewardServerProcess.wait_healthy: call start() first")
+            raise RuntimeError(f"{type(self).__name__}.wait_healthy: call start() first")
         t0 = time.monotonic()
         next_report = t0 + every_s
         while True:
@@ -155,20 +167,20 @@ class RewardServerProcess:
             code = self._proc.poll()
             if code is not None:
                 raise RuntimeError(
-                    f"reward server exited with code {code} during start-up "
+                    f"{self.label} exited with code {code} during start-up "
                     f"(command: {' '.join(self.cmd)}); last log lines:\n{self.log_tail()}"
                 )
             now = time.monotonic()
             if now - t0 > timeout_s:
                 self.stop()
                 raise TimeoutError(
-                    f"reward server not healthy after {timeout_s:.0f}s at {self.url}; "
+                    f"{self.label} not healthy after {timeout_s:.0f}s at {self.url}; "
                     f"last log lines:\n{self.log_tail()}"
                 )
             if progress is not None and now >= next_report:
                 last = self.last_log_line()
                 progress(
-                    f"waiting for reward server ... {now - t0:.0f}s"
+                    f"waiting for {self.label} ... {now - t0:.0f}s"
                     + (f" (log: {last})" if last else "")
                 )
                 next_report = now + every_s
@@ -194,10 +206,55 @@ class RewardServerProcess:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> RewardServerProcess:
+    def __enter__(self) -> ServerProcess:
         if self._proc is None:
             self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class RewardServerProcess(ServerProcess):
+    """The reward server (``weightsync serve-reward``) as a subprocess."""
+
+    module = "weightsync.servers.reward"
+    label = "reward server"
+
+
+class PolicyServerProcess(ServerProcess):
+    """The policy server (``weightsync serve-policy``) as a subprocess."""
+
+    module = "weightsync.servers.policy"
+    label = "policy server"
+
+
+@contextlib.contextmanager
+def started_or_attached(
+    servers: Sequence[tuple[type[ServerProcess], str, str | None]],
+    *,
+    scratch_dir: str,
+    extra_args: Sequence[str] = (),
+    progress: Callable[[str], None] | None = None,
+    timeout_s: float = 300.0,
+) -> Iterator[list[str]]:
+    """Yield the base URLs of healthy servers, one per ``(server_cls, model_dir, url)``: ``url``
+    as given (a server someone else runs on ``model_dir``'s checkpoint; left running), or a
+    ``server_cls`` started on ``model_dir``. The ones started here start together, are waited
+    for, and are stopped on leaving (SIGTERM / SIGHUP included)."""
+    with signals_raise_system_exit(), contextlib.ExitStack() as stack:
+        started: list[ServerProcess] = []
+        urls: list[str] = []
+        for server_cls, model_dir, url in servers:
+            if url:
+                urls.append(url.rstrip("/"))
+                continue
+            server = stack.enter_context(
+                server_cls(model_dir, scratch_dir=scratch_dir, extra_args=extra_args))
+            started.append(server)
+            urls.append(server.url)
+            if progress is not None:
+                progress(f"{server.label} starting (pid {server.pid}, log {server.log_path})")
+        for server in started:
+            server.wait_healthy(timeout_s=timeout_s, progress=progress)
+        yield urls
