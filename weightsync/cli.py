@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 _SUBCOMMANDS = {
     "bench": ("weightsync.bench.cli", "main", "weight-sync bandwidth benchmark"),
-    "demo": ("weightsync.demo.cli", "main", "train -> sync -> score cycle on CPU (the main job)"),
+    "demo": ("weightsync.demo.cli", "main", "RLHF on CPU with a vLLM reward and policy server (the main job)"),
     "serve-reward": (
         "weightsync.servers.reward", "main", "serve a reward model on vLLM with weight-sync endpoints"
     ),

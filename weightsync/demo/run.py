@@ -1,4 +1,5 @@
-"""One train -> sync -> score cycle against a vLLM reward server: what ``weightsync demo`` runs.
+"""One train -> sync -> score cycle against a vLLM reward server: what ``weightsync demo --mode
+head_only`` (or ``full``) runs.
 
 Caller: ``weightsync.demo.cli.main`` (or library code: ``run_demo(cfg)``), in the trainer process.
 The reward server is a subprocess this module starts and always stops (``finally``; SIGTERM and
