@@ -142,12 +142,23 @@ def stop_reward_server(handle: Any) -> None:
 
 
 def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the group; let its last members (vLLM's engine core, Python's resource tracker,
+    which unlinks the engine's /dev/shm segments once the others are gone) leave by themselves;
+    SIGKILL only what is still there after the grace (a SIGKILL before the tracker ran leaks
+    the segments)."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
         except (subprocess.TimeoutExpired, ProcessLookupError):
             pass
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # anyone left in the group?
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.2)
     try:  # the engine core / worker children share the process group
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -196,7 +196,16 @@ class ServerProcess:
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
-            # the group may outlive its leader (engine-core children): make sure it is gone
+            # the group may outlive its leader (engine-core children, Python's resource
+            # tracker, which unlinks vLLM's /dev/shm segments once they are gone): let it
+            # leave by itself for a moment (a SIGKILL first leaks the segments), then make sure
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(proc.pid, 0)
+                except (ProcessLookupError, PermissionError):
+                    break
+                time.sleep(0.2)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
