@@ -253,12 +253,14 @@ class RLHFRun:
         check(self.cfg, self.result)
 
     def stop_servers(self) -> None:
-        for name in ("policy_server", "reward_server"):
-            server = getattr(self, name)
-            if server is not None:
-                self.progress(f"stopping {server.label}")
-                server.stop()
-                setattr(self, name, None)
+        servers = [s for s in (self.policy_server, self.reward_server) if s is not None]
+        if servers:
+            self.progress(f"stopping {' and '.join(s.label for s in servers)}")
+        for server in servers:  # both shut down at once, then each is waited for
+            server.terminate()
+        for server in servers:
+            server.stop()
+        self.policy_server = self.reward_server = None
 
     # -- set-up --------------------------------------------------------------------------------
     def build_models(self, wd: str) -> tuple[str, str]:

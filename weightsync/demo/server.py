@@ -186,6 +186,13 @@ class ServerProcess:
                 next_report = now + every_s
             time.sleep(0.25)
 
+    def terminate(self) -> None:
+        """Send SIGTERM to the server's process group and return at once (``stop`` waits);
+        lets a caller with several servers have them shut down together."""
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGTERM)
+
     def stop(self, grace_s: float = 15.0) -> None:
         """Terminate the server's whole process group (SIGTERM, then SIGKILL). Idempotent."""
         proc, self._proc = self._proc, None
@@ -266,4 +273,8 @@ def started_or_attached(
                 progress(f"{server.label} starting (pid {server.pid}, log {server.log_path})")
         for server in started:
             server.wait_healthy(timeout_s=timeout_s, progress=progress)
-        yield urls
+        try:
+            yield urls
+        finally:
+            for server in started:  # shut down together; the exit stack then waits for each
+                server.terminate()
