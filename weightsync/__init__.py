@@ -21,6 +21,7 @@ from weightsync.config import (
 from weightsync.connect import BlockingSyncSession, SyncSession, connect, connect_sync
 from weightsync.engine import EndpointState, EndpointStatus, WeightUpdateEndpoint
 from weightsync.errors import (
+    ChecksumMismatchError,
     CommunicatorReplacedError,
     EngineDiedError,
     UpdateIncompleteError,
@@ -59,7 +60,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockingSyncSession", "BroadcastConfig", "BroadcastWeightUpdateRequest",
-    "CommunicatorReplacedError", "CudaIpcWeightUpdateRequest", "EmptyWeightSyncInfo",
+    "ChecksumMismatchError", "CommunicatorReplacedError", "CudaIpcWeightUpdateRequest", "EmptyWeightSyncInfo",
     "EndpointState", "EndpointStatus", "EngineDiedError", "ExtractorConfig", "HeadExtractorConfig",
     "InferenceEngineClient", "IpcBufferHandle", "IpcConfig", "LoaderConfig",
     "PackedCudaIpcWeightUpdateRequest", "PackedIpcConfig", "StrategyConfig", "SyncSession",

@@ -25,25 +25,65 @@ from weightsync.registry import EXTRACTORS, LOADERS, STRATEGIES, Registry
 
 @dataclass(kw_only=True)
 class StrategyConfig:
-    """Fields every strategy understands."""
+    """Fields every strategy understands.
+
+    Timeouts (seconds; a stuck or dead peer turns into an error naming it and the phase, never a
+    hang; ``docs/reliability.md``):
+
+    * ``timeout_s``: every control call (start, finish, close, status) and the fixed part of
+      every data-plane wait (a chunk's collectives, its engines' answer);
+    * ``timeout_s_per_gb``: data-plane waits grow by this much per GB of the chunk (a 1 GB chunk
+      waits ``timeout_s + timeout_s_per_gb`` seconds), so a big bucket on a slow link is not
+      mistaken for a dead peer and a small one does not wait minutes for one;
+    * ``join_timeout_s``: building the data plane (a process group's rendezvous, the engines'
+      receivers) and starting an update (a server first drains its requests in flight);
+    * ``idle_timeout_s``: sent with every update; an engine that hears nothing from the sender
+      for this long between calls abandons the update (the sender died), so it never waits
+      forever for a chunk.
+
+    Per update: ``checksum`` sends a 64-bit checksum of every tensor with its chunk, and every
+    engine verifies the bytes it received (``weightsync.integrity``); ``staged`` asks engines to
+    receive the whole update into staging buffers and copy it into the weights only at finish
+    (an aborted update leaves version v exactly; costs one extra copy of the update's bytes on
+    the engine; ``weightsync.update_sink``).
+    """
 
     type: str = "broadcast"
     bucket_size_mb: float = 1024
-    timeout_s: float = 600.0
+    timeout_s: float = 30.0
+    timeout_s_per_gb: float = 20.0
+    join_timeout_s: float = 120.0
+    idle_timeout_s: float = 60.0
     device: str = "auto"  # "cpu", "cuda" or "auto" (follows the tensors)
     # chunks whose transfer may be under way at once: 2 lets chunk i+1's request reach the
     # engines while chunk i lands (hides the control-plane round trip); 1 = strictly one by one
     max_inflight_chunks: int = 2
+    checksum: bool = False
+    staged: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("bucket_size_mb", "timeout_s"):
+        for name in ("bucket_size_mb", "timeout_s", "join_timeout_s", "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"strategy {self.type!r}: {name} must be > 0, got {getattr(self, name)!r}")
+        if not self.timeout_s_per_gb >= 0:
+            raise ValueError(f"strategy {self.type!r}: timeout_s_per_gb must be >= 0, got "
+                             f"{self.timeout_s_per_gb!r}")
         if self.max_inflight_chunks < 1:
             raise ValueError(
                 f"strategy {self.type!r}: max_inflight_chunks must be >= 1, got "
                 f"{self.max_inflight_chunks!r}"
             )
+
+    def chunk_timeout_s(self, nbytes: int) -> float:
+        """How long one chunk of ``nbytes`` may take end to end (its collectives, the engines
+        receiving and loading it): ``timeout_s + timeout_s_per_gb`` per GB."""
+        return scaled_timeout(self.timeout_s, self.timeout_s_per_gb, nbytes)
+
+
+def scaled_timeout(base_s: float, per_gb_s: float, nbytes: int) -> float:
+    """``base_s`` plus ``per_gb_s`` for every 1e9 bytes: the one rule for data-plane waits
+    (senders, receivers and their collectives all use it, so both sides give up alike)."""
+    return float(base_s) + float(per_gb_s) * max(int(nbytes), 0) / 1e9
 
 
 @dataclass(kw_only=True)

@@ -156,12 +156,14 @@ class SyncSession:
         client = None
         if sender:
             from weightsync.clients import FanOutClient
+            from weightsync.config import build_strategy
 
             targets = [engines] if isinstance(engines, str) or not isinstance(
                 engines, (list, tuple)) else list(engines)
+            limits = build_strategy(strategy_cfg).cfg  # the strategy's timeouts, defaults filled
             client = FanOutClient(
-                targets, api_key=api_key, names=names,
-                timeout_s=float(strategy_cfg.get("timeout_s", 600.0)),
+                targets, api_key=api_key, names=names, timeout_s=limits.timeout_s,
+                timeout_s_per_gb=limits.timeout_s_per_gb, join_timeout_s=limits.join_timeout_s,
             )
         session = cls(client=client, strategy_cfg=strategy_cfg, extractor_cfg=extractor_cfg,
                       device=device, rank=rank, src_rank=int(src_rank), is_sender=sender)

@@ -16,11 +16,20 @@ extension, an in-process channel) forwards the client's plain-dict calls to it, 
 The endpoint runs every loader hook itself (``validate``, ``start_update``, the receiver's load,
 ``finish_update``) and owns one explicit state (``EndpointState``)::
 
-    IDLE --start--> RECEIVING --finish--> FINISHING --hook ok--> IDLE (version published)
-                        |                     '--hook raised--> TORN
-                        '--a chunk failed after another landed, abort, abandon--> TORN
+    IDLE --start--> RECEIVING --finish--> FINISHING --commit + hook ok--> IDLE (version published)
+                        |                     '--commit or hook raised--> TORN
+                        |--failed / abort / abandon after bytes were loaded--> TORN
+                        '--failed / abort / abandon before any (staged: always)--> IDLE
     TORN --start--> TORN (repairing) --finish--> FINISHING --> IDLE
     any --close()--> CLOSED (every later call is refused)
+
+What the receiver loads into is an ``UpdateSink`` (``weightsync.update_sink``) around the
+loader, one per update: it checks the chunk's checksums when the sender sent them
+(``ChecksumMismatchError``), refuses a name the update already carried, and loads in place or,
+for a staged update (the start's ``staged``, or ``stage_updates=True``), keeps a copy until the
+finish, where it is replayed into the loader. So "torn" means: the loader was given bytes of an
+update that then failed. A staged update that fails never gets there (the weights are the last
+version exactly), an in-place one that fails before its first load does not either.
 
 Serving: ``check_serving()`` passes in IDLE and RECEIVING (between chunks of a live update the
 weights may be partly new: a server that serves concurrently holds requests during an update,
@@ -47,6 +56,7 @@ from weightsync.errors import (
 )
 from weightsync.interfaces import WeightLoader, WeightTransferReceiver
 from weightsync.types import TensorMeta, WeightUpdateFinish, WeightUpdateStart
+from weightsync.update_sink import UpdateSink
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +73,20 @@ class EndpointState(enum.StrEnum):
 
 @dataclass(frozen=True)
 class UpdateProgress:
-    """The update in progress: its id and version, chunks loaded, and why it failed (if a chunk
-    failed: later chunks are refused)."""
+    """The update in progress: its id and version, chunks loaded, why it failed (if a chunk
+    failed: later chunks are refused), whether it is staged and how many bytes wait in staging."""
 
     update_id: str
     version: int | None
     chunks_done: int = 0
     failed: str = ""
+    staged: bool = False
+    staged_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"update_id": self.update_id, "version": self.version,
-                "chunks_done": self.chunks_done, "failed": self.failed}
+                "chunks_done": self.chunks_done, "failed": self.failed,
+                "staged": self.staged, "staged_bytes": self.staged_bytes}
 
 
 @dataclass(frozen=True)
@@ -101,26 +114,35 @@ class _Update:
     """Book-keeping of the update in progress (private to the endpoint)."""
 
     start: WeightUpdateStart
+    sink: UpdateSink  # what the receiver loads into (checksums; in place or staged)
     chunks_done: int = 0
-    touched: bool = False  # a chunk was (possibly partly) loaded
     failed: str = ""  # why a chunk of this update failed; later chunks are refused
+
+    @property
+    def touched(self) -> bool:
+        """The engine's weights were (possibly partly) written by this update."""
+        return self.sink.touched
 
     def progress(self) -> UpdateProgress:
         return UpdateProgress(self.start.update_id, self.start.version, self.chunks_done,
-                              self.failed)
+                              self.failed, self.sink.staged, self.sink.staged_bytes)
 
 
 class WeightUpdateEndpoint:
     """Receiver + loader + version bookkeeping for one engine (worker).
 
     ``loader``: the engine's ``WeightLoader``; ``version``: the version the engine serves at
-    start; ``name``: how the engine is named in errors. Calls are serialised (one at a time, in
-    the order they arrive on the endpoint's event loop).
+    start; ``name``: how the engine is named in errors. ``stage_updates``: None (default) stages
+    an update when its start asks for it (``staged``), True stages every update, False never
+    (a start that asks is refused: the engine has no memory for a second copy). Calls are
+    serialised (one at a time, in the order they arrive on the endpoint's event loop).
     """
 
-    def __init__(self, loader: WeightLoader, *, version: int = 0, name: str = "engine") -> None:
+    def __init__(self, loader: WeightLoader, *, version: int = 0, name: str = "engine",
+                 stage_updates: bool | None = None) -> None:
         self.loader = loader
         self.name = name
+        self.stage_updates = stage_updates
         self._receiver: WeightTransferReceiver | None = None
         self._version = int(version)
         self._state = EndpointState.IDLE
@@ -196,11 +218,13 @@ class WeightUpdateEndpoint:
         abandoned (the state does not matter any more); every later call is refused."""
         async with self._lock:
             self._drop_receiver()
-            if self._update is not None and self._update.touched:
-                self._last_error = (
-                    f"closed during update {self._update.start.update_id} after "
-                    f"{self._update.chunks_done} chunk(s) loaded"
-                )
+            if self._update is not None:
+                self._update.sink.discard()
+                if self._update.touched:
+                    self._last_error = (
+                        f"closed during update {self._update.start.update_id} after "
+                        f"{self._update.chunks_done} chunk(s) loaded"
+                    )
             self._update = None
             self._state = EndpointState.CLOSED
 
@@ -212,6 +236,13 @@ class WeightUpdateEndpoint:
         async with self._lock:
             self._refuse_if_closed("start_weight_update")
             self._abandon_current(f"superseded by update {msg.update_id}")
+            staged = msg.staged if self.stage_updates is None else self.stage_updates
+            if msg.staged and self.stage_updates is False:
+                raise UpdateRefusedError(
+                    f"{self.name}: update {msg.update_id} asks to be staged, but this engine "
+                    f"does not stage updates (no memory for a second copy); send it with "
+                    f"staged: false"
+                )
             if msg.manifest is not None:
                 self._validate(msg.manifest, msg, whole_update=True)
             if msg.version is not None and msg.version <= self._version:
@@ -220,7 +251,7 @@ class WeightUpdateEndpoint:
                     f"version {self._version}; versions must increase"
                 )
             await self.loader.start_update(msg)  # may refuse too (nothing loaded yet)
-            self._update = _Update(msg)
+            self._update = _Update(msg, UpdateSink(self.loader, staged=staged, name=self.name))
             if self._state is EndpointState.IDLE:
                 self._state = EndpointState.RECEIVING
 
@@ -256,24 +287,23 @@ class WeightUpdateEndpoint:
                 raise UpdateRefusedError(f"{self.name}: {problem}")
             assert update is not None
             try:
-                if update.start.training_mode is not None:
-                    try:
-                        self._check_policy(req.metas(), update.start)
-                    except WeightMismatchError:
-                        await self._refuse(receiver, req)  # its peers still get a no
-                        raise
-                # the receiver validates the chunk against the loader before any byte moves
-                await receiver.receive_and_load_weights(req, self.loader)
+                try:
+                    self._check_chunk(req.metas(), update.start)
+                    update.sink.begin_chunk(req)  # a name this update already carried: no
+                except WeightMismatchError:
+                    await self._refuse(receiver, req)  # its peers still get a no
+                    raise
+                # the receiver validates the chunk against the loader before any byte moves,
+                # then hands the bytes to the sink (checksums; the loader or staging)
+                await receiver.receive_and_load_weights(req, update.sink)
             except BaseException as e:
                 update.failed = f"chunk {req.chunk_index}: {type(e).__name__}: {e}"[:500]
-                if not isinstance(e, WeightMismatchError):
-                    self._mark_torn(f"chunk {req.chunk_index} failed: {type(e).__name__}: {e}")
-                elif update.touched:
-                    self._mark_torn(
-                        f"chunk {req.chunk_index} rejected after earlier chunks loaded"
-                    )
+                if update.touched:  # the weights hold part of this update now
+                    self._mark_torn(f"chunk {req.chunk_index} of update {req.update_id} "
+                                    f"failed after bytes of the update were loaded: "
+                                    f"{type(e).__name__}: {e}")
                 raise
-            update.touched = True
+            update.sink.end_chunk()
             update.chunks_done += 1
 
     async def finish_weight_update(self, finish: dict) -> int:
@@ -292,6 +322,7 @@ class WeightUpdateEndpoint:
             complete = msg.ok and not update.failed and update.chunks_done == msg.num_chunks
             if not complete:
                 self._update = None
+                update.sink.discard()
                 reason = msg.error or update.failed or (
                     f"{update.chunks_done} of {msg.num_chunks} chunks landed"
                 )
@@ -305,9 +336,11 @@ class WeightUpdateEndpoint:
             was_torn = self._state is EndpointState.TORN
             self._state = EndpointState.FINISHING
             try:
+                await update.sink.commit()  # a staged update lands now (in place: nothing left)
                 await self.loader.finish_update(msg)
             except BaseException as e:
                 self._update = None
+                update.sink.discard()
                 if update.touched or was_torn:
                     self._mark_torn(
                         f"finishing update {msg.update_id} failed: {type(e).__name__}: {e}"
@@ -342,6 +375,8 @@ class WeightUpdateEndpoint:
     ) -> None:
         """The loader's check and the training mode's name policy, as one error that lists
         every offender of both."""
+        from weightsync.validation import size_offenders
+
         offenders: list[str] = []
         target = "target model"
         try:
@@ -349,6 +384,8 @@ class WeightUpdateEndpoint:
         except WeightMismatchError as e:
             offenders += e.offenders
             target = e.target
+        if not offenders:
+            offenders += size_offenders(metas, self.loader.expected_metadata(), whole_update=True)
         if start.training_mode is not None:
             from weightsync.validation import training_mode_offenders
 
@@ -359,23 +396,28 @@ class WeightUpdateEndpoint:
         if offenders:
             raise WeightMismatchError(offenders, target=target)
 
-    def _check_policy(self, metas: list[TensorMeta], start: WeightUpdateStart) -> None:
-        """One chunk against the update's training mode (the whole manifest was checked at
-        start, when there was one)."""
-        from weightsync.validation import training_mode_offenders
+    def _check_chunk(self, metas: list[TensorMeta], start: WeightUpdateStart) -> None:
+        """One chunk against the update's training mode and the model's size limits (the whole
+        manifest was checked at start, when there was one; the loader checks names and shapes
+        in the receiver)."""
+        from weightsync.validation import size_offenders, training_mode_offenders
 
-        assert start.training_mode is not None
-        offenders = training_mode_offenders(
-            [m.name for m in metas], start.training_mode, start.head_name_patterns
-        )
+        offenders = size_offenders(metas, self.loader.expected_metadata())
+        if start.training_mode is not None:
+            offenders += training_mode_offenders(
+                [m.name for m in metas], start.training_mode, start.head_name_patterns
+            )
         if offenders:
-            raise WeightMismatchError(offenders, target=f"{start.training_mode.value} update")
+            target = (f"{start.training_mode.value} update" if start.training_mode is not None
+                      else "target model")
+            raise WeightMismatchError(offenders, target=target)
 
     def _abandon_current(self, why: str) -> None:
         update = self._update
         if update is None:
             return
         self._update = None
+        update.sink.discard()
         if update.touched:
             self._mark_torn(
                 f"update {update.start.update_id} was abandoned after {update.chunks_done} "

@@ -52,6 +52,21 @@ class WeightSyncTimeout(WeightSyncError, TimeoutError):
     """A peer did not answer within the configured timeout (it may have died)."""
 
 
+class CollectiveError(WeightSyncError):
+    """A data-plane collective failed on this side: a peer died, hangs, or left the group.
+    Usually the follow-on of another engine's failure, so the fan-out ranks it last."""
+
+
+class CollectiveTimeout(CollectiveError, WeightSyncTimeout):
+    """A data-plane collective did not complete within its timeout (a peer stopped answering)."""
+
+
+class EngineSilentError(WeightSyncTimeout):
+    """An engine gave no answer while another engine of the same call had already failed:
+    stuck (a stopped process, a hung collective) or just slow. Ranked above the follow-on
+    collective errors of the others, below any real error."""
+
+
 class UpdateIncompleteError(WeightSyncError):
     """The engine holds a partially applied update and refuses to serve until a complete one
     lands."""
@@ -71,6 +86,18 @@ class CommunicatorReplacedError(UpdateRefusedError):
     """The engine's receivers now belong to another sender (or were closed); connect again."""
 
 
+class ChecksumMismatchError(WeightSyncError):
+    """The bytes an engine received are not the bytes the sender sent (``weightsync.integrity``):
+    the update fails like any other fault. ``offenders`` lists one line per tensor."""
+
+    def __init__(self, message: str, offenders: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.offenders = list(offenders)
+
+    def __reduce__(self):  # keep offenders through pickle (Ray, multiprocessing)
+        return (type(self), (str(self), self.offenders))
+
+
 # --------------------------------------------------------------------------------------------
 # codec: exception <-> JSON dict <-> HTTP status
 # --------------------------------------------------------------------------------------------
@@ -80,7 +107,8 @@ ERROR_TYPES: dict[str, type[BaseException]] = {
     cls.__name__: cls
     for cls in (
         WeightSyncError, WeightMismatchError, WeightSyncTimeout, UpdateIncompleteError,
-        EngineDiedError, UpdateRefusedError, CommunicatorReplacedError, ValueError, TypeError,
+        EngineDiedError, UpdateRefusedError, CommunicatorReplacedError, ChecksumMismatchError,
+        CollectiveError, CollectiveTimeout, EngineSilentError, ValueError, TypeError,
     )
 }
 ERROR_TYPES["TimeoutError"] = WeightSyncTimeout
@@ -90,7 +118,10 @@ _HTTP_STATUS: dict[type[BaseException], int] = {
     WeightMismatchError: 400,
     ValueError: 400,
     TypeError: 400,
+    ChecksumMismatchError: 422,
     UpdateIncompleteError: 503,
+    CollectiveTimeout: 504,
+    CollectiveError: 502,
     WeightSyncTimeout: 504,
     TimeoutError: 504,
     EngineDiedError: 502,
@@ -126,6 +157,8 @@ def error_from_dict(
     prefix = f"{where}: " if where else ""
     if cls is None:
         return WeightSyncError(f"{prefix}{kind}: {msg}")
+    if cls is ChecksumMismatchError:
+        return ChecksumMismatchError(f"{prefix}{msg}", list(d.get("offenders") or []))
     return cls(f"{prefix}{msg}")
 
 
@@ -148,7 +181,7 @@ def error_from_http(status: int, body: Any, *, where: str) -> BaseException:
     With ``error_type`` the exact class comes back; without it the status decides: 400 with
     offenders -> ``WeightMismatchError``, 400 -> ``ValueError``, 409 -> ``UpdateRefusedError``
     (``CommunicatorReplacedError`` when the reason says the communicator was replaced), 502 ->
-    ``EngineDiedError``, 503 -> ``UpdateIncompleteError``, 504 -> ``WeightSyncTimeout``,
+    ``EngineDiedError``, 422 -> ``ChecksumMismatchError``, 503 -> ``UpdateIncompleteError``, 504 -> ``WeightSyncTimeout``,
     anything else ``WeightSyncError``.
     """
     data = body if isinstance(body, Mapping) else {"detail": str(body)[:2000]}
@@ -170,6 +203,7 @@ def error_from_http(status: int, body: Any, *, where: str) -> BaseException:
 _TYPE_BY_STATUS = {
     400: "ValueError",
     409: "UpdateRefusedError",
+    422: "ChecksumMismatchError",
     502: "EngineDiedError",
     503: "UpdateIncompleteError",
     504: "WeightSyncTimeout",
@@ -180,14 +214,25 @@ _TYPE_BY_STATUS = {
 # which failure to raise when several engines failed at once
 # --------------------------------------------------------------------------------------------
 
-#: most telling first: a refusal names the culprit tensors; a dead engine explains the broken
-#: collectives of the others; a timeout says who hung; anything else last
-_RANK: tuple[type[BaseException], ...] = (WeightMismatchError, EngineDiedError, TimeoutError)
+#: most telling first (the first class an error is an instance of decides): a refusal names
+#: the culprit tensors; a dead engine explains the broken collectives of the others; corrupted
+#: bytes name the tensors; an engine's own timeout says who hung; then any other error; then an
+#: engine that stayed silent after another failed (stuck, or slow); last the collectives that
+#: broke because of someone else
+_RANK: tuple[type[BaseException], ...] = (
+    WeightMismatchError, EngineDiedError, ChecksumMismatchError, CollectiveError,
+    EngineSilentError, TimeoutError,
+)
+_RANK_OF = {WeightMismatchError: 0, EngineDiedError: 1, ChecksumMismatchError: 2,
+            TimeoutError: 3, EngineSilentError: 5, CollectiveError: 6}
+_OTHER_RANK = 4
 
 
 def telling_rank(e: BaseException) -> int:
-    """0 for a ``WeightMismatchError``, 1 a dead engine, 2 a timeout, 3 anything else."""
-    return next((i for i, cls in enumerate(_RANK) if isinstance(e, cls)), len(_RANK))
+    """0 a ``WeightMismatchError``, 1 a dead engine, 2 corrupted bytes, 3 a timeout, 4 anything
+    else, 5 an engine silent after another failed, 6 a broken collective."""
+    cls = next((c for c in _RANK if isinstance(e, c)), None)
+    return _RANK_OF[cls] if cls is not None else _OTHER_RANK
 
 
 def most_telling(errors: Iterable[BaseException]) -> BaseException:

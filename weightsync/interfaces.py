@@ -247,11 +247,13 @@ class WeightTransferSender(abc.ABC):
             manifest = [m for c in chunks for m in c.metas()]
         stats = SyncStats(update_id=uuid.uuid4().hex)
         t0 = time.perf_counter()
+        cfg = getattr(self, "cfg", None)
         start = WeightUpdateStart(
             update_id=stats.update_id, version=version, manifest=manifest,
             training_mode=training_mode,
             head_name_patterns=list(head_name_patterns) if head_name_patterns else None,
-            extras=extras or {},
+            extras=extras or {}, staged=bool(getattr(cfg, "staged", False)),
+            idle_timeout_s=getattr(cfg, "idle_timeout_s", None),
         )
         await inference_client.start_weight_update(start.to_dict())
         try:
@@ -263,9 +265,10 @@ class WeightTransferSender(abc.ABC):
                 update_id=stats.update_id, version=version, num_chunks=stats.num_chunks,
                 ok=False, error=f"{type(e).__name__}: {e}"[:2000],
             )
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # best effort: the failure is the news
                 await asyncio.wait_for(
-                    inference_client.finish_weight_update(finish.to_dict()), timeout=10
+                    inference_client.finish_weight_update(finish.to_dict()),
+                    timeout=float(getattr(cfg, "timeout_s", 10.0)),
                 )
             raise
         finish = WeightUpdateFinish(
@@ -284,8 +287,26 @@ class WeightTransferSender(abc.ABC):
         async def transfer(chunk: WeightChunk, request: WeightUpdateRequest) -> None:
             await self._transfer(chunk, request, client)
 
-        return SendPipeline(prepare=self.create_request, transfer=transfer,
+        prepare = self.create_request
+        if getattr(getattr(self, "cfg", None), "checksum", False):
+            prepare = self._request_with_checksums
+        return SendPipeline(prepare=prepare, transfer=transfer,
                             release=self._release, window=window, overlap=self.overlap)
+
+    def _request_with_checksums(self, chunk: WeightChunk) -> WeightUpdateRequest:
+        """``create_request`` plus one checksum per tensor of the chunk as the trainer holds it
+        (``weightsync.integrity``), so packing, the transport and the engine's receive are all
+        covered. Runs where ``create_request`` runs (a worker thread, overlapping the previous
+        chunk's transfer)."""
+        from weightsync.integrity import tensor_checksums
+
+        request = self.create_request(chunk)
+        try:
+            request.checksums = tensor_checksums(chunk.tensors)
+        except BaseException:
+            self._release(request)
+            raise
+        return request
 
     async def close(self) -> None:  # noqa: B027
         """Release transport resources (process groups, shared buffers)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -38,6 +39,8 @@ _DTYPE_CACHE: dict[str, Any] = {}  # name -> torch.dtype (hot: called per tensor
 
 def str_to_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` (or ``"torch.bfloat16"``) -> ``torch.bfloat16``; unknown names raise."""
+    if not isinstance(name, str):
+        raise ValueError(f"dtype must be a string such as 'bfloat16', got {str(name)[:40]!r}")
     dtype = _DTYPE_CACHE.get(name)
     if dtype is not None:
         return dtype
@@ -101,6 +104,32 @@ class WeightChunk:
         return len(self.names)
 
 
+#: the largest tensor a request may describe: more dimensions or elements than any model has
+#: are refused while parsing, before a receiver sizes a buffer from them
+MAX_NDIM = 8
+MAX_NUMEL = 1 << 40
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_shape(name: Any, shape: Any) -> None:
+    """A shape is a list of at most ``MAX_NDIM`` ints >= 0 with at most ``MAX_NUMEL`` elements;
+    anything else is a ValueError naming the parameter."""
+    if not isinstance(shape, (list, tuple)) or not all(_is_int(x) and x >= 0 for x in shape):
+        raise ValueError(f"parameter {name!r}: shape must be a list of ints >= 0, got "
+                         f"{str(shape)[:80]}")
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"parameter {name!r}: {len(shape)} dimensions; at most {MAX_NDIM}")
+    numel = 1
+    for x in shape:
+        numel *= x
+    if numel > MAX_NUMEL:
+        raise ValueError(f"parameter {name!r}: shape {list(shape)} has {numel} elements; at "
+                         f"most {MAX_NUMEL}")
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """Name, dtype string and shape of one tensor: what validation compares."""
@@ -139,10 +168,7 @@ class TensorMeta:
             str_to_dtype(dtype)
         except ValueError as e:
             raise ValueError(f"parameter {name!r}: {e}") from None
-        if not isinstance(shape, (list, tuple)) or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape
-        ):
-            raise ValueError(f"parameter {name!r}: shape must be a list of ints >= 0, got {shape!r}")
+        check_shape(name, shape)
         return cls(name, dtype.removeprefix("torch."), [int(s) for s in shape])
 
 
@@ -175,6 +201,8 @@ class _Tagged:
         if not isinstance(d, dict):
             raise ValueError(f"{cls.__name__}.from_dict expects a dict, got {type(d).__name__}")
         kind = d.get("type", cls.TYPE)
+        if kind is not None and not isinstance(kind, str):
+            raise ValueError(f"{cls.__name__}: type must be a string, got {str(kind)[:40]}")
         target = cls._subclasses.get(kind) if kind else cls
         if target is None:
             raise ValueError(
@@ -230,8 +258,20 @@ class WeightUpdateRequest(_Tagged):
     chunk_index: int = 0
     is_last: bool = True
     version: int | None = None
+    # one 64-bit checksum per tensor (``weightsync.integrity``), parallel to ``names``, when the
+    # sender was asked for them (``checksum: true``); every engine verifies what it received
+    checksums: list[int] | None = None
 
     def _coerce(self) -> None:
+        for f in ("names", "dtypes", "shapes"):
+            if not isinstance(getattr(self, f), (list, tuple)):
+                raise ValueError(f"{type(self).__name__}: {f} must be a list, got "
+                                 f"{type(getattr(self, f)).__name__}")
+        if not isinstance(self.update_id, str):
+            raise ValueError(f"{type(self).__name__}: update_id must be a string")
+        if not _is_int(self.chunk_index) or self.chunk_index < 0:
+            raise ValueError(f"{type(self).__name__}: chunk_index must be an int >= 0, got "
+                             f"{self.chunk_index!r}")
         if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
             raise ValueError(
                 f"{type(self).__name__}: names/dtypes/shapes lengths differ "
@@ -246,11 +286,17 @@ class WeightUpdateRequest(_Tagged):
             except ValueError as e:
                 raise ValueError(f"parameter {n!r}: {e}") from None
         for n, s in zip(self.names, self.shapes, strict=True):
-            if not isinstance(s, (list, tuple)) or not all(
-                isinstance(x, int) and x >= 0 for x in s
-            ):
-                raise ValueError(f"parameter {n!r}: shape must be a list of ints >= 0, got {s!r}")
+            check_shape(n, s)
         self.shapes = [list(s) for s in self.shapes]
+        if self.checksums is not None:
+            if not isinstance(self.checksums, (list, tuple)) or len(self.checksums) != len(
+                self.names
+            ) or not all(_is_int(c) and -(1 << 63) <= c < (1 << 63) for c in self.checksums):
+                raise ValueError(
+                    f"{type(self).__name__}: checksums must be a list of {len(self.names)} "
+                    f"signed 64-bit ints (one per tensor), got {str(self.checksums)[:80]}"
+                )
+            self.checksums = list(self.checksums)
 
     def metas(self) -> list[TensorMeta]:
         return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtypes, self.shapes, strict=True)]
@@ -258,6 +304,21 @@ class WeightUpdateRequest(_Tagged):
     @property
     def total_size_bytes(self) -> int:
         return sum(m.nbytes for m in self.metas())
+
+
+def request_nbytes(request: dict[str, Any]) -> int:
+    """The bytes a chunk request (plain dict) describes; 0 for anything malformed (the engine
+    refuses it with the reason)."""
+    try:
+        total = 0
+        for dtype, shape in zip(request["dtypes"], request["shapes"], strict=True):
+            n = 1
+            for x in shape:
+                n *= int(x)
+            total += n * dtype_itemsize(dtype)
+        return total
+    except (KeyError, TypeError, ValueError):
+        return 0
 
 
 @dataclass(kw_only=True)
@@ -303,12 +364,28 @@ class IpcBufferHandle:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"IPC handle: unknown fields {unknown}")
-        h = cls(**d)
+        try:
+            h = cls(**d)
+        except TypeError as e:
+            raise ValueError(f"IPC handle: {e}") from None
         if h.kind not in ("shm", "cuda"):
-            raise ValueError(f"IPC handle kind must be 'shm' or 'cuda', got {h.kind!r}")
-        if not isinstance(h.nbytes, int) or h.nbytes < 0:
-            raise ValueError(f"IPC handle nbytes must be an int >= 0, got {h.nbytes!r}")
+            raise ValueError(f"IPC handle kind must be 'shm' or 'cuda', got {str(h.kind)[:40]!r}")
+        for f in ("nbytes", "offset", "alloc_nbytes"):
+            v = getattr(h, f)
+            if not _is_int(v) or not 0 <= v <= MAX_NUMEL * 8:
+                raise ValueError(f"IPC handle {f} must be an int >= 0, got {str(v)[:40]!r}")
+        for f in ("name", "handle", "device_uuid"):
+            if not isinstance(getattr(h, f), str):
+                raise ValueError(f"IPC handle {f} must be a string")
+        if h.kind == "shm" and not _SHM_NAME.fullmatch(h.name):
+            raise ValueError(f"IPC handle name {h.name[:80]!r}: not a weightsync shared-memory "
+                             f"segment (ws_... / wsw_...)")
         return h
+
+
+#: the only shared-memory segments an engine maps: weightsync's transfer buffers and shared
+#: weights (``_runtime.shm``), never an arbitrary segment of the machine
+_SHM_NAME = re.compile(r"wsw?_[A-Za-z0-9_]{1,200}")
 
 
 def _handles(items: list[Any]) -> list[IpcBufferHandle]:
@@ -388,6 +465,23 @@ class PackedCudaIpcWeightUpdateRequest(WeightUpdateRequest):
                 )
 
 
+#: the most ranks a weight-sync group may have, and the longest wait a peer may ask for
+MAX_WORLD_SIZE = 4096
+MAX_TIMEOUT_S = 24 * 3600.0
+
+
+def check_timeouts(obj: Any, *names: str) -> None:
+    """Each named field is a number in [0, ``MAX_TIMEOUT_S``] (and > 0 unless it is a per-GB
+    rate): a peer cannot make another wait for days."""
+    for name in names:
+        v = getattr(obj, name)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+        if not ok or not (0 <= v <= MAX_TIMEOUT_S) or (v == 0 and not name.endswith("_per_gb")):
+            raise ValueError(f"{type(obj).__name__}: {name} must be a number of seconds in "
+                             f"(0, {MAX_TIMEOUT_S:g}], got {v!r}")
+        setattr(obj, name, float(v))
+
+
 # --------------------------------------------------------------------------------------------
 # Sync info (built once by the controller, handed to both sides)
 # --------------------------------------------------------------------------------------------
@@ -415,13 +509,25 @@ class TorchDistributedWeightSyncInfo(WeightSyncInfo):
     world_size: int
     group_name: str = "weightsync"
     backend: str = "gloo"
-    timeout_s: float = 600.0
+    # the group's waits (``StrategyConfig``'s timeouts): each collective ``timeout_s`` plus
+    # ``timeout_s_per_gb`` per GB it moves; building the group ``join_timeout_s``
+    timeout_s: float = 30.0
+    timeout_s_per_gb: float = 20.0
+    join_timeout_s: float = 120.0
 
     def _coerce(self) -> None:
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.world_size < 2:
-            raise ValueError(f"world_size must be >= 2 (1 sender + receivers), got {self.world_size}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError(f"master_addr must be a host name, got {self.master_addr!r}")
+        if not _is_int(self.master_port) or not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port (1-65535), got {self.master_port!r}")
+        if not _is_int(self.world_size) or not 2 <= self.world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size must be an int in [2, {MAX_WORLD_SIZE}] (1 sender + "
+                             f"receivers), got {self.world_size!r}")
+        if not isinstance(self.group_name, str):
+            raise ValueError(f"group_name must be a string, got {self.group_name!r}")
+        check_timeouts(self, "timeout_s", "timeout_s_per_gb", "join_timeout_s")
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,12 +580,29 @@ class WeightUpdateStart(_Tagged):
     training_mode: TrainingMode | None = None
     head_name_patterns: list[str] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    # receive the whole update into staging buffers, copy into the weights at finish
+    # (``weightsync.update_sink``); an engine that does not stage refuses such a start
+    staged: bool = False
+    # the sender promises a call at least this often; an engine that hears nothing for longer
+    # abandons the update (None: the engine's own limit)
+    idle_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.training_mode is not None:
             self.training_mode = TrainingMode.parse(self.training_mode)
 
     def _coerce(self) -> None:
+        if not isinstance(self.update_id, str):
+            raise ValueError(f"update_id must be a string, got {type(self.update_id).__name__}")
+        if self.version is not None and (not _is_int(self.version) or self.version < 0):
+            raise ValueError(f"version must be an int >= 0 or null, got {self.version!r}")
+        if not isinstance(self.staged, bool):
+            raise ValueError(f"staged must be true or false, got {self.staged!r}")
+        if self.idle_timeout_s is not None:
+            check_timeouts(self, "idle_timeout_s")
+        if self.manifest is not None and not isinstance(self.manifest, (list, tuple)):
+            raise ValueError(f"manifest must be a list of tensor metadata or null, got "
+                             f"{type(self.manifest).__name__}")
         if self.manifest is not None:
             self.manifest = [
                 m if isinstance(m, TensorMeta) else TensorMeta.from_dict(m) for m in self.manifest
@@ -507,6 +630,18 @@ class WeightUpdateFinish(_Tagged):
     num_chunks: int = 0
     ok: bool = True
     error: str = ""
+
+    def _coerce(self) -> None:
+        if not isinstance(self.update_id, str):
+            raise ValueError(f"update_id must be a string, got {type(self.update_id).__name__}")
+        if self.version is not None and (not _is_int(self.version) or self.version < 0):
+            raise ValueError(f"version must be an int >= 0 or null, got {self.version!r}")
+        if not _is_int(self.num_chunks) or self.num_chunks < 0:
+            raise ValueError(f"num_chunks must be an int >= 0, got {self.num_chunks!r}")
+        if not isinstance(self.ok, bool):
+            raise ValueError(f"ok must be true or false, got {self.ok!r}")
+        if not isinstance(self.error, str):
+            raise ValueError(f"error must be a string, got {type(self.error).__name__}")
 
 
 # --------------------------------------------------------------------------------------------

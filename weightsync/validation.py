@@ -55,6 +55,39 @@ def check_metadata(
         raise WeightMismatchError(offenders, target=target)
 
 
+def size_offenders(
+    incoming: Iterable[TensorMeta],
+    expected: Mapping[str, TensorMeta] | None,
+    *,
+    whole_update: bool = False,
+) -> list[str]:
+    """The metadata limits of an update against the model it targets (``expected``; no limits
+    when the target is unknown): no tensor larger than the parameter it targets, and with
+    ``whole_update`` (a start's manifest) no more tensors and no more bytes than the model has.
+    Names and shapes themselves are the loader's check (a tensor of another shape is left to it);
+    this bounds what an engine allocates for an update even where a loader accepts casts (a bf16
+    engine sent float64)."""
+    if expected is None:
+        return []
+    incoming = list(incoming)
+    out = []
+    for m in incoming:
+        target = expected.get(m.name)
+        if target is not None and list(m.shape) == list(target.shape) and m.nbytes > target.nbytes:
+            out.append(f"{m.name}: {m.nbytes} bytes ({m.dtype}{list(m.shape)}) but the target "
+                       f"holds {target.nbytes} ({target.dtype}{list(target.shape)}); send the "
+                       f"engine's dtype")
+    if whole_update and not out:
+        if len(incoming) > len(expected):
+            out.append(f"the update has {len(incoming)} tensors but the model only "
+                       f"{len(expected)}")
+        total, limit = sum(m.nbytes for m in incoming), sum(m.nbytes for m in expected.values())
+        if total > limit:
+            out.append(f"the update carries {total} bytes but the model's parameters hold "
+                       f"{limit}")
+    return out
+
+
 def training_mode_offenders(
     names: Sequence[str],
     mode: TrainingMode | str,

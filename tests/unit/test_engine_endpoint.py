@@ -343,15 +343,32 @@ def test_sender_abort_after_a_chunk_is_torn_and_keeps_version():
         e.ep.check_serving()
 
 
-def test_transport_failure_mid_chunk_is_torn():
+def test_transport_failure_before_any_byte_loaded_keeps_the_weights_servable():
     e = Engine()
+    before = e.snapshot()
     a, _ = _split(_new_weights())
     e.start("u", 1)
     req = WireRequest(names=list(a), dtypes=["float32"] * 2,
                               shapes=[list(t.shape) for t in a.values()], update_id="u")
-    with pytest.raises(KeyError):  # the bytes never arrived on the wire
+    with pytest.raises(KeyError):  # the bytes never arrived on the wire: the loader got nothing
         _run(e.ep.update_named_weights(req.to_dict()))
-    assert e.ep.state == "torn" and "chunk 0 failed" in e.ep.last_error
+    assert e.ep.state == "receiving" and "chunk 0" in e.ep.status().update.failed
+    e.ep.check_serving()  # nothing of the update reached the weights
+    assert e.finish("u", 1, 1, ok=False) == 0 and e.ep.state == "idle"
+    _assert_weights(e.module, before)
+
+
+def test_transport_failure_after_a_chunk_landed_is_torn():
+    e = Engine()
+    a, b = _split(_new_weights())
+    e.start("u", 1)
+    e.chunk("u", 0, a)
+    req = WireRequest(names=list(b), dtypes=["float32"] * 2,
+                              shapes=[list(t.shape) for t in b.values()], update_id="u",
+                              chunk_index=1)
+    with pytest.raises(KeyError):
+        _run(e.ep.update_named_weights(req.to_dict()))
+    assert e.ep.state == "torn" and "chunk 1 of update u failed after bytes" in e.ep.last_error
 
 
 def test_new_start_over_a_half_applied_update_is_torn():

@@ -43,10 +43,10 @@ def _requests() -> list[WeightUpdateRequest]:
     return [
         WeightUpdateRequest(**COMMON),
         BroadcastWeightUpdateRequest(**COMMON, src_rank=0, packed=False, align_bytes=128),
-        CudaIpcWeightUpdateRequest(**COMMON, handles=[_shm(s, f"seg{i}") for i, s in enumerate(sizes)]),
+        CudaIpcWeightUpdateRequest(**COMMON, handles=[_shm(s, f"ws_seg{i}") for i, s in enumerate(sizes)]),
         CudaIpcWeightUpdateRequest(**COMMON, handles=[cuda, cuda, cuda]),
         PackedCudaIpcWeightUpdateRequest(
-            **COMMON, buffers=[_shm(256, "bf16"), _shm(64, "f32f16")],
+            **COMMON, buffers=[_shm(256, "ws_bf16"), _shm(64, "ws_f32f16")],
             buffer_index=[0, 1, 1], offsets=[0, 0, 32],
         ),
     ]
@@ -249,7 +249,9 @@ def test_ipc_handles_checked():
 
 
 @pytest.mark.parametrize("field,value,match", [("backend", "mpi", "backend must be 'gloo' or 'nccl'"),
-                                               ("world_size", 1, "world_size must be >= 2")])
+                                               ("world_size", 1, r"world_size must be an int in \[2, 4096\]"),
+                                               ("timeout_s", 1e9, "timeout_s must be a number of seconds"),
+                                               ("master_port", 0, "master_port must be a TCP port")])
 def test_bad_sync_info(field, value, match):
     d = _json(TorchDistributedWeightSyncInfo(master_addr="h", master_port=1, world_size=2).to_dict())
     d[field] = value
@@ -303,3 +305,72 @@ def test_weight_chunk_rejects_mismatch_and_duplicates():
 
 def test_request_total_size_bytes():
     assert WeightUpdateRequest(**COMMON).total_size_bytes == 16 * 8 * 2 + 8 * 4 + 8 * 2
+
+
+@pytest.mark.parametrize("name", ["dev_shm_other", "/etc/passwd", "ws", "ws_../x", "psm_123"])
+def test_shm_handles_name_only_weightsync_segments(name):
+    d = _json(_requests()[2].to_dict())
+    d["handles"][0]["name"] = name
+    with pytest.raises(ValueError, match="not a weightsync shared-memory segment"):
+        WeightUpdateRequest.from_dict(d)
+
+
+@pytest.mark.parametrize("shape,match", [
+    ([1 << 21, 1 << 21], "elements; at most"),
+    ([1] * 9, "9 dimensions; at most 8"),
+    ([2, -1], "shape must be a list of ints >= 0"),
+    ([2, True], "shape must be a list of ints >= 0"),
+])
+def test_absurd_shapes_are_refused_while_parsing(shape, match):
+    d = _json(_requests()[0].to_dict())
+    d["shapes"][0] = shape
+    with pytest.raises(ValueError, match=match):
+        WeightUpdateRequest.from_dict(d)
+    with pytest.raises(ValueError, match=match):
+        TensorMeta.from_dict({"name": "x", "dtype": "float32", "shape": shape})
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("checksums", [1, 2], "checksums must be a list of 3"),
+    ("checksums", [1, 2, 1 << 63], "signed 64-bit ints"),
+    ("chunk_index", -1, "chunk_index must be an int >= 0"),
+    ("names", "abc", "names must be a list"),
+    ("dtypes", [["float32"], "float32", "float32"], "dtype must be a string"),
+    ("type", ["broadcast"], "type must be a string"),
+])
+def test_bad_request_fields_are_value_errors(field, value, match):
+    d = _json(_requests()[1].to_dict())
+    d[field] = value
+    with pytest.raises(ValueError, match=match):
+        WeightUpdateRequest.from_dict(d)
+
+
+def test_checksums_round_trip():
+    req = _requests()[1]
+    req.checksums = [-(1 << 63), 0, (1 << 63) - 1]
+    back = WeightUpdateRequest.from_dict(_json(req.to_dict()))
+    assert back.checksums == req.checksums
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("staged", "yes", "staged must be true or false"),
+    ("idle_timeout_s", -1, "idle_timeout_s must be a number of seconds"),
+    ("version", -3, "version must be an int >= 0"),
+    ("manifest", "all", "manifest must be a list"),
+    ("update_id", 5, "update_id must be a string"),
+])
+def test_bad_start_fields_are_value_errors(field, value, match):
+    d = WeightUpdateStart(update_id="u").to_dict()
+    d[field] = value
+    with pytest.raises(ValueError, match=match):
+        WeightUpdateStart.from_dict(d)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("ok", "true", "ok must be true or false"), ("num_chunks", -1, "num_chunks must be"),
+])
+def test_bad_finish_fields_are_value_errors(field, value, match):
+    d = WeightUpdateFinish(update_id="u").to_dict()
+    d[field] = value
+    with pytest.raises(ValueError, match=match):
+        WeightUpdateFinish.from_dict(d)

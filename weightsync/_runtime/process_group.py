@@ -6,10 +6,14 @@ process), ranks ``rank_offset..`` the engine workers. It is constructed directly
 ``torch.distributed.init_process_group``: the trainer usually already has a default group (FSDP,
 DeepSpeed) and an engine (vLLM) has its own, and this group must not touch either.
 
-Every collective is waited on with the group's timeout; a dead peer turns into
-``WeightSyncTimeout`` / ``WeightSyncError`` instead of a hang. Constructing the group blocks
-until all ``world_size`` members joined, so callers run it concurrently with the call that makes
-the other side join (see ``strategies/broadcast.py``).
+Every collective is waited on with its own timeout: the sync info's ``timeout_s`` plus
+``timeout_s_per_gb`` for every GB it moves (``weightsync.config.scaled_timeout``, the rule the
+sender's waits follow too); a dead or stuck peer turns into ``WeightSyncTimeout`` /
+``WeightSyncError`` naming this rank, the operation and the peer it waited for, instead of a
+hang. Constructing the group blocks until all ``world_size`` members joined (at most
+``join_timeout_s``), so callers run it concurrently with the call that makes the other side join
+(see ``strategies/broadcast.py``); every member first marks itself in the store, so a group that
+does not come together says which ranks never arrived (``GroupJoinError.missing``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,18 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from weightsync.errors import WeightSyncError, WeightSyncTimeout
+from weightsync.errors import CollectiveError, CollectiveTimeout, WeightSyncError, WeightSyncTimeout
+
+
+class GroupJoinError(WeightSyncTimeout):
+    """The group did not come together within its join timeout (``join_s``); ``missing`` lists
+    the ranks that never arrived (empty when the store could not tell)."""
+
+    def __init__(self, message: str, missing: list[int] | None = None,
+                 join_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
+        self.join_s = join_s
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -64,10 +79,17 @@ class Group:
     pg: Any
     rank: int
     world_size: int
-    timeout: datetime.timedelta
+    timeout: datetime.timedelta  # the fixed part of every collective's wait
     device: Any = None  # torch.device for NCCL, cpu for gloo
     store: Any = None
+    timeout_s_per_gb: float = 0.0  # a collective waits this much longer per GB it moves
     _extra: dict = field(default_factory=dict)
+
+    def op_timeout(self, nbytes: int) -> datetime.timedelta:
+        from weightsync.config import scaled_timeout
+
+        return datetime.timedelta(seconds=scaled_timeout(
+            self.timeout.total_seconds(), self.timeout_s_per_gb, nbytes))
 
     def on_device(self) -> Any:
         """Context that makes the group's CUDA device current (a no-op for gloo): collectives
@@ -85,11 +107,14 @@ class Group:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         import torch.distributed as dist
 
+        nbytes = tensor.numel() * tensor.element_size()
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        opts.timeout = self.timeout
-        self._wait(self.pg.broadcast([tensor], opts), f"broadcast of {tensor.numel()} bytes")
+        opts.timeout = self.op_timeout(nbytes)
+        peer = "from the sender (rank 0)" if src == 0 else f"from rank {src}"
+        self._wait(self.pg.broadcast([tensor], opts), f"broadcast of {nbytes} bytes {peer}",
+                   opts.timeout)
 
     def all_reduce_min(self, value: int) -> int:
         """MIN over every rank of one small int (the go/no-go vote before bulk data)."""
@@ -100,18 +125,19 @@ class Group:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
         opts.timeout = self.timeout
-        self._wait(self.pg.allreduce([t], opts), "go/no-go all_reduce")
+        self._wait(self.pg.allreduce([t], opts),
+                   f"go/no-go all_reduce with all {self.world_size} ranks", self.timeout)
         return int(t.item())
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, timeout: datetime.timedelta) -> None:
         try:
-            work.wait(self.timeout)
+            work.wait(timeout)
         except Exception as e:
             text = str(e)
-            cls = WeightSyncTimeout if "imeout" in text or "imed out" in text else WeightSyncError
+            cls = CollectiveTimeout if "imeout" in text or "imed out" in text else CollectiveError
             raise cls(
                 f"{self.backend_name} {what} on weight-sync rank {self.rank}/{self.world_size} "
-                f"failed after at most {self.timeout.total_seconds():g}s: {text.splitlines()[0] if text else type(e).__name__} "
+                f"failed after at most {timeout.total_seconds():g}s: {text.splitlines()[0] if text else type(e).__name__} "
                 f"(a peer died or stopped answering?)"
             ) from e
 
@@ -143,22 +169,24 @@ def build_group(
 
     if not (0 <= rank < info.world_size):
         raise ValueError(f"rank {rank} outside the weight-sync group of {info.world_size}")
-    timeout = datetime.timedelta(seconds=float(info.timeout_s))
+    join_s = float(getattr(info, "join_timeout_s", info.timeout_s))
+    join = datetime.timedelta(seconds=join_s)
     if store is None:
         try:
             store = dist.TCPStore(
                 info.master_addr, int(info.master_port), info.world_size, is_master=False,
-                timeout=timeout,
+                timeout=join,
             )
         except Exception as e:
             raise WeightSyncTimeout(
                 f"rank {rank} could not reach the weight-sync store at "
-                f"{info.master_addr}:{info.master_port} within {info.timeout_s:g}s: {e}"
+                f"{info.master_addr}:{info.master_port} within {join_s:g}s: {e}"
             ) from e
     prefixed = dist.PrefixStore(f"weightsync/{info.group_name}", store)
+    prefixed.set(f"joined/{rank}", "1")  # so a group that does not form can say who is missing
     try:
         if info.backend == "gloo":
-            pg = dist.ProcessGroupGloo(prefixed, rank, info.world_size, timeout)
+            pg = dist.ProcessGroupGloo(prefixed, rank, info.world_size, join)
             dev = torch.device("cpu")
         else:
             if not torch.cuda.is_available():
@@ -167,19 +195,44 @@ def build_group(
                 "cuda", torch.cuda.current_device()
             )
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            opts._timeout = join
             pg = dist.ProcessGroupNCCL(prefixed, rank, info.world_size, opts)
     except WeightSyncError:
         raise
     except Exception as e:
-        raise WeightSyncTimeout(
-            f"rank {rank} could not join the weight-sync group {info.group_name!r} "
-            f"({info.backend}, {info.world_size} ranks, store {info.master_addr}:{info.master_port}) "
-            f"within {info.timeout_s:g}s: {e}"
-        ) from e
-    group = Group(info.backend, pg, rank, info.world_size, timeout, device=dev, store=store)
+        raise _join_error(prefixed, info, rank, join_s, e) from e
+    group = Group(info.backend, pg, rank, info.world_size,
+                  datetime.timedelta(seconds=float(info.timeout_s)), device=dev, store=store,
+                  timeout_s_per_gb=float(getattr(info, "timeout_s_per_gb", 0.0)))
     if info.backend == "nccl":
         # first collective creates the communicator on ``dev``; do it now, inside the rendezvous
         with torch.cuda.device(dev):
-            group.all_reduce_min(1)
+            try:
+                group.all_reduce_min(1)
+            except WeightSyncError as e:
+                raise _join_error(prefixed, info, rank, join_s, e) from e
     return group
+
+
+def missing_ranks(store: Any, world_size: int) -> list[int]:
+    """The ranks that have not marked themselves in ``store`` (``build_group``'s first step)."""
+    out = []
+    for r in range(world_size):
+        try:
+            if not store.check([f"joined/{r}"]):
+                out.append(r)
+        except Exception:  # noqa: BLE001 - the store itself is gone: nobody can tell
+            return []
+    return out
+
+
+def _join_error(store: Any, info: Any, rank: int, join_s: float, e: BaseException) -> GroupJoinError:
+    missing = missing_ranks(store, info.world_size)
+    who = (f"rank(s) {missing} never joined" if missing
+           else "every rank reached the store but the group did not form")
+    return GroupJoinError(
+        f"rank {rank} could not join the weight-sync group {info.group_name!r} ({info.backend}, "
+        f"{info.world_size} ranks, store {info.master_addr}:{info.master_port}) within "
+        f"{join_s:g}s: {who} ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+        missing, join_s,
+    )

@@ -82,6 +82,8 @@ class EndpointChannel:
     async def _call(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> Any:
         try:
             return await asyncio.wait_for(self.endpoint.call(method, kwargs), timeout_s)
+        except WeightSyncTimeout:
+            raise  # the endpoint's own (a collective that timed out): it says more
         except TimeoutError:
             raise WeightSyncTimeout(
                 f"{self.name}: {method} did not finish within {timeout_s:g}s"

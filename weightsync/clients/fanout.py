@@ -5,9 +5,12 @@ Lives in the sending (training) process. Each call goes to every engine at once 
 
 * every engine's call is issued before the first await, in engine order (so an ordered
   channel delivers a sender's pipelined chunks in order);
-* every call has a timeout (``timeout_s``; ``init_timeout_s`` for the rendezvous of
-  ``init_weight_transfer``); a call that outlives it is a ``WeightSyncTimeout`` naming the
-  engine;
+* every call has a timeout: ``timeout_s`` for control calls; a chunk
+  (``update_named_weights``) gets ``timeout_s`` plus ``timeout_s_per_gb`` per GB it carries
+  (the engines receive and load it in that time); ``init_weight_transfer`` (the data plane's
+  rendezvous) and ``start_weight_update`` (a server first drains its requests in flight) get
+  ``join_timeout_s``. A call that outlives its timeout is a ``WeightSyncTimeout`` naming the
+  engine and the call (the phase);
 * the client waits for every engine, so none is left mid-call while another's failure is
   raised; once one failed, the others get ``grace_s`` to answer (an engine stuck in a collective
   with a dead peer may otherwise hang until its own timeout), then they are cancelled on our side
@@ -30,8 +33,10 @@ from typing import Any
 
 from weightsync.clients.channel import Channel, as_channel
 from weightsync.clients.policy import DEFAULT_GRACE_S, failed, gather
+from weightsync.config import scaled_timeout
 from weightsync.errors import WeightSyncError
 from weightsync.interfaces import InferenceEngineClient
+from weightsync.types import request_nbytes
 
 
 class FanOutClient(InferenceEngineClient):
@@ -46,8 +51,9 @@ class FanOutClient(InferenceEngineClient):
         self,
         engines: Sequence[Any],
         *,
-        timeout_s: float = 600.0,
-        init_timeout_s: float | None = None,
+        timeout_s: float = 30.0,
+        timeout_s_per_gb: float = 20.0,
+        join_timeout_s: float | None = None,
         grace_s: float = DEFAULT_GRACE_S,
         api_key: str | None = None,
         names: Sequence[str] | None = None,
@@ -65,7 +71,10 @@ class FanOutClient(InferenceEngineClient):
         if len(set(labels)) != len(labels):
             raise ValueError(f"engine names must be unique, got {labels}")
         self.timeout_s = float(timeout_s)
-        self.init_timeout_s = float(init_timeout_s if init_timeout_s is not None else timeout_s)
+        self.timeout_s_per_gb = float(timeout_s_per_gb)
+        #: default: at least 2 minutes (a rendezvous, a server draining long generations)
+        self.join_timeout_s = float(join_timeout_s if join_timeout_s is not None
+                                    else max(self.timeout_s, 120.0))
         self.grace_s = float(grace_s)
         #: 2 chunks in flight only where every engine gets them in call order
         self.max_inflight_updates = 2 if all(ch.ordered for ch in self.channels) else 1
@@ -97,17 +106,22 @@ class FanOutClient(InferenceEngineClient):
             "init_weight_transfer",
             [{"strategy_cfg": strategy_cfg, "sync_info": sync_info, "rank_offset": off}
              for off in offsets],
-            timeout_s=self.init_timeout_s,
+            timeout_s=self.join_timeout_s,
         )
 
     def start_weight_update(self, start: dict) -> Awaitable[None]:  # type: ignore[override]
-        return self._all("start_weight_update", {"start": start})
+        return self._all("start_weight_update", {"start": start}, timeout_s=self.join_timeout_s)
 
     def update_named_weights(self, request: dict) -> Awaitable[None]:  # type: ignore[override]
         """Not ``async``: the request is issued to every engine before this returns, so a
         sender that calls it chunk after chunk keeps them in order while several are in flight.
-        Await the result for the engines' answers."""
-        return self._all("update_named_weights", {"request": request})
+        Await the result for the engines' answers (within ``chunk_timeout_s`` of its bytes)."""
+        return self._all("update_named_weights", {"request": request},
+                         timeout_s=self.chunk_timeout_s(request_nbytes(request)))
+
+    def chunk_timeout_s(self, nbytes: int) -> float:
+        """How long the engines may take to receive and load a chunk of ``nbytes``."""
+        return scaled_timeout(self.timeout_s, self.timeout_s_per_gb, nbytes)
 
     def finish_weight_update(self, finish: dict) -> Awaitable[list[int | None]]:  # type: ignore[override]
         return self._all("finish_weight_update", {"finish": finish})

@@ -42,7 +42,7 @@ class HttpChannel:
     ordered = False
 
     def __init__(self, base_url: str, *, api_key: str | None = None, name: str | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 30.0) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         self.base_url = base_url.rstrip("/")

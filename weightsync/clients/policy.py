@@ -5,11 +5,13 @@ workers of one engine) follows the same one: ``gather``.
   (the channel enforces it; ``gather`` has a backstop ``BACKSTOP_S`` later);
 * all calls are awaited, so none is left mid-call while another's failure is raised; once one
   failed, the others get ``grace_s`` to answer (an engine stuck in a collective with a dead peer
-  may otherwise hang until its own timeout), then they are cancelled on our side and reported
-  as abandoned in the raised error's notes;
+  may otherwise hang until its own timeout), then they are cancelled on our side and each is an
+  ``EngineSilentError`` (abandoned);
 * of several failures the most telling is raised (``weightsync.errors.most_telling``): a
-  ``WeightMismatchError`` with its offenders, then a dead engine, then a timeout, then the
-  rest; the others are attached as notes. Every error names the engine and the method.
+  ``WeightMismatchError`` with its offenders, then a dead engine, corrupted bytes, an engine's
+  timeout, any other error, an engine silent after another failed, and last a broken
+  collective (the follow-on of someone else's failure); the others are attached as notes.
+  Every error names the engine and the method (the phase).
 
 Pure asyncio over ``weightsync.errors``; no other import.
 """
@@ -21,6 +23,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from weightsync.errors import (
+    EngineSilentError,
     WeightSyncTimeout,
     error_from_dict,
     error_to_dict,
@@ -57,21 +60,23 @@ async def gather(
         if failed and pending:
             _, pending = await asyncio.wait(pending, timeout=grace_s)
         errors: list[BaseException] = []
+        first = next((n for t, n in zip(tasks, names, strict=True) if _error(t) is not None), "")
         for task, name in zip(tasks, names, strict=True):
             err = _error(task)
             if err is not None:
                 errors.append(named(err, name, method))
             elif task in pending and not failed:
-                errors.append(WeightSyncTimeout(
+                errors.append(named(WeightSyncTimeout(
                     f"{name}: no answer to {method} within {timeout_s:g}s (the engine may have "
                     f"died or hung; raise timeout_s if it is just slow)"
-                ))
-        best = most_telling(errors)
-        if failed:
-            for task, name in zip(tasks, names, strict=True):
-                if task in pending:
-                    best.add_note(f"{name}: {method} still running after {grace_s:g}s; abandoned")
-        raise best
+                ), name, method))
+            elif task in pending:  # silent while another failed: stuck, or slow; abandoned
+                errors.append(named(EngineSilentError(
+                    f"{name}: {method} still running {grace_s:g}s after {first} failed; "
+                    f"abandoned (the engine is stuck, e.g. a stopped process or a hung "
+                    f"collective, or just slow)"
+                ), name, method))
+        raise most_telling(errors)
     finally:
         for t in tasks:
             if not t.done():

@@ -18,8 +18,12 @@ What must hold:
   complete update lands; a refused update (bad names/shapes/dtypes/mode) changes nothing;
 * the version changes only when an update completed; the prefix cache is reset after every
   completed update (cached KV blocks were computed by the old weights);
-* an update abandoned by its sender (no call for ``update_timeout_s``) is aborted, so the gate
-  never stays closed forever;
+* an update abandoned by its sender (no call for its idle limit: the start's
+  ``idle_timeout_s``, at most the server's ``update_timeout_s``) is aborted by a watchdog, and an
+  update whose chunk failed is aborted at once (the engine refuses its later chunks anyway), so
+  the gate never stays closed for a sender that died: requests are served again (the old
+  version if nothing had landed or the update was staged, else 503 "incomplete") and the next
+  sender can start;
 * with ``pause_generation`` (the policy server) the engine's scheduler is paused from start to
   finish as well, so nothing the gate does not see (a route we do not know) decodes across the
   change either.
@@ -60,10 +64,12 @@ class ServiceError(Exception):
 class _ActiveUpdate:
     update_id: str
     training_mode: TrainingMode | None
+    idle_timeout_s: float = 600.0  # no call for this long: the sender is gone
     started: float = field(default_factory=time.monotonic)
     last_activity: float = field(default_factory=time.monotonic)
     chunks: int = 0
     paused: bool = False  # the engine's scheduler is paused for this update
+    watchdog: asyncio.Task | None = None
 
 
 class UpdateControl:
@@ -265,7 +271,9 @@ class UpdateControl:
             except TimeoutError:
                 raise ServiceError(503, "requests in flight did not drain in "
                                         f"{self.wait_timeout_s:g}s; retry the update") from None
-        active = _ActiveUpdate(start.update_id, mode)
+        idle = self.update_timeout_s if start.idle_timeout_s is None else min(
+            float(start.idle_timeout_s), self.update_timeout_s)
+        active = _ActiveUpdate(start.update_id, mode, idle_timeout_s=idle)
         try:
             async with self._guard():
                 await self.call_workers("start_weight_update", {"start": start.to_dict()})
@@ -279,7 +287,20 @@ class UpdateControl:
             await self.gate.release_write(start.update_id)
             raise
         self._active = active
+        active.last_activity = time.monotonic()
+        active.watchdog = asyncio.ensure_future(self._watch(active))
         return {"ok": True, "update_id": start.update_id, "version": self.version}
+
+    async def _watch(self, active: _ActiveUpdate) -> None:
+        """Abort ``active`` once no call came for its idle limit (its sender died or hangs)."""
+        while self._active is active:
+            quiet = time.monotonic() - active.last_activity
+            if quiet >= active.idle_timeout_s and not self._control_in_flight:
+                await self._abort_active(
+                    f"no call from the sender for {active.idle_timeout_s:g}s after "
+                    f"{active.chunks} chunk(s): it died or hangs")
+                return
+            await asyncio.sleep(max(active.idle_timeout_s - quiet, 0.05))
 
     def _require_active(self, update_id: str, what: str) -> _ActiveUpdate:
         active = self._active
@@ -296,8 +317,16 @@ class UpdateControl:
         if mode is not None and mode is not active.training_mode:
             raise ServiceError(400, f"training_mode: {_mode_name(mode)} but update {update_id} "
                                     f"started as {_mode_name(active.training_mode)}")
-        async with self._guard():
-            await self.call_workers("update_named_weights", {"request": metadata})
+        try:
+            async with self._guard():
+                await self.call_workers("update_named_weights", {"request": metadata})
+        except BaseException as e:
+            # the engine refuses every later chunk of this update: end it now, so requests are
+            # served again (or told it is torn) without waiting for the sender's abort
+            if self._active is active:
+                why = e.message if isinstance(e, ServiceError) else f"{type(e).__name__}: {e}"
+                await self._abort_active(f"chunk {metadata.get('chunk_index')} failed: {why}")
+            raise
         active.chunks += 1
         active.last_activity = time.monotonic()
         return {"ok": True, "chunks": active.chunks}
@@ -321,6 +350,7 @@ class UpdateControl:
                 await self.reset_prefix_cache()
         finally:
             self._active = None
+            _stop_watch(active)
             await self._resume(active)
             await self.gate.release_write(finish.update_id)
         published = int(results[0]) if results and results[0] is not None else self.version
@@ -353,7 +383,9 @@ class UpdateControl:
         except ServiceError as e:  # the workers may not know it (never started there)
             log.warning("abort of %s: %s", active.update_id, e.message)
         finally:
-            self._active = None
+            if self._active is active:
+                self._active = None
+            _stop_watch(active)
             await self._resume(active)
             if not keep_gate:
                 await self.gate.release_write(active.update_id)
@@ -366,9 +398,9 @@ class UpdateControl:
     async def expire_stale_update(self) -> None:
         active = self._active
         if (active is not None and not self._control_in_flight
-                and time.monotonic() - active.last_activity > self.update_timeout_s):
+                and time.monotonic() - active.last_activity > active.idle_timeout_s):
             await self._abort_active(
-                f"no call for {self.update_timeout_s:g}s; the sender is gone"
+                f"no call from the sender for {active.idle_timeout_s:g}s; it died or hangs"
             )
 
     # -- small things ---------------------------------------------------------------------------
@@ -402,11 +434,15 @@ class UpdateControl:
 
     def runtime_version(self) -> dict:
         active = self._active
-        return {
+        torn = self.torn_reason
+        out = {
             "version": self.version,
-            "state": "torn" if self.torn_reason else ("updating" if active else "ready"),
+            "state": "torn" if torn else ("updating" if active else "ready"),
             "update_in_progress": active.update_id if active else None,
         }
+        if torn:
+            out["reason"] = torn  # why the weights are incomplete (what failed, where)
+        return out
 
     async def shutdown(self) -> None:
         """Best effort on the way out: stop background transfers, close the receivers."""
@@ -419,6 +455,12 @@ class UpdateControl:
 
     def _guard(self) -> _ControlGuard:
         return _ControlGuard(self)
+
+
+def _stop_watch(active: _ActiveUpdate) -> None:
+    task, active.watchdog = active.watchdog, None
+    if task is not None and task is not asyncio.current_task() and not task.done():
+        task.cancel()
 
 
 def _mode_name(mode: TrainingMode | None) -> str:

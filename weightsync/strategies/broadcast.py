@@ -73,7 +73,13 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 # Grace period for the engines' answer once the data plane failed: their error names the engine.
+# Longer than the fan-out's own grace (``clients.policy.DEFAULT_GRACE_S``), so that a silent
+# engine is reported by the fan-out before we give up on its answer.
 _ENGINE_ERROR_GRACE_S = 5.0
+
+
+def _grace(client: Any) -> float:
+    return float(getattr(client, "grace_s", _ENGINE_ERROR_GRACE_S)) + 2.0
 
 
 class BroadcastStrategy(WeightTransferStrategy):
@@ -85,6 +91,7 @@ class BroadcastStrategy(WeightTransferStrategy):
         if self.cfg.backend not in ("gloo", "nccl"):
             raise ValueError(f"broadcast backend must be 'gloo' or 'nccl', got {self.cfg.backend!r}")
         self._stores: dict[tuple[str, int], Any] = {}  # master stores made by create_sync_info
+        self._world_sizes: dict[tuple[str, int], list[int]] = {}  # the engines' sizes, likewise
 
     @classmethod
     def get_request_type(cls) -> type[WeightUpdateRequest]:
@@ -100,12 +107,15 @@ class BroadcastStrategy(WeightTransferStrategy):
             raise WeightSyncError(f"engines reported world sizes {world_sizes}; need >= 1 each")
         world_size = 1 + sum(int(w) for w in world_sizes)
         addr = cfg.master_addr or default_master_addr()
-        store = make_master_store(int(cfg.master_port or 0), world_size, cfg.timeout_s)
+        store = make_master_store(int(cfg.master_port or 0), world_size, cfg.join_timeout_s)
         port = int(store.port)
         self._stores[(addr, port)] = store
+        self._world_sizes[(addr, port)] = [int(w) for w in world_sizes]
         return TorchDistributedWeightSyncInfo(
             master_addr=addr, master_port=port, world_size=world_size,
             group_name=cfg.group_name, backend=cfg.backend, timeout_s=float(cfg.timeout_s),
+            timeout_s_per_gb=float(cfg.timeout_s_per_gb),
+            join_timeout_s=float(cfg.join_timeout_s),
         )
 
     async def create_sender(
@@ -118,9 +128,10 @@ class BroadcastStrategy(WeightTransferStrategy):
         cfg = cfg or self.cfg
         info = _as_info(sync_info)
         store = self._stores.pop((info.master_addr, info.master_port), None)
+        sizes = self._world_sizes.pop((info.master_addr, info.master_port), None)
         if store is None:  # sync info made elsewhere: host the store here if nobody does
             with contextlib.suppress(WeightSyncError):
-                store = make_master_store(info.master_port, info.world_size, info.timeout_s)
+                store = make_master_store(info.master_port, info.world_size, info.join_timeout_s)
         device = None
         if info.backend == "nccl":
             import torch
@@ -133,7 +144,14 @@ class BroadcastStrategy(WeightTransferStrategy):
         engines = asyncio.ensure_future(
             inference_client.init_weight_transfer(self.config_dict(), info.to_dict())
         )
-        group = await _first_failure(own, engines, info.timeout_s, "joining the weight-sync group")
+        try:
+            group = await _first_failure(
+                own, engines, info.join_timeout_s + _ENGINE_ERROR_GRACE_S,
+                "joining the weight-sync group", grace_s=_grace(inference_client))
+        except BaseException as e:
+            if not own.done():  # our side fails at the same deadline: it knows who is missing
+                await asyncio.wait({own}, timeout=_ENGINE_ERROR_GRACE_S)
+            raise _name_missing_engines(e, own, sizes, inference_client) from None
         return BroadcastSender(cfg, group, info)
 
     async def create_receiver(
@@ -172,7 +190,10 @@ class BroadcastSender(WeightTransferSender):
         self._failed_update: str | None = None
         # one thread runs every vote and broadcast, in the order the requests were issued
         self._lane = SerialLane("ws-broadcast-lane")
-        self._buffers = BufferPool(2, timeout_s=cfg.timeout_s, shared=False)
+        # a buffer comes back when the chunk that holds it is transferred (or gives up)
+        self._buffers = BufferPool(
+            2, timeout_s=cfg.chunk_timeout_s(int(cfg.bucket_size_mb * (1 << 20))) + 10.0,
+            shared=False)
         self._inflight: dict[int, tuple[int | None, torch.Tensor | None, PackedLayout | None]] = {}
         self._lock = threading.Lock()
 
@@ -219,7 +240,8 @@ class BroadcastSender(WeightTransferSender):
         engines = asyncio.ensure_future(inference_client.update_named_weights(request.to_dict()))
         try:
             go = await _first_failure(
-                data, engines, self.cfg.timeout_s, f"chunk {request.chunk_index}"
+                data, engines, self.cfg.chunk_timeout_s(request.total_size_bytes),
+                f"chunk {request.chunk_index}", grace_s=_grace(inference_client),
             )
         except BaseException as e:
             self._failed_update = request.update_id  # later chunks of it: the lane votes no
@@ -382,7 +404,8 @@ def _as_info(sync_info: Any) -> TorchDistributedWeightSyncInfo:
 
 
 async def _first_failure(
-    data: asyncio.Future, engines: asyncio.Future, timeout_s: float, what: str
+    data: asyncio.Future, engines: asyncio.Future, timeout_s: float, what: str,
+    *, grace_s: float = _ENGINE_ERROR_GRACE_S,
 ) -> Any:
     """Await both; the first failure wins (engine errors preferred: they name the engine).
 
@@ -398,7 +421,7 @@ async def _first_failure(
             raise engines.exception()  # type: ignore[misc]
         if data in done and data.exception() is not None:
             with contextlib.suppress(asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(asyncio.shield(engines), _ENGINE_ERROR_GRACE_S)
+                await asyncio.wait_for(asyncio.shield(engines), grace_s)
             if engines.done() and not engines.cancelled() and engines.exception() is not None:
                 raise engines.exception()  # type: ignore[misc]
             raise data.exception()  # type: ignore[misc]
@@ -410,7 +433,12 @@ async def _first_failure(
                 raise engines.exception()  # type: ignore[misc]
             return False
         if len(done) < 2:
-            late = "the engines" if engines not in done else "the data plane"
+            if not engines.done():  # the fan-out's own timeout names the silent engine
+                with contextlib.suppress(asyncio.TimeoutError, Exception):
+                    await asyncio.wait_for(asyncio.shield(engines), grace_s)
+                if engines.done() and not engines.cancelled() and engines.exception() is not None:
+                    raise engines.exception()  # type: ignore[misc]
+            late = "the engines" if not engines.done() else "the data plane"
             raise WeightSyncTimeout(
                 f"{what}: no answer from {late} within {timeout_s:g}s (an engine died or hangs?)"
             )
@@ -426,3 +454,31 @@ async def _first_failure(
 def _consume(f: asyncio.Future) -> None:
     if not f.cancelled():
         f.exception()
+
+
+def _name_missing_engines(
+    e: BaseException, own: asyncio.Future, sizes: list[int] | None, client: Any
+) -> BaseException:
+    """A group that did not form: when our side knows which ranks never arrived, name the
+    engines that own them (rank 0 is us; engine ``i`` holds ``world_sizes[i]`` ranks in
+    order), ahead of the follow-on errors of the engines that did arrive."""
+    from weightsync._runtime.process_group import GroupJoinError
+
+    mine = own.exception() if own.done() and not own.cancelled() else None
+    if not isinstance(mine, GroupJoinError) or not mine.missing or not sizes:
+        return e
+    names = list(getattr(client, "names", None) or [f"engine {i}" for i in range(len(sizes))])
+    offsets = InferenceEngineClient.rank_offsets(sizes)
+    culprits = [
+        f"{name} (ranks {off}..{off + w - 1})"
+        for name, off, w in zip(names, offsets, sizes, strict=False)
+        if any(off <= r < off + w for r in mine.missing)
+    ]
+    err = GroupJoinError(
+        f"the weight-sync group did not form within {mine.join_s:g}s: "
+        f"{', '.join(culprits) or f'ranks {mine.missing}'} never joined; check that "
+        f"{'they are' if len(culprits) > 1 else 'it is'} alive and can reach the rendezvous "
+        f"(the other engines answered: {type(e).__name__}: {str(e)[:300]})",
+        mine.missing, mine.join_s,
+    )
+    return err

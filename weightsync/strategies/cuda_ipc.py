@@ -65,11 +65,15 @@ def bucket_bytes(cfg: Any) -> int:
 async def call_engines(
     inference_client: InferenceEngineClient, request: WeightUpdateRequest, timeout_s: float
 ) -> None:
-    """``update_named_weights`` with the strategy's timeout (a dead engine never hangs us)."""
+    """``update_named_weights`` with the chunk's timeout (the strategy's ``chunk_timeout_s``; a
+    dead engine never hangs us). The client's own timeout is the same rule, so its error, which
+    names the engine, normally comes first; this is the backstop."""
     try:
         await asyncio.wait_for(
-            inference_client.update_named_weights(request.to_dict()), timeout_s
+            inference_client.update_named_weights(request.to_dict()), timeout_s + 5.0
         )
+    except WeightSyncTimeout:
+        raise  # the client's own, naming the engine
     except TimeoutError:
         raise WeightSyncTimeout(
             f"chunk {request.chunk_index}: the engines did not load it within {timeout_s:g}s "
@@ -144,7 +148,8 @@ class CudaIpcSender(EveryRankSender, WeightTransferSender):
         inference_client: InferenceEngineClient,
     ) -> None:
         await self.share_handles(request)
-        await call_engines(inference_client, request, self.cfg.timeout_s)
+        await call_engines(inference_client, request,
+                           self.cfg.chunk_timeout_s(request.total_size_bytes))
 
     def _release(self, request: WeightUpdateRequest) -> None:
         with self._lock:
@@ -230,8 +235,9 @@ class CudaIpcStrategy(WeightTransferStrategy):
         if getattr(cfg, "every_rank", False):
             from weightsync._runtime.threads import in_thread
 
-            # the other ranks wait for rank 0's engine calls, which have cfg.timeout_s each
-            group = await in_thread(RankGroup, 2 * float(cfg.timeout_s) + 60.0)
+            # the other ranks wait for rank 0's engine calls: a chunk's (or a start's) timeout
+            group = await in_thread(RankGroup, float(cfg.join_timeout_s)
+                                    + 2 * cfg.chunk_timeout_s(bucket_bytes(cfg)))
             inference_client = EveryRankClient(
                 inference_client if group.rank == 0 else None, group)
         elif inference_client is None:
@@ -254,11 +260,14 @@ class CudaIpcStrategy(WeightTransferStrategy):
         try:
             await asyncio.wait_for(
                 inference_client.init_weight_transfer(self.config_dict(), _info_dict(sync_info)),
-                cfg.timeout_s,
+                cfg.join_timeout_s + 10.0,  # the client's own timeout names the silent engine
             )
+        except WeightSyncTimeout:
+            raise
         except TimeoutError:
             raise WeightSyncTimeout(
-                f"the engines did not set up their {self.name} receivers within {cfg.timeout_s:g}s"
+                f"the engines did not set up their {self.name} receivers within "
+                f"{cfg.join_timeout_s:g}s"
             ) from None
 
     async def create_receiver(

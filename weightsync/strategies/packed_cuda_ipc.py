@@ -62,7 +62,10 @@ class PackedCudaIpcSender(EveryRankSender, WeightTransferSender):
     def __init__(self, cfg: PackedIpcConfig) -> None:
         self.cfg = cfg
         self.align_bytes = DEFAULT_ALIGN
-        self.pool = BufferPool(int(cfg.num_buffers), timeout_s=cfg.timeout_s, shared=True)
+        # a slot comes back when the chunk that holds it is transferred (or gives up)
+        self.pool = BufferPool(
+            int(cfg.num_buffers), shared=True,
+            timeout_s=cfg.chunk_timeout_s(int(cfg.bucket_size_mb * (1 << 20))) + 10.0)
         self.shared_tensors = 0  # tensors sent from shared weights (no copy)
         self.packed_tensors = 0  # tensors copied into a pool slot
         self._slot_of: dict[int, int] = {}
@@ -155,7 +158,8 @@ class PackedCudaIpcSender(EveryRankSender, WeightTransferSender):
         inference_client: InferenceEngineClient,
     ) -> None:
         await self.share_handles(request)
-        await call_engines(inference_client, request, self.cfg.timeout_s)
+        await call_engines(inference_client, request,
+                           self.cfg.chunk_timeout_s(request.total_size_bytes))
 
     def _release(self, request: WeightUpdateRequest) -> None:
         with self._lock:

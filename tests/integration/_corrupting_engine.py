@@ -1,0 +1,48 @@
+"""A module factory for ``LocalEngineProcess`` that also corrupts one chunk on purpose, on the
+receiving side: the fault the end-to-end checksum exists to catch.
+
+``build(corrupt_chunk=K, **qwen2_kwargs)`` runs in the engine's child process. It builds the
+usual Qwen2-shaped module (``weightsync.local.modules.qwen2_module``) and registers a test-only
+hook there: every receiver's ``receive_and_load_weights`` gets a loader wrapper that, for chunk
+``K`` of each update, flips every bit of one byte of the first tensor it is handed (after the
+data plane delivered it, before the engine checks and loads it). The byte is flipped in a
+private copy, so the sender's shared buffers (and a trainer's shared weights) stay intact. No
+flag in weightsync turns this on: the test asks for this factory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def build(corrupt_chunk: int = 1, **kwargs: Any) -> Any:
+    from weightsync.interfaces import WeightTransferReceiver
+    from weightsync.local.modules import qwen2_module
+
+    original = WeightTransferReceiver.receive_and_load_weights
+
+    async def corrupting(self, request, loader):
+        if request.chunk_index != corrupt_chunk:
+            return await original(self, request, loader)
+        return await original(self, request, _Flipper(loader))
+
+    WeightTransferReceiver.receive_and_load_weights = corrupting  # the injected fault
+    return qwen2_module(**kwargs)
+
+
+class _Flipper:
+    """Hands the loader the same tensors, the first one with one byte flipped."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.loader, item)
+
+    async def load_weights(self, named: dict) -> None:
+        named = dict(named)
+        first = next(iter(named))
+        bad = named[first].detach().clone()
+        bad.view(-1).view(__import__("torch").uint8)[0] ^= 0xFF
+        named[first] = bad
+        await self.loader.load_weights(named)

@@ -1,0 +1,272 @@
+"""Faults caused for real between a trainer (this process) and engines in their own processes
+(``LocalEngineProcess``: a torch module behind a ``WeightUpdateEndpoint``):
+
+* an engine SIGKILLed in the middle of a push into a fan-out of two: the push raises within its
+  timeout naming the dead engine and the phase; the surviving engine rolls back as documented
+  (in place: torn, 503-style refusal until the next complete update; staged: the last version
+  exactly), and a new session without the dead engine lands the next version;
+* an engine SIGSTOPped mid-push (stuck, not dead): the push raises a timeout naming it and the
+  phase within the configured time; once it runs again it accepts a new communicator and a new
+  sync, without a restart;
+* an engine that never joins the data plane (SIGSTOPped before ``connect``): creating the group
+  fails within ``join_timeout_s`` naming it; the other engine then takes a new group;
+* a chunk corrupted on the receiving side (a test-only hook registered by this test's engine
+  factory, ``_corrupting_engine.py``, flips one byte after the data plane delivered it): the
+  end-to-end checksum catches it, names the chunk and the tensor, and the engine keeps version
+  v (staged: its weights exactly; in place: torn).
+
+Engines' weights are compared by state digest (bit-exact).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+
+import weightsync as ws
+from weightsync.clients import FanOutClient
+from weightsync.errors import (
+    ChecksumMismatchError,
+    EngineDiedError,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
+from weightsync.local import LocalEngineProcess
+from weightsync.local.modules import qwen2_module
+from weightsync.pipeline import make_chunks
+from weightsync.testing.digest import state_digest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FACTORY = "weightsync.local.modules:qwen2_module"
+SMALL = {"size": "small", "dtype": "float32"}
+BUCKET_MB = 0.5  # ~9 MB model: ~20 chunks
+STRATEGIES = ["broadcast", "cuda_ipc", "packed_cuda_ipc"]
+
+
+def _cfg(strategy: str, **extra) -> dict:
+    cfg = {"type": strategy, "bucket_size_mb": BUCKET_MB, "timeout_s": 5.0, **extra}
+    if strategy == "broadcast":
+        cfg["backend"] = "gloo"
+    return cfg
+
+
+def _weights(seed: int) -> dict:
+    return qwen2_module(**SMALL, seed=seed).state_dict()
+
+
+def _digest(engine: LocalEngineProcess) -> dict:
+    return asyncio.run(engine.call("state_digest"))
+
+
+def _status(engine: LocalEngineProcess) -> dict:
+    return asyncio.run(engine.call("get_state"))
+
+
+def _push(engines, cfg, weights, version):
+    async def go():
+        async with ws.connect(engines, strategy=cfg) as sync:
+            return await sync.push(weights, version=version)
+
+    return asyncio.run(go())
+
+
+def _send_stream(engines, cfg, chunks, version, faulty):
+    """The low-level push (what ``SyncSession.push`` runs): a sender over a fan-out with the
+    strategy's timeouts, fed by ``faulty(chunks)`` (an iterator that causes a fault on the
+    way). Returns the seconds until it raised, and the error."""
+
+    async def go():
+        s = ws.build_strategy(cfg)
+        client = FanOutClient(engines, timeout_s=s.cfg.timeout_s, join_timeout_s=10)
+        info = await s.create_sync_info(s.cfg, client)
+        sender = await s.create_sender(s.cfg, client, info)
+        manifest = [m for c in chunks for m in c.metas()]
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(WeightSyncError) as ei:
+                await sender.send_chunks(faulty(chunks), client, version=version,
+                                         manifest=manifest)
+            return time.monotonic() - t0, ei.value
+        finally:
+            await sender.close()
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def _spawn(name: str, **kw) -> LocalEngineProcess:
+    return LocalEngineProcess.spawn(FACTORY, {**SMALL, "fill": "zeros"}, name=name, **kw)
+
+
+@pytest.fixture
+def engines():
+    made: list[LocalEngineProcess] = []
+
+    def make(n: int = 2, **kw) -> list[LocalEngineProcess]:
+        made.extend(_spawn(f"engine{i}", **kw) for i in range(n))
+        return made[-n:]
+
+    yield make
+    for e in made:
+        for w in e.workers:  # a SIGSTOPped child must run again to die cleanly
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.proc.pid, signal.SIGCONT)
+        e.kill()
+
+
+# -- an engine killed mid-push --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["in_place", "staged"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_engine_killed_mid_push_the_push_names_it_and_the_survivor_rolls_back(
+    engines, strategy, staged
+):
+    e0, e1 = engines(2)
+    w1, w2 = _weights(1), _weights(2)
+    assert _push([e0, e1], _cfg(strategy), w1, 1).versions == [1, 1]
+    v1 = _digest(e1)
+    chunks = list(make_chunks(w2.items(), bucket_size_mb=BUCKET_MB))
+    assert len(chunks) > 6
+
+    def stream(chunks):
+        for i, c in enumerate(chunks):
+            if i == 3:
+                e0.kill()  # the real fault: SIGKILL, chunks 0-2 went out, 2 may be in flight
+            yield c
+
+    elapsed, err = _send_stream([e0, e1], _cfg(strategy, staged=staged), chunks, 2, stream)
+    assert elapsed < 5.0 + 10, elapsed  # the timeout plus the fan-out's grace, at most
+    assert isinstance(err, EngineDiedError), repr(err)
+    assert "engine0" in str(err) and "update_named_weights" in str(err), str(err)
+    assert not e0.is_alive()
+    state = _status(e1)
+    assert state["version"] == 1
+    if staged:  # the survivor keeps the last version exactly
+        assert state["state"] == "idle" and state["last_error"] == "", state
+        assert _digest(e1) == v1
+    else:  # in place: the survivor refuses to serve until a complete update lands
+        assert state["state"] == "torn" and "aborted" in state["last_error"], state
+    # a new session without the dead engine: the next version lands whole
+    assert _push([e1], _cfg(strategy), w2, 2).versions == [2]
+    assert _status(e1)["state"] == "idle"
+    assert _digest(e1) == state_digest(w2)
+
+
+# -- a stuck engine ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["broadcast", "packed_cuda_ipc"])
+def test_stuck_engine_the_push_times_out_naming_it_then_it_takes_a_new_sync(engines, strategy):
+    e0, e1 = engines(2)
+    w1, w2, w3 = _weights(1), _weights(2), _weights(3)
+    assert _push([e0, e1], _cfg(strategy), w1, 1).versions == [1, 1]
+    chunks = list(make_chunks(w2.items(), bucket_size_mb=BUCKET_MB))
+    pid = e0.workers[0].proc.pid
+
+    def stream(chunks):
+        for i, c in enumerate(chunks):
+            if i == 3:
+                os.kill(pid, signal.SIGSTOP)  # the real fault: engine0 stops answering
+            yield c
+
+    try:
+        elapsed, err = _send_stream([e0, e1], _cfg(strategy, timeout_s=3.0), chunks, 2, stream)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # 3 s per control call / collective; a broken collective waits the fan-out's grace (5 s)
+    # for the silent engine, and the sender 2 s more for the fan-out's verdict
+    assert elapsed < 3.0 + 5 + 2 + 5, elapsed
+    assert isinstance(err, WeightSyncTimeout), repr(err)
+    assert "engine0" in str(err) and "update_named_weights" in str(err), str(err)
+    # running again, it accepts a new communicator and a new sync (no restart)
+    assert _push([e0, e1], _cfg(strategy), w3, 3).versions == [3, 3]
+    assert _digest(e0) == _digest(e1) == state_digest(w3)
+
+
+# -- a peer that never joins ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["broadcast", "cuda_ipc"])
+def test_engine_that_never_joins_fails_creation_in_time_naming_it(engines, strategy):
+    e0, e1 = engines(2)
+    pid = e1.workers[0].proc.pid
+    os.kill(pid, signal.SIGSTOP)  # the real fault: engine1 never takes part
+    cfg = _cfg(strategy, join_timeout_s=4.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncTimeout) as ei:
+            _push([e0, e1], cfg, _weights(1), 1)
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert elapsed < 4.0 + 5 + 2 + 5, elapsed
+    msg = str(ei.value)
+    assert "engine1" in msg and "engine0" not in msg.split("(the other engines")[0], msg
+    if strategy == "broadcast":
+        assert "never joined" in msg and "ranks 2..2" in msg, msg
+    else:
+        assert "init_weight_transfer" in msg, msg
+    # both take a new communicator and a sync, without a restart
+    assert _push([e0, e1], _cfg(strategy), _weights(2), 2).versions == [2, 2]
+    assert _digest(e0) == _digest(e1) == state_digest(_weights(2))
+
+
+# -- a corrupted chunk ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def corrupting_engine():
+    made: list[LocalEngineProcess] = []
+
+    def make() -> LocalEngineProcess:
+        env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+        made.append(LocalEngineProcess.spawn(
+            "_corrupting_engine:build", {**SMALL, "fill": "zeros", "corrupt_chunk": 1},
+            name="engine0", env=env))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.kill()
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["in_place", "staged"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_corrupted_chunk_is_caught_by_the_checksum_and_the_version_stays(
+    corrupting_engine, strategy, staged
+):
+    engine = corrupting_engine()
+    before = _digest(engine)
+    w = _weights(4)
+    with pytest.raises(ChecksumMismatchError) as ei:
+        _push([engine], _cfg(strategy, checksum=True, staged=staged), w, 1)
+    err = ei.value
+    chunk1 = list(make_chunks(w.items(), bucket_size_mb=BUCKET_MB))[1]
+    assert "engine0" in str(err) and "chunk 1 of update" in str(err), str(err)
+    assert err.offenders and err.offenders[0].startswith(chunk1.names[0] + ": checksum"), err
+    state = _status(engine)
+    assert state["version"] == 0
+    if staged:
+        assert state["state"] == "idle", state
+        assert _digest(engine) == before  # not one byte of the update reached the weights
+    else:
+        assert state["state"] == "torn" and "ChecksumMismatchError" in state["last_error"], state
+
+
+def test_without_the_checksum_the_same_corruption_goes_unnoticed(corrupting_engine):
+    """The fault is real: without ``checksum: true`` the flipped byte lands and the version
+    advances over weights that differ from the trainer's."""
+    engine = corrupting_engine()
+    w = _weights(4)
+    assert _push([engine], _cfg("packed_cuda_ipc"), w, 1).versions == [1]
+    got, want = _digest(engine), state_digest(w)
+    chunk1 = list(make_chunks(w.items(), bucket_size_mb=BUCKET_MB))[1]
+    assert [n for n in want if got[n] != want[n]] == [chunk1.names[0]]

@@ -1,0 +1,131 @@
+"""What a receiver loads into during one update: the engine's loader behind a checksum check,
+either in place or staged.
+
+Who uses it: ``weightsync.engine.WeightUpdateEndpoint`` only (in the engine process or vLLM
+worker). For every update it builds one ``UpdateSink`` around the engine's ``WeightLoader`` and
+hands the sink to the receiver instead of the loader, so every strategy gets the same behaviour
+without knowing about it:
+
+* **checksums** (``begin_chunk(request)`` with a request that carries ``checksums``): every
+  tensor handed to ``load_weights`` is checked against the sender's checksum
+  (``weightsync.integrity``); a mismatch raises ``ChecksumMismatchError`` naming the chunk and
+  the tensors. The check runs in a worker thread at the same time as the load (in place) or the
+  staging copy, so its cost hides behind them where a second core or stream is free.
+* **in place** (default): tensors go straight to the loader. ``touched`` says whether the loader
+  was given anything in this update (then a failed update leaves the weights torn).
+* **staged** (``staged=True``): tensors are copied into staging buffers on their own device and
+  the loader sees nothing until ``commit()`` (at the update's finish) replays every chunk into it
+  in order. An update that dies before its finish is ``discard()``-ed: the weights are exactly
+  the last complete version. Memory cost: one extra copy of the update's bytes on the engine,
+  held from the first chunk to the finish (a whole-model update: one more copy of the model).
+  ``commit()`` itself copies into the weights; if it fails half-way (a loader error) the weights
+  are torn like an in-place update that failed.
+
+The sink also enforces what an update may carry as it arrives: each name at most once per
+update (``seen``), which bounds an update by the model's own parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from weightsync.errors import ChecksumMismatchError, WeightMismatchError
+from weightsync.interfaces import WeightLoader
+from weightsync.types import TensorMeta, WeightUpdateFinish, WeightUpdateStart
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from weightsync.types import WeightUpdateRequest
+
+
+class UpdateSink(WeightLoader):
+    """The loader a receiver sees during one update (see the module docstring)."""
+
+    def __init__(self, loader: WeightLoader, *, staged: bool = False, name: str = "engine") -> None:
+        self.loader = loader
+        self.staged = staged
+        self.name = name
+        self.touched = False  # the engine's loader was given bytes in this update
+        self.staged_bytes = 0
+        self.seen: set[str] = set()
+        self._staged: list[dict[str, torch.Tensor]] = []
+        self._request: WeightUpdateRequest | None = None
+
+    # -- what a receiver calls ---------------------------------------------------------------
+    def expected_metadata(self) -> Mapping[str, TensorMeta] | None:
+        return self.loader.expected_metadata()
+
+    def validate(self, metas: Iterable[TensorMeta]) -> None:
+        self.loader.validate(metas)
+
+    async def start_update(self, start: WeightUpdateStart) -> None:  # pragma: no cover
+        raise AssertionError("the endpoint runs the loader's hooks itself")
+
+    async def finish_update(self, finish: WeightUpdateFinish) -> None:  # pragma: no cover
+        raise AssertionError("the endpoint runs the loader's hooks itself")
+
+    def begin_chunk(self, request: WeightUpdateRequest) -> None:
+        """Called by the endpoint before a chunk's bytes move: refuses names this update already
+        carried (nothing moved yet) and remembers the chunk's checksums."""
+        again = sorted(set(request.names) & self.seen)
+        if again:
+            raise WeightMismatchError(
+                [f"{n}: sent more than once in one update (chunk {request.chunk_index} repeats "
+                 f"it)" for n in again], target=f"update {request.update_id} of {self.name}")
+        self._request = request
+
+    def end_chunk(self) -> None:
+        """The chunk landed (loaded or staged): its names count as carried."""
+        if self._request is not None:
+            self.seen.update(self._request.names)
+        self._request = None
+
+    async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        request = self._request
+        want = request.checksums if request is not None else None
+        check = None
+        if want is not None:
+            from weightsync._runtime.threads import in_thread
+            from weightsync.integrity import mismatches
+
+            check = asyncio.ensure_future(
+                in_thread(mismatches, request.names, want, named_tensors, name="ws-checksum"))
+        try:
+            if self.staged:
+                self._stage(named_tensors)
+            else:
+                self.touched = True
+                await self.loader.load_weights(named_tensors)
+        finally:
+            bad = await check if check is not None else []
+        if bad:
+            assert request is not None
+            raise ChecksumMismatchError(
+                f"{self.name}: chunk {request.chunk_index} of update {request.update_id}: "
+                f"{len(bad)} tensor(s) arrived with other bytes than the sender sent "
+                f"(corrupted in transit): {'; '.join(bad[:5])}", bad)
+
+    # -- staging -----------------------------------------------------------------------------
+    def _stage(self, named: Mapping[str, torch.Tensor]) -> None:
+        copies = {n: t.detach().clone() for n, t in named.items()}
+        self._staged.append(copies)
+        self.staged_bytes += sum(t.numel() * t.element_size() for t in copies.values())
+
+    async def commit(self) -> None:
+        """Replay every staged chunk into the engine's loader, in order (the update's finish)."""
+        while self._staged:
+            chunk = self._staged.pop(0)
+            self.touched = True
+            await self.loader.load_weights(chunk)
+        self.staged_bytes = 0
+
+    def discard(self) -> None:
+        """Drop every staged tensor (the update failed): the weights never saw them."""
+        self._staged.clear()
+        self.staged_bytes = 0
+
+    def __getattr__(self, item: str) -> Any:  # loader attributes a receiver may read
+        return getattr(self.loader, item)
