@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
+from weightsync.servers._serving import run_main, serve_app
 
 log = logging.getLogger("weightsync.servers.policy")
 
@@ -194,7 +193,6 @@ async def serve(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Run until ``stop`` is set (or the task is cancelled); always shuts the engine down."""
-    import uvicorn
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from weightsync._runtime.vllm_compat import openai_server_parts
@@ -204,53 +202,18 @@ async def serve(
     async with parts.build_async_engine_client_from_engine_args(engine_args) as engine:
         server = await build_server(cfg, args, engine)
         try:
-            http = uvicorn.Server(uvicorn.Config(
-                server.asgi, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                access_log=False, lifespan="on",
-            ))
-            http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-            watcher = None
-            if stop is not None:
-                async def _watch() -> None:
-                    await stop.wait()
-                    http.should_exit = True
-
-                watcher = asyncio.ensure_future(_watch())
             log.info("policy server for %s on http://%s:%d (version %d)", args.model, cfg.host,
                      cfg.port, server.control.version)
-            if ready is not None:
-                ready.set()
-            try:
-                await http.serve()
-            finally:
-                if watcher is not None:
-                    watcher.cancel()
-            if not http.started:
-                raise OSError(f"could not serve on {cfg.host}:{cfg.port} (port in use?)")
+            await serve_app(server.asgi, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                            lifespan="on", ready=ready, stop=stop)
         finally:
             await server.control.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-
-    async def _run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(cfg, args, stop=stop)
-
-    code = 0
-    try:
-        asyncio.run(_run())
-    except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
-        log.error("policy server failed: %s: %s", type(e).__name__, e)
-        code = 1
-    # a gloo group joined by the workers can keep interpreter exit waiting: leave at once
-    logging.shutdown()
-    os._exit(code)
+    run_main(lambda stop: serve(cfg, args, stop=stop), what="policy server",
+             log_level=cfg.log_level, log=log)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The reward server: a vLLM pooling model behind HTTP, with the weight-sync control plane.
 
-    python -m weightsync.reward.server --model DIR --port 8001 [--api-key KEY]
+    python -m weightsync.servers.reward --model DIR --port 8001 [--api-key KEY]
     weightsync serve-reward --model DIR --port 8001            (same thing)
     weightsync serve-reward --config weightsync/configs/reward_server.yaml --model DIR
 
@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
-import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
+from weightsync.servers._serving import run_main, serve_app
 
 log = logging.getLogger("weightsync.servers.reward")
-
 
 
 @dataclass(kw_only=True)
@@ -214,33 +212,13 @@ async def serve(
 ) -> None:
     """Run until ``stop`` is set (or the task is cancelled); always shuts the engine down.
     Signals are the caller's business (``main`` maps SIGINT/SIGTERM to ``stop``)."""
-    import uvicorn
-
     server = await build_server(cfg)
     try:
-        http = uvicorn.Server(uvicorn.Config(
-            server.app(), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-            access_log=False, lifespan="off",
-        ))
-        http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-        if stop is not None:
-            async def _watch() -> None:
-                await stop.wait()
-                http.should_exit = True
-
-            watcher = asyncio.ensure_future(_watch())
         log.info("reward server for %s on http://%s:%d (%d labels, version %d)",
                  server.scorer.model_name, cfg.host, cfg.port, server.scorer.num_labels,
                  server.control.version)
-        if ready is not None:
-            ready.set()
-        try:
-            await http.serve()
-        finally:
-            if stop is not None:
-                watcher.cancel()
-        if not http.started:
-            raise OSError(f"could not serve on {cfg.host}:{cfg.port} (port in use?)")
+        await serve_app(server.app(), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                        lifespan="off", ready=ready, stop=stop)
     finally:
         await server.control.shutdown()
         server.engine.shutdown()
@@ -310,24 +288,8 @@ def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-
-    async def _run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(cfg, stop=stop)
-
-    code = 0
-    try:
-        asyncio.run(_run())
-    except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
-        log.error("reward server failed: %s: %s", type(e).__name__, e)
-        code = 1
-    # a gloo group joined by the workers can keep interpreter exit waiting: leave at once
-    logging.shutdown()
-    os._exit(code)
+    run_main(lambda stop: serve(cfg, stop=stop), what="reward server", log_level=cfg.log_level,
+             log=log)
 
 
 if __name__ == "__main__":
