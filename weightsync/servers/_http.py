@@ -70,12 +70,56 @@ async def json_body(request: Any, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> di
     if not raw:
         return {}
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_bounded_int, parse_float=_finite_float,
+                          parse_constant=_no_constant)
     except ValueError as e:
         raise ServiceError(400, f"body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ServiceError(400, f"body: nested deeper than {MAX_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise ServiceError(400, f"body must be a JSON object, got {type(body).__name__}")
+    if _depth(body) > MAX_DEPTH:
+        raise ServiceError(400, f"body: nested deeper than {MAX_DEPTH} levels")
     return body
+
+
+#: what a body may hold: integers that fit 64 bits (they travel to the engine's workers as
+#: msgpack), finite numbers, and at most this much nesting
+MAX_DEPTH = 32
+
+
+def _bounded_int(text: str) -> int:
+    value = int(text)
+    if not -(1 << 63) <= value < (1 << 64):
+        raise ValueError(f"integer {text[:30]}{'...' if len(text) > 30 else ''} does not fit "
+                         f"in 64 bits")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:30]} is not finite")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON (only finite numbers are accepted)")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_DEPTH:
+            break
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+    return deepest
 
 
 def _too_large(size: int, limit: int) -> str:

@@ -159,12 +159,25 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
     await control.refresh_state()
     ludic = LudicDialect(control, backend="nccl" if torch.cuda.is_available() else "gloo",
                          group_timeout_s=cfg.group_timeout_s)
+    if not getattr(args, "enable_elastic_ep", False):
+        # vLLM mounts its elastic-EP admin routes on every server; without elastic EP they can
+        # only fail (a 500) or try to rescale the engine, and nothing guards them: drop them
+        _drop_routes(app, ELASTIC_EP_PATHS)
     mount(app, _health_router(engine))
     mount(app, control_router(control, ludic, api_key=cfg.api_key,
                               max_body_bytes=cfg.max_body_bytes))
     # outermost (vLLM's app has built its middleware stack already): a plain ASGI wrapper
     asgi = VersionedResponses(app, control=control, exempt=CONTROL_PATHS)
     return PolicyServer(cfg, engine, app, asgi, control)
+
+
+#: vLLM's admin routes that make sense only with ``--enable-elastic-ep``
+ELASTIC_EP_PATHS = ("/scale_elastic_ep", "/is_scaling_elastic_ep")
+
+
+def _drop_routes(app: Any, paths: tuple[str, ...]) -> None:
+    app.router.routes[:] = [r for r in app.router.routes
+                            if getattr(r, "path", None) not in paths]
 
 
 def _health_router(engine: Any) -> Any:
