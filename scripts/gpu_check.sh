@@ -9,6 +9,7 @@
 #   bash scripts/gpu_check.sh tests-servers broadcast (NCCL) through ws.connect from a trainer on GPU 0
 #                                          into serve-reward and serve-policy on GPU 1
 #   bash scripts/gpu_check.sh bench-small  benchmarks/bench_vllm_sync.py on qwen2-0.5b and qwen2-1.5b
+#                                          (every row on 2+ GPUs, the colocated rows on one)
 #   bash scripts/gpu_check.sh bench-7b     the same on qwen2-7b
 #   bash scripts/gpu_check.sh bench-graphs qwen2-0.5b, ours only, CUDA graphs captured
 #   bash scripts/gpu_check.sh bench-p2p    weightsync bench --device cuda (process to process into a
@@ -58,6 +59,14 @@ bench() {  # name, timeout, then bench arguments
   echo "bench $name rc=$?"
 }
 
+# the colocated rows (trainer and engine on GPU 0): all a one-GPU machine can run
+LOCAL_ROWS=cuda_ipc,packed_cuda_ipc,cuda_ipc_1chunk,cuda_ipc_load_weights,native_ipc,native_ipc_packed
+rows_for_gpus() {  # every row on 2+ GPUs; on one GPU the colocated rows, and say so
+  if [ "$gpus" -ge 2 ]; then echo all; else
+    echo "one GPU: NCCL rows (broadcast, per_param, ludic, native_nccl) skipped, they need 2" >&2
+    echo "$LOCAL_ROWS"; fi
+}
+
 summary() {  # print every bench table written in this stage
   for f in "$OUT"/*.txt; do
     [ -f "$f" ] || continue
@@ -81,20 +90,22 @@ case "$stage" in
     pytest_stage servers_tests 560 tests/gpu/test_servers_gpu.py
     ;;
   bench-small)
-    need_vllm; need_gpus 2
-    bench qwen2-0.5b 270 --shape qwen2-0.5b
-    bench qwen2-1.5b 290 --shape qwen2-1.5b
+    need_vllm; rows=$(rows_for_gpus)
+    bench qwen2-0.5b 270 --shape qwen2-0.5b --rows "$rows"
+    bench qwen2-1.5b 290 --shape qwen2-1.5b --rows "$rows"
     summary
     ;;
   bench-7b)
-    need_vllm; need_gpus 2
-    bench qwen2-7b 560 --shape qwen2-7b
+    need_vllm; rows=$(rows_for_gpus)
+    bench qwen2-7b 560 --shape qwen2-7b --rows "$rows"
     summary
     ;;
   bench-graphs)
     need_vllm
-    bench qwen2-0.5b_graphs 400 --shape qwen2-0.5b --cuda-graphs \
-        --rows cuda_ipc,packed_cuda_ipc,broadcast --check-logprobs
+    graph_rows=cuda_ipc,packed_cuda_ipc,broadcast
+    [ "$gpus" -ge 2 ] || graph_rows=cuda_ipc,packed_cuda_ipc
+    bench qwen2-0.5b_graphs 400 --shape qwen2-0.5b --cuda-graphs --rows "$graph_rows" \
+        --check-logprobs
     summary
     ;;
   bench-p2p)

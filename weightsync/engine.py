@@ -10,6 +10,7 @@ extension, an in-process channel) forwards the client's plain-dict calls to it, 
                                    training mode's name policy) before any byte moves
     update_named_weights(request)  validate one chunk, receive its bytes, load them
     finish_weight_update(finish)   run the finish hook, publish the version if every chunk landed
+    apply_update(start, requests, finish)   the three above in one call (one round trip)
     close_weight_transfer()        drop the receiver (the endpoint can be initialised again)
     status()                       state, version, last error, the update in progress
 
@@ -357,6 +358,51 @@ class WeightUpdateEndpoint:
             self._last_error = ""
             return self._version
 
+    async def apply_update(self, start: dict, requests: list[dict], finish: dict) -> int:
+        """A whole update in one call: ``start_weight_update(start)``, ``update_named_weights``
+        for each request in order, ``finish_weight_update(finish)``; returns the served version.
+        Same rules as the three calls made one by one (validation before any byte, torn weights
+        after a failure once a chunk landed, versions published only by a complete update):
+
+        * a refused start raises and changes nothing; every request is still ``refuse``d to the
+          receiver, so a collective strategy's peers (the sender voting on each chunk) are
+          released;
+        * a failed chunk raises its error after the remaining chunks were refused and the update
+          was closed as a sender would close it (``finish`` with ``ok=False``).
+
+        For senders that can make every request before the first is loaded (one chunk, or
+        requests that hold no buffer a later chunk needs); channels that carry it set
+        ``one_call = True``."""
+        try:
+            await self.start_weight_update(start)
+        except BaseException:
+            await self._refuse_all(requests)
+            raise
+        for i, request in enumerate(requests):
+            try:
+                await self.update_named_weights(request)
+            except BaseException as e:
+                for later in requests[i + 1:]:  # each votes no (an earlier chunk failed)
+                    with contextlib.suppress(Exception):
+                        await self.update_named_weights(later)
+                abort = {**finish, "ok": False,
+                         "error": f"chunk {i}: {type(e).__name__}: {e}"[:2000]}
+                with contextlib.suppress(Exception):
+                    await self.finish_weight_update(abort)
+                raise
+        return await self.finish_weight_update(finish)
+
+    async def _refuse_all(self, requests: list[dict]) -> None:
+        receiver = self._receiver
+        if receiver is None:
+            return
+        for request in requests:
+            try:
+                req = receiver.parse_request(request)
+            except Exception:  # not this strategy's request: nobody waits on it
+                continue
+            await self._refuse(receiver, req)
+
     # -- dispatch for transports that carry (method, kwargs) ---------------------------------
     async def call(self, method: str, kwargs: dict | None = None) -> Any:
         """One endpoint method by name (``METHODS``) with plain-data kwargs; ``status``
@@ -454,6 +500,7 @@ METHODS = frozenset({
     "start_weight_update",
     "update_named_weights",
     "finish_weight_update",
+    "apply_update",
     "status",
 })
 

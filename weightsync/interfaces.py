@@ -23,7 +23,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Ma
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightsync.errors import WeightMismatchError
-from weightsync.pipeline import SendPipeline, make_chunks
+from weightsync.pipeline import SendPipeline, SingleCallClient, make_chunks, peek_single
 from weightsync.types import (
     SyncStats,
     TensorMeta,
@@ -56,10 +56,16 @@ class WeightExtractor(abc.ABC):
     materialised twice: chunks are yielded as soon as a bucket of ``bucket_size_mb`` fills.
     """
 
+    #: True when ``_extract_raw_weights`` yields the model's own tensors (not gathered or
+    #: computed copies); chunks of such tensors that were not cast are marked ``borrowed``.
+    #: A subclass that sometimes makes copies reports them with ``_fresh(tensor)``.
+    yields_model_tensors: bool = False
+
     def __init__(self, cfg: Any = None) -> None:
         from weightsync.config import ExtractorConfig
 
         self.cfg = cfg if cfg is not None else ExtractorConfig()
+        self._fresh_ids: set[int] = set()
 
     # -- subclasses implement -----------------------------------------------------------------
     @abc.abstractmethod
@@ -95,9 +101,19 @@ class WeightExtractor(abc.ABC):
             bucket_size_mb=float(getattr(self.cfg, "bucket_size_mb", 1024)),
             by_module=bool(getattr(self.cfg, "group_by_module", True)),
         ):
+            fresh = self._fresh_ids
+            ids = [id(t) for t in chunk.tensors]
+            chunk.borrowed = self.yields_model_tensors and not any(i in fresh for i in ids)
+            fresh.difference_update(ids)
             if self.is_sender:
                 yield chunk
             await asyncio.sleep(0)
+        self._fresh_ids.clear()
+
+    def _fresh(self, t: torch.Tensor) -> torch.Tensor:
+        """Mark ``t`` as a copy made for this sync (its chunk is not ``borrowed``)."""
+        self._fresh_ids.add(id(t))
+        return t
 
     @staticmethod
     def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -108,8 +124,14 @@ class WeightExtractor(abc.ABC):
     def _cast_stream(
         self, raw: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
+        fresh = self._fresh_ids
         for name, t in raw:
-            yield name, self._cast(t.detach(), dtype)
+            d = t.detach()
+            out = self._cast(d, dtype)
+            if out is not d or id(t) in fresh:  # a cast, or a copy the subclass made
+                fresh.discard(id(t))
+                fresh.add(id(out))
+            yield name, out
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,6 +174,16 @@ class InferenceEngineClient(abc.ABC):
 
     async def close_weight_transfer(self) -> None:  # noqa: B027 - optional hook
         """Tear down receivers (optional)."""
+
+    #: True when ``apply_update`` reaches every engine (``weightsync.engine`` ``apply_update``)
+    supports_apply_update: bool = False
+
+    async def apply_update(
+        self, start: dict, requests: list[dict], finish: dict
+    ) -> list[int | None]:
+        """A whole update in one call per engine (optional; see ``supports_apply_update``):
+        start, every request in order, finish; returns each engine's published version."""
+        raise NotImplementedError(f"{type(self).__name__} does not carry apply_update")
 
     @staticmethod
     def rank_offsets(world_sizes: list[int]) -> list[int]:
@@ -213,6 +245,9 @@ class WeightTransferSender(abc.ABC):
     #: chunks in flight at once when the sender has no ``cfg.max_inflight_chunks``; the
     #: client's ``max_inflight_updates`` bounds it too
     max_inflight: int = 2
+    #: an update of one chunk goes to the engines as one ``apply_update`` call (start, chunk
+    #: and finish in one round trip) when the client supports it
+    single_call: bool = True
 
     @abc.abstractmethod
     def create_request(self, chunk: WeightChunk) -> WeightUpdateRequest: ...
@@ -255,10 +290,15 @@ class WeightTransferSender(abc.ABC):
             extras=extras or {}, staged=bool(getattr(cfg, "staged", False)),
             idle_timeout_s=getattr(cfg, "idle_timeout_s", None),
         )
+        stream = self._coalesce(chunks, held=isinstance(chunks, (list, tuple)))
+        if self.single_call and getattr(inference_client, "supports_apply_update", False):
+            only, stream = await peek_single(stream)
+            if only is not None:
+                return await self._send_single(only, inference_client, start, stats, t0)
         await inference_client.start_weight_update(start.to_dict())
         try:
             await self._pipeline(inference_client).run(
-                chunks, stats, _stamper(stats.update_id, version)
+                stream, stats, _stamper(stats.update_id, version)
             )
         except BaseException as e:
             finish = WeightUpdateFinish(
@@ -277,6 +317,28 @@ class WeightTransferSender(abc.ABC):
         stats.versions = list(await inference_client.finish_weight_update(finish.to_dict()))
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    async def _send_single(
+        self, chunk: WeightChunk, client: InferenceEngineClient, start: WeightUpdateStart,
+        stats: SyncStats, t0: float,
+    ) -> SyncStats:
+        """An update of one chunk as one ``apply_update`` call; the engines run the same start /
+        chunk / finish steps (and close the update themselves if the chunk fails)."""
+        finish = WeightUpdateFinish(update_id=start.update_id, version=start.version,
+                                    num_chunks=1)
+        one = SingleCallClient(client, start.to_dict(), finish.to_dict())
+        await self._pipeline(one).run([chunk], stats, _stamper(start.update_id, start.version))
+        assert one.versions is not None
+        stats.versions = one.versions
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _coalesce(
+        self, chunks: AsyncIterable[WeightChunk] | Iterable[WeightChunk], *, held: bool
+    ) -> AsyncIterable[WeightChunk] | Iterable[WeightChunk]:
+        """Hook: the chunks as this sender sends them (``held``: the caller passed a list, so
+        every tensor exists already). The default sends them as they come."""
+        return chunks
 
     def _pipeline(self, client: InferenceEngineClient) -> SendPipeline:
         """The pipeline for one update: ``cfg.max_inflight_chunks`` (else ``max_inflight``)

@@ -219,6 +219,80 @@ class SendPipeline:
         tasks.clear()
 
 
+# --------------------------------------------------------------------------------------------
+# fewer round trips: coalescing chunks, one call for a one-chunk update
+# --------------------------------------------------------------------------------------------
+
+
+async def coalesce(
+    chunks: AsyncIterable[WeightChunk] | Iterable[WeightChunk],
+    mergeable: Callable[[WeightChunk], bool],
+) -> AsyncIterator[WeightChunk]:
+    """Merge runs of consecutive ``mergeable`` chunks into one chunk each (names and tensors
+    concatenated, in order); other chunks pass through unchanged and in place. Only for chunks
+    whose tensors cost nothing to hold (``WeightChunk.borrowed``, or a list the caller holds
+    anyway): a merged chunk keeps all of them alive until it is sent."""
+    names: list[str] = []
+    tensors: list[Any] = []
+    async for chunk in _aiter(chunks):
+        if mergeable(chunk):
+            names.extend(chunk.names)
+            tensors.extend(chunk.tensors)
+            continue
+        if names:
+            yield WeightChunk(names, tensors, module_name="(coalesced)", borrowed=True)
+            names, tensors = [], []
+        yield chunk
+    if names:
+        yield WeightChunk(names, tensors, module_name="(coalesced)", borrowed=True)
+
+
+async def peek_single(
+    chunks: AsyncIterable[WeightChunk] | Iterable[WeightChunk],
+) -> tuple[WeightChunk | None, AsyncIterator[WeightChunk]]:
+    """``(the only chunk, None-stream)`` when ``chunks`` holds exactly one chunk, else ``(None,
+    the same chunks)`` (at most two were read ahead: they are yielded again first)."""
+    it = _aiter(chunks)
+    first = await anext(it, None)
+    second = await anext(it, None) if first is not None else None
+    if first is not None and second is None:
+        return first, _aiter(())
+
+    async def again() -> AsyncIterator[WeightChunk]:
+        for c in (first, second):
+            if c is not None:
+                yield c
+        async for c in it:
+            yield c
+
+    return None, again()
+
+
+class SingleCallClient:
+    """An ``InferenceEngineClient`` for one update of exactly one chunk, over a client that
+    supports ``apply_update``: ``update_named_weights(request)`` sends the held-back start, the
+    chunk and the finish as one ``apply_update`` call (issued before it returns, as a client's
+    ``update_named_weights`` must be); ``versions`` is what the engines published. The sender
+    runs its usual transfer against this client, so its data plane (a broadcast's vote and
+    bytes) runs as it always does. Lives in the sending process for one update."""
+
+    max_inflight_updates = 1
+
+    def __init__(self, inner: Any, start: dict, finish: dict) -> None:
+        self.inner = inner
+        self.start = start
+        self.finish = finish
+        self.versions: list[int | None] | None = None
+
+    def update_named_weights(self, request: dict) -> asyncio.Future:
+        answer = self.inner.apply_update(self.start, [request], self.finish)
+
+        async def done() -> None:
+            self.versions = list(await answer)
+
+        return asyncio.ensure_future(done())
+
+
 async def _await_oldest(inflight: collections.deque[asyncio.Task]) -> None:
     """Wait for the oldest transfer; it leaves the window only once it ended well (a failed or
     interrupted one stays for ``_settle``). Shielded: cancelling us does not cancel it."""

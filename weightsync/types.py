@@ -69,12 +69,16 @@ class WeightChunk:
 
     ``names[i]`` is the engine-side name of ``tensors[i]``. ``packed`` tells a sender that the
     tensors were already laid out contiguously by the producer (a hint; senders may ignore it).
+    ``borrowed``: every tensor is memory that exists anyway (the model's own parameters, not a
+    gathered or cast copy), so a sender may hold several such chunks at once at no memory cost
+    (``cuda_ipc`` then sends them as one request).
     """
 
     names: list[str]
     tensors: list[torch.Tensor]
     module_name: str | None = None
     packed: bool = False
+    borrowed: bool = False
 
     def __post_init__(self) -> None:
         if len(self.names) != len(self.tensors):

@@ -153,6 +153,74 @@ def encode(t: torch.Tensor) -> IpcBufferHandle:
     )
 
 
+# cuPointerGetAttribute: CU_POINTER_ATTRIBUTE_BUFFER_ID, a process-wide unique id of the
+# allocation that holds a pointer (never reused, unlike addresses)
+_CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
+_MAX_CACHED = 8192
+# buffer id -> (allocation base, allocation size, base64 handle): an allocation's IPC handle is
+# made once, not at every sync (cudaIpcGetMemHandle per tensor is most of encoding a request)
+_by_buffer: OrderedDict[int, tuple[int, int, str]] = OrderedDict()
+_uuids: dict[int, str] = {}
+
+
+def _buffer_id(ptr: int) -> int | None:
+    value = ctypes.c_ulonglong()
+    rc = _cuda_driver().cuPointerGetAttribute(
+        ctypes.byref(value), ctypes.c_int(_CU_POINTER_ATTRIBUTE_BUFFER_ID), ctypes.c_uint64(ptr))
+    return int(value.value) if rc == 0 and value.value else None
+
+
+def _handle_of(base: int) -> str:
+    h = _IpcHandle()
+    rc = _cudart().cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(base))
+    if rc != 0:
+        hint = (
+            " (memory from expandable segments / cuMemCreate cannot be shared with CUDA IPC: "
+            "unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments or use packed_cuda_ipc)"
+        )
+        _check(rc, "cudaIpcGetMemHandle" + hint)
+    return base64.b64encode(ctypes.string_at(ctypes.addressof(h), _HANDLE_BYTES)).decode()
+
+
+def encode_many(tensors: list[torch.Tensor]) -> list[IpcBufferHandle]:
+    """``encode`` for each (contiguous CUDA) tensor, with the per-tensor work kept small: the
+    device is bound once per run of tensors on one GPU, and an allocation's handle is made once
+    per allocation (cached by the driver's buffer id) and reused at later syncs."""
+    import torch
+
+    out: list[IpcBufferHandle] = []
+    current = -1
+    uuid = ""
+    for t in tensors:
+        if not t.is_cuda:
+            raise ValueError("encode_many() needs CUDA tensors")
+        if not t.is_contiguous():
+            raise ValueError("CUDA IPC shares contiguous tensors only; call .contiguous() first")
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        if index != current:
+            _bind(index)
+            current = index
+            uuid = _uuids.get(index) or _uuids.setdefault(index, device_uuid(index))
+        ptr = t.data_ptr()
+        key = _buffer_id(ptr)
+        hit = _by_buffer.get(key) if key is not None else None
+        if hit is None or not hit[0] <= ptr < hit[0] + hit[1]:
+            base, alloc = _allocation_range(ptr)
+            hit = (base, alloc, _handle_of(base))
+            if key is not None:
+                _by_buffer[key] = hit
+                while len(_by_buffer) > _MAX_CACHED:
+                    _by_buffer.popitem(last=False)
+        else:
+            _by_buffer.move_to_end(key)  # type: ignore[arg-type]
+        base, alloc, handle = hit
+        out.append(IpcBufferHandle(
+            kind="cuda", nbytes=t.numel() * t.element_size(), handle=handle, offset=ptr - base,
+            alloc_nbytes=alloc, device_uuid=uuid,
+        ))
+    return out
+
+
 class _DevicePointer:
     """Minimal ``__cuda_array_interface__`` exporter so torch can wrap a raw pointer."""
 

@@ -116,6 +116,14 @@ def load_reload(worker: Any, items: list[tuple[str, Any]]) -> None:
         reload_weights(worker.vllm_config, get_model(worker), iter(items), None, True)
 
 
+def wait_for_copies(worker: Any) -> None:
+    """Block until the copies queued on this worker's current CUDA stream ran (no-op on CPU)."""
+    if worker_device(worker) == "cuda":
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+
+
 def after_load(worker: Any) -> None:
     """Drop worker-side caches derived from the old weights; wait for device copies."""
     runner = getattr(worker, "model_runner", None)

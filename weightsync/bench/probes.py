@@ -1,7 +1,7 @@
 """Sender-side stage timers for the vLLM benchmark's profiled sync (``weightsync.bench.vllm_runner``).
 
 * ``ProbeClient`` wraps an ``InferenceEngineClient`` and, while ``recording``, sums the wall time
-  of the start, chunk and finish round trips.
+  of the start, chunk and finish round trips (and of ``apply_update``, a whole update in one).
 * ``timed_sync_fn`` / ``timed_chunks`` time a sender method (``create_request``, the broadcast
   lane's ``_send_data``) and the extractor's iterator, each bracketed by device
   synchronisations (so GPU work is counted where it is issued).
@@ -53,6 +53,16 @@ class ProbeClient:
 
     async def close_weight_transfer(self) -> None:
         await self.inner.close_weight_transfer()
+
+    @property
+    def supports_apply_update(self) -> bool:
+        return bool(getattr(self.inner, "supports_apply_update", False))
+
+    def apply_update(self, start: dict, requests: list[dict], finish: dict) -> Any:
+        import asyncio
+
+        return asyncio.ensure_future(
+            self._timed("apply_rpc_s", self.inner.apply_update(start, requests, finish)))
 
 
 def timed_sync_fn(fn: Any, times: dict[str, float], key: str, device: str) -> Any:

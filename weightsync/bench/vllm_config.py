@@ -7,8 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # cuda_ipc_1chunk: cuda_ipc with the whole model in one chunk (handles to the trainer's own CUDA
-# tensors cost no buffer, so nothing bounds the chunk: one request instead of one per bucket)
-OURS = ("broadcast", "cuda_ipc", "packed_cuda_ipc", "cuda_ipc_1chunk")
+# tensors cost no buffer, so nothing bounds the chunk: one request instead of one per bucket;
+# cuda_ipc coalesces such chunks itself now, so the two rows should agree)
+# cuda_ipc_load_weights: cuda_ipc with the loader's copy plan off (vLLM's load_weights for every
+# tensor of every sync): what the copy plan saves
+OURS = ("broadcast", "cuda_ipc", "packed_cuda_ipc", "cuda_ipc_1chunk", "cuda_ipc_load_weights")
 PER_PARAM = "per_param"  # ours, one chunk (announce + broadcast + load) per tensor
 LUDIC = "ludic"  # the Ludic/TRL protocol: one announce, one broadcast per tensor, barrier
 NATIVE = ("native_nccl", "native_ipc", "native_ipc_packed")

@@ -44,11 +44,11 @@ def format_table(result: dict[str, Any]) -> str:
     stages = result.get("stages") or {}
     if stages:
         keys = ["total_s", "extract_s", "pack_s", "send_data_s", "start_rpc_s", "chunk_rpc_s",
-                "finish_rpc_s", "engine_receive_s", "engine_load_s", "engine_finish_s",
-                "chunk_overhead_s", "noop_rpc_s"]
+                "finish_rpc_s", "apply_rpc_s", "engine_start_s", "engine_receive_s",
+                "engine_load_s", "engine_finish_s", "control_overhead_s", "noop_rpc_s"]
         lines += ["", "stage split of one profiled sync (ms; sums over chunks; every stage "
                       "synchronised):",
-                  f"{'row':18} " + " ".join(f"{k.removesuffix('_s'):>10}" for k in keys)]
+                  f"{'row':18} " + " ".join(f"{k.removesuffix('_s')[:10]:>10}" for k in keys)]
         for row, st in stages.items():
             lines.append(f"{row:18} " + " ".join(
                 f"{_fmt(st[k] * 1e3 if k in st else None, '10.2f'):>10}" for k in keys))
@@ -91,8 +91,8 @@ def plot(result: dict[str, Any], path: str) -> bool:
     ax.invert_yaxis()
     ax = axes[1]
     stages = result.get("stages") or {}
-    parts = ["extract_s", "pack_s", "start_rpc_s", "engine_receive_s", "engine_load_s",
-             "chunk_overhead_s", "finish_rpc_s"]
+    parts = ["extract_s", "pack_s", "engine_start_s", "engine_receive_s", "engine_load_s",
+             "engine_finish_s", "control_overhead_s"]
     left = [0.0] * len(stages)
     for p in parts:
         vals = [st.get(p, 0.0) * 1e3 for st in stages.values()]

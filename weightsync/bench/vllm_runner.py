@@ -198,6 +198,8 @@ class Bench:
             extractor.update(bucket_size_mb=0, group_by_module=False)
         elif row == "broadcast":
             strategy = {"type": "broadcast", "backend": backend, **common}
+        elif row == "cuda_ipc_load_weights":
+            strategy = {"type": "cuda_ipc", **common}
         elif row == "cuda_ipc_1chunk":  # one chunk: a bucket larger than the model
             whole = 2 * self.nbytes / (1 << 20) + 1
             strategy = {"type": "cuda_ipc", **common, "bucket_size_mb": whole}
@@ -216,6 +218,8 @@ class Bench:
         rec: dict[str, Any] = {"row": row, "kind": "ours", "strategy": strategy_cfg}
         client = ProbeClient(FanOutClient([llm], timeout_s=cfg.timeout_s))
         extractor = build_extractor(extractor_cfg)
+        if row == "cuda_ipc_load_weights":  # the loader without its copy plan, for this row
+            llm.collective_rpc("weightsync_setup", args=({"copy_plan": False},))
         manifest = extractor.metadata(self.module)
         version = int(rpc_one(llm, "weightsync_version"))
         engine_base = self.engine_memory(llm, reset=True)
@@ -240,6 +244,9 @@ class Bench:
             rec.update(seconds=statistics.median(times), seconds_all=times,
                        num_chunks=stats.num_chunks, num_tensors=stats.num_tensors,
                        bytes=stats.total_bytes)
+            state = rpc_one(llm, "weightsync_state")
+            rec["engine_load"] = {"load_mode": state.get("load_mode"),
+                                  "copy_plan": state.get("copy_plan")}
             peak = self.sender_memory(reset=False)
             epeak = self.engine_memory(llm, reset=False)
             rec["sender_extra_bytes"] = None if peak is None else peak - sender_base
@@ -251,6 +258,8 @@ class Bench:
             await sender.close()
             with contextlib.suppress(Exception):
                 await client.close_weight_transfer()
+            if row == "cuda_ipc_load_weights":
+                llm.collective_rpc("weightsync_setup", args=({},))
         return rec
 
     async def profiled_sync(self, row: str, sender: Any, extractor: Any, client: ProbeClient,
@@ -283,6 +292,13 @@ class Bench:
         out.update({f"engine_{k}": v for k, v in worker.items() if k != "chunks"})
         out["engine_receive_s"] = out.get("engine_chunk_s", 0.0) - out.get("engine_load_s", 0.0)
         out["chunk_overhead_s"] = out.get("chunk_rpc_s", 0.0) - out.get("engine_chunk_s", 0.0)
+        # every round trip minus the endpoint's own time in it: collective_rpc, serialisation,
+        # thread hops, and the prefix-cache reset after the finish
+        control = sum(out.get(k, 0.0) for k in ("start_rpc_s", "chunk_rpc_s", "finish_rpc_s",
+                                                 "apply_rpc_s"))
+        engine = sum(out.get(k, 0.0) for k in ("engine_start_s", "engine_chunk_s",
+                                                "engine_finish_s"))
+        out["control_overhead_s"] = control - engine
         out["noop_rpc_s"] = self.noop_rpc_seconds(llm)
         self.log(f"{row}: profiled sync {total * 1e3:.1f} ms: " + ", ".join(
             f"{k} {v * 1e3:.1f}" for k, v in out.items() if k.endswith("_s") and k != "total_s"))
@@ -391,7 +407,7 @@ class Bench:
         by = {r["row"]: r for r in self.rows if r.get("seconds")}
         pairs = {"broadcast": "native_nccl", "per_param": "native_nccl", "ludic": "native_nccl",
                  "cuda_ipc": "native_ipc", "packed_cuda_ipc": "native_ipc",
-                 "cuda_ipc_1chunk": "native_ipc"}
+                 "cuda_ipc_1chunk": "native_ipc", "cuda_ipc_load_weights": "native_ipc"}
         for row, ref in pairs.items():
             if row in by and ref in by:
                 by[row]["x_native"] = by[row]["seconds"] / by[ref]["seconds"]

@@ -21,6 +21,9 @@ anything.
   ``WeightSyncTimeout`` when no answer came within ``timeout_s``;
 * ``aclose()``: release what the channel holds (connections), not the engine.
 
+Optional: ``one_call = True`` when the channel carries the endpoint's ``apply_update`` (a
+whole update in one call); a sender then sends an update of one chunk in one round trip.
+
 ``as_channel(obj)`` adapts anything the library knows how to reach (the table ``ADAPTERS``;
 third parties add theirs with ``register_channel_adapter``).
 """
@@ -65,6 +68,7 @@ class EndpointChannel:
     endpoint takes calls in the order their tasks start."""
 
     ordered = True
+    one_call = True
 
     def __init__(self, endpoint: WeightUpdateEndpoint, *, name: str | None = None,
                  world_size: int = 1) -> None:

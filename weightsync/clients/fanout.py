@@ -129,6 +129,17 @@ class FanOutClient(InferenceEngineClient):
     async def close_weight_transfer(self) -> None:
         await self._all("close_weight_transfer", {})
 
+    @property
+    def supports_apply_update(self) -> bool:  # type: ignore[override]
+        """Every channel carries ``apply_update`` (a channel says so with ``one_call = True``)."""
+        return all(getattr(ch, "one_call", False) for ch in self.channels)
+
+    def apply_update(  # type: ignore[override]
+        self, start: dict, requests: list[dict], finish: dict
+    ) -> Awaitable[list[int | None]]:
+        """Issued to every engine before this returns, like ``update_named_weights``."""
+        return self._all("apply_update", {"start": start, "requests": requests, "finish": finish})
+
     # -- beyond the sender's needs ---------------------------------------------------------------
     async def status(self) -> list[dict[str, Any]]:
         """Every engine's ``status()`` (state, version, last error, update in progress)."""

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class LocalChannel:
     ordered = True
+    one_call = True  # the child hands every endpoint method to WeightUpdateEndpoint.call
 
     def __init__(self, engine: LocalEngineProcess, *, name: str | None = None) -> None:
         self.engine = engine

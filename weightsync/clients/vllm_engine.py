@@ -4,8 +4,9 @@ weightsync worker extension (``weightsync.loaders.vllm_worker.WORKER_EXTENSION``
 Lives in the process that owns the engine (colocated RL, tests, benchmarks). Every call is one
 ``collective_rpc("weightsync_call", method, kwargs)`` to all of the engine's workers; their
 answers are turned back into one result or the most telling error
-(``vllm_worker.raise_for_results``). After a finished update the channel resets the engine's
-prefix cache (a scheduler-level cache the workers cannot reach). The blocking ``LLM``'s calls
+(``vllm_worker.raise_for_results``). After a finished update (``finish_weight_update``, or
+``apply_update``: a whole update in one call) the channel resets the engine's prefix cache (a
+scheduler-level cache the workers cannot reach). The blocking ``LLM``'s calls
 run in a thread, so the sender's data plane proceeds at the same time.
 
 Not ordered: an ``AsyncLLM`` engine core runs utility calls in order, so two chunks in flight
@@ -24,6 +25,7 @@ from weightsync.errors import WeightSyncTimeout
 
 class VLLMChannel:
     ordered = False
+    one_call = True  # apply_update reaches the workers' endpoints like every other method
 
     def __init__(self, llm: Any, *, name: str = "vLLM engine") -> None:
         self.llm = llm
@@ -44,7 +46,8 @@ class VLLMChannel:
 
         answers = await self._rpc("weightsync_call", (method, kwargs), timeout_s)
         results = raise_for_results(answers, engine=self.name)
-        if method == "finish_weight_update" and kwargs.get("finish", {}).get("ok", True):
+        if method in ("finish_weight_update", "apply_update") and kwargs.get(
+                "finish", {}).get("ok", True):
             if asyncio.iscoroutinefunction(self.llm.reset_prefix_cache):
                 await compat.async_reset_prefix_cache(self.llm)
             else:

@@ -191,6 +191,7 @@ class HFWeightExtractor(WeightExtractor):
 
     name = "hf"
     config_cls = ExtractorConfig
+    yields_model_tensors = True  # parameters themselves; a gathered DTensor is marked fresh
 
     def _select(
         self, named: list[tuple[str, torch.Tensor]], adapters: list[str]
@@ -206,7 +207,8 @@ class HFWeightExtractor(WeightExtractor):
         self, model: Any, generator_dtype: torch.dtype | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._selected(model):
-            yield name, _full(t).detach()
+            full = _full(t)
+            yield name, full.detach() if full is t else self._fresh(full.detach())
 
     def metadata(self, model: Any, generator_dtype: Any = None) -> list[TensorMeta]:
         dtype = _as_dtype(generator_dtype)

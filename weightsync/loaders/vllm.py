@@ -52,11 +52,15 @@ _TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}
 class VLLMLoaderConfig(LoaderConfig):
     """``load_mode``: ``auto`` (reload on CPU / quantized, direct otherwise), ``direct``
     (``model.load_weights``), ``reload`` (layer-wise reload). ``strict_dtype``: refuse tensors
-    whose dtype differs from the served dtype (otherwise vLLM casts on copy)."""
+    whose dtype differs from the served dtype (otherwise vLLM casts on copy). ``copy_plan``
+    (direct mode): replay the copies ``model.load_weights`` made the first time it loaded a
+    name, instead of running it again (``weightsync.loaders.copy_plan``); False runs
+    ``model.load_weights`` for every chunk."""
 
     type: str = "vllm"
     load_mode: str = "auto"
     strict_dtype: bool = True
+    copy_plan: bool = True
 
 
 class VLLMWeightLoader(WeightLoader):
@@ -86,6 +90,12 @@ class VLLMWeightLoader(WeightLoader):
         )
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._ties = compat.tied_parameter_groups(worker)  # e.g. lm_head.weight = embed_tokens'
+        self.plan = None  # direct mode: the copies load_weights makes, replayed (copy_plan)
+        if self.mode == "direct" and self.cfg.copy_plan:
+            from weightsync.loaders.copy_plan import CopyPlan
+
+            self.plan = CopyPlan(compat.get_model(worker),
+                                 lambda items: compat.load_direct(worker, items))
         self.loads = 0
 
     # -- metadata ----------------------------------------------------------------------------
@@ -137,6 +147,8 @@ class VLLMWeightLoader(WeightLoader):
         """The endpoint validated the manifest already; reload mode also refuses an update that
         would leave a touched layer incomplete."""
         self._pending.clear()
+        if self.plan is not None:
+            self.plan.check()  # relearns if vLLM replaced a parameter since
         if start.manifest is None:
             return
         if self.mode == "reload":
@@ -159,14 +171,20 @@ class VLLMWeightLoader(WeightLoader):
         return out
 
     async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Load and wait for the copies: the tensors may be views of transfer buffers the
+        sender reuses as soon as this returns."""
         items = self._resolve_aliases(named_tensors)
         if self.mode == "direct":
-            compat.load_direct(self.worker, items)
+            if self.plan is not None:
+                self.plan.load(items)
+            else:
+                compat.load_direct(self.worker, items)
         else:
             ready = self._collect_whole_layers(items)
             if ready:
                 compat.load_reload(self.worker, ready)
                 compat.retie(self.worker, self._ties, (n for n, _ in ready))
+        compat.wait_for_copies(self.worker)
         self.loads += 1
 
     async def finish_update(self, finish: WeightUpdateFinish) -> None:

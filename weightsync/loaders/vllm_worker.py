@@ -17,7 +17,9 @@ strategy's data plane.
   of all workers back into one exception. The worker's receiver rank is the engine's
   ``rank_offset`` plus the worker's rank inside the engine.
 * ``weightsync_world_size()``, ``weightsync_version()``, ``weightsync_state()`` (the endpoint's
-  ``status()`` plus rank, world size and load mode), ``weightsync_expected_metadata()``.
+  ``status()`` plus rank, world size, load mode and, in direct mode, what the copy plan replays:
+  ``copy_plan`` = names replayed, names that always go through ``load_weights``, tensors
+  loaded each way), ``weightsync_expected_metadata()``.
 
 The endpoint owns the update lifecycle (a failing finish hook leaves it torn, and a torn worker
 refuses to serve); the extension only carries calls to it.
@@ -88,9 +90,13 @@ class WeightSyncWorkerExtension:
     def weightsync_state(self) -> dict:
         endpoint = self._ws()
         rank, size = compat.worker_rank_and_size(self)
+        plan = getattr(endpoint.loader, "plan", None)
         return {**endpoint.status().to_dict(), "rank": rank, "world_size": size,
                 "load_mode": endpoint.loader.mode,
-                "metadata_source": endpoint.loader.metadata_source}
+                "metadata_source": endpoint.loader.metadata_source,
+                "copy_plan": None if plan is None else {
+                    "names": len(plan.names), "opaque": plan.opaque[:20],
+                    "replayed": plan.replayed, "loaded": plan.loaded}}
 
     def weightsync_expected_metadata(self) -> list[dict] | None:
         meta = self._ws().loader.expected_metadata()

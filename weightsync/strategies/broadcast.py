@@ -177,7 +177,13 @@ class BroadcastStrategy(WeightTransferStrategy):
 class BroadcastSender(WeightTransferSender):
     """Rank 0. ``create_request`` packs a chunk into one of two reusable buffers (in a worker
     thread, overlapping the previous chunk's transfer); ``_transfer`` runs the go/no-go vote and
-    the broadcasts in a thread while the engines receive."""
+    the broadcasts in a thread while the engines receive.
+
+    Never one ``apply_update`` call: the separate start confirms that every engine is alive and
+    accepts the update before any rank enters a collective (with one call, an engine found dead
+    at start would leave the others in the vote until the group's timeout)."""
+
+    single_call = False
 
     def __init__(self, cfg: BroadcastConfig, group: Group, info: TorchDistributedWeightSyncInfo):
         self.cfg = cfg

@@ -36,6 +36,7 @@ from weightsync.interfaces import (
     WeightTransferSender,
     WeightTransferStrategy,
 )
+from weightsync.pipeline import coalesce
 from weightsync.strategies._every_rank import (
     EveryRankClient,
     EveryRankSender,
@@ -97,18 +98,40 @@ class CudaIpcSender(EveryRankSender, WeightTransferSender):
         self._held: dict[int, list[Any]] = {}  # id(request) -> segments / tensors kept alive
         self._lock = threading.Lock()
 
+    def _coalesce(self, chunks: Any, *, held: bool) -> Any:
+        """Chunks whose handles point at the trainer's own memory (contiguous CUDA tensors, or
+        tensors in shared weights) of ``borrowed`` chunks (or of a list the caller holds) are
+        sent as one request: they take no transfer buffer, so the bucket bounds nothing and one
+        request per update saves a control round trip per chunk. With ``every_rank`` the ranks
+        send chunk by chunk, as they come."""
+        if getattr(self, "rank_group", None) is not None:
+            return chunks
+
+        def zero_copy(chunk: WeightChunk) -> bool:
+            if not (held or chunk.borrowed):
+                return False
+            if all(t.is_cuda and t.is_contiguous() for t in chunk.tensors):
+                return True
+            return all(loc is not None for loc in locate_many(chunk.tensors))
+
+        return coalesce(chunks, zero_copy)
+
     def create_request(self, chunk: WeightChunk) -> CudaIpcWeightUpdateRequest:
         from weightsync._runtime import cuda_handles
 
-        handles: list[IpcBufferHandle] = []
+        handles: list[IpcBufferHandle | None] = []
         held: list[Any] = []
         locs = locate_many(chunk.tensors)
+        on_gpu: list[int] = []  # positions of the CUDA tensors
+        gpu: list[Any] = []
         try:
             for t, loc in zip(chunk.tensors, locs, strict=True):
                 if t.is_cuda:
                     t = t.detach().contiguous()
                     held.append(t)
-                    handles.append(cuda_handles.encode(t))
+                    gpu.append(t)
+                    on_gpu.append(len(handles))
+                    handles.append(None)  # encoded below, all at once
                 elif loc is not None:
                     held.append(t)  # the trainer's own memory: no copy
                     handles.append(
@@ -127,15 +150,19 @@ class CudaIpcSender(EveryRankSender, WeightTransferSender):
                         IpcBufferHandle(kind="shm", nbytes=src.numel(), name=seg.name,
                                         alloc_nbytes=seg.capacity)
                     )
+            if gpu:
+                for i, h in zip(on_gpu, cuda_handles.encode_many(gpu), strict=True):
+                    handles[i] = h
         except BaseException:
             self._give_back(held)
             raise
-        if any(t.is_cuda for t in chunk.tensors):
+        if gpu:
             import torch
 
             torch.cuda.synchronize()  # .contiguous() copies must land before the engine reads
         req = CudaIpcWeightUpdateRequest(
-            names=list(chunk.names), dtypes=chunk.dtypes, shapes=chunk.shapes, handles=handles
+            names=list(chunk.names), dtypes=chunk.dtypes, shapes=chunk.shapes,
+            handles=handles,  # type: ignore[arg-type]  # every None was filled above
         )
         with self._lock:
             self._held[id(req)] = held

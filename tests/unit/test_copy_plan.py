@@ -1,0 +1,158 @@
+"""``weightsync.loaders.copy_plan.CopyPlan``: copies learned from a model's own ``load_weights``
+and replayed; against a second model loaded by ``load_weights`` every time, bit for bit.
+
+The model here loads like vLLM does (fused q/k/v and gate/up filled by ``narrow`` + ``copy_``, a
+padded vocabulary, a tied head the loader skips, a ``__setitem__`` copy), plus loaders the plan
+must not replay (a transposed copy, ``fill_(item())``, a copy into a temporary). The real vLLM
+Qwen2 model is checked in ``tests/integration/test_vllm_copy_plan.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from weightsync.loaders.copy_plan import CopyPlan  # noqa: E402
+
+H, VOCAB, PADDED = 8, 6, 8
+
+
+class VllmLike(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.zeros(PADDED, H), requires_grad=False)
+        self.qkv = torch.nn.Parameter(torch.zeros(4 + 2 + 2, H), requires_grad=False)
+        self.gate_up = torch.nn.Parameter(torch.zeros(2 * 16, H), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(H), requires_grad=False)
+        self.odd = torch.nn.Parameter(torch.zeros(H, 4), requires_grad=False)
+        self.scale = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.staged = torch.nn.Parameter(torch.zeros(H), requires_grad=False)
+        self.register_buffer("inv_freq", torch.zeros(4))
+        self.seen: list[str] = []
+
+    def load_weights(self, items) -> None:
+        qkv = {"q_proj.weight": (0, 4), "k_proj.weight": (4, 2), "v_proj.weight": (6, 2)}
+        for name, t in items:
+            self.seen.append(name)
+            if name in qkv:
+                start, n = qkv[name]
+                dst = self.qkv.data.narrow(0, start, n)
+                src = t.narrow(0, 0, n)  # vLLM narrows the source even at TP=1
+                assert dst.shape == src.shape
+                dst.copy_(src)
+            elif name in ("gate_proj.weight", "up_proj.weight"):
+                k = 0 if name.startswith("gate") else 1
+                self.gate_up.data[k * 16:(k + 1) * 16] = t
+            elif name == "embed.weight":
+                self.embed.data[: t.shape[0]].copy_(t)
+            elif name == "lm_head.weight":
+                continue  # tied to the embedding: skipped, as vLLM skips it
+            elif name == "norm.weight":
+                self.norm.data.copy_(t)
+            elif name == "odd.weight":  # stored transposed: the copy goes through a new tensor
+                self.odd.data.copy_(t.t().contiguous())
+            elif name == "scale":
+                self.scale.data.fill_(t.item())
+            elif name == "staged.weight":  # through a temporary, then assigned
+                tmp = torch.empty_like(self.staged)
+                tmp.copy_(t)
+                self.staged.data = tmp
+            elif name == "inv_freq":
+                self.inv_freq.copy_(t)
+            else:
+                raise KeyError(name)
+
+
+SHAPES = {
+    "embed.weight": (VOCAB, H), "q_proj.weight": (4, H), "k_proj.weight": (2, H),
+    "v_proj.weight": (2, H), "gate_proj.weight": (16, H), "up_proj.weight": (16, H),
+    "lm_head.weight": (VOCAB, H), "norm.weight": (H,), "odd.weight": (4, H), "scale": (1,),
+    "staged.weight": (H,), "inv_freq": (4,),
+}
+REPLAYED = {"embed.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
+            "gate_proj.weight", "up_proj.weight", "lm_head.weight", "norm.weight", "inv_freq"}
+OPAQUE = {"odd.weight", "scale", "staged.weight"}
+
+
+def _state(seed: int, dtype=torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(s, generator=g).to(dtype)) for n, s in SHAPES.items()]
+
+
+def _loader(model: VllmLike):
+    def load(items) -> None:
+        with torch.no_grad():
+            model.load_weights(items)
+    return load
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    sb = b.state_dict()
+    return [n for n, t in a.state_dict().items() if not torch.equal(t, sb[n])]
+
+
+def _pair():
+    model, ref = VllmLike().to(torch.bfloat16), VllmLike().to(torch.bfloat16)
+    return model, ref, CopyPlan(model, _loader(model))
+
+
+def test_replayed_loads_equal_the_loaders_own_bit_for_bit():
+    model, ref, plan = _pair()
+    for step in range(4):
+        items = _state(step)
+        model.seen.clear()
+        plan.load(items)
+        _loader(ref)(items)
+        assert _same(model, ref) == [], step
+        if step == 0:  # learning: the real loader ran for every name
+            assert set(model.seen) == set(SHAPES)
+        else:  # replay: the loader only sees what it must always do itself
+            assert set(model.seen) == OPAQUE, step
+    assert set(plan.names) == REPLAYED
+    assert set(plan.opaque) == OPAQUE
+    assert plan.replayed == 3 * len(REPLAYED)
+    # the padded rows of the embedding were never written
+    assert torch.equal(model.embed[VOCAB:], torch.zeros(PADDED - VOCAB, H, dtype=torch.bfloat16))
+
+
+def test_a_replaced_parameter_drops_the_plan():
+    model, ref, plan = _pair()
+    plan.load(_state(0))
+    plan.load(_state(1))
+    assert plan.check()
+    model.qkv = torch.nn.Parameter(torch.zeros(8, H, dtype=torch.bfloat16), requires_grad=False)
+    ref.qkv = torch.nn.Parameter(torch.zeros(8, H, dtype=torch.bfloat16), requires_grad=False)
+    assert not plan.check() and plan.names == []
+    items = _state(2)
+    plan.load(items)
+    _loader(ref)(items)
+    assert _same(model, ref) == []
+    assert not torch.equal(model.qkv, torch.zeros_like(model.qkv))  # landed in the new tensor
+
+
+def test_a_tensor_with_other_strides_is_learned_again():
+    model, ref, plan = _pair()
+    plan.load(_state(0))
+    items = _state(1)
+    # same values, transposed storage: a plan learned on a contiguous tensor must not replay
+    items = [(n, t.t().contiguous().t() if t.dim() == 2 else t) for n, t in items]
+    assert not items[0][1].is_contiguous()
+    plan.load(items)
+    _loader(ref)(items)
+    assert _same(model, ref) == []
+
+
+def test_replay_takes_large_copies_one_by_one_and_small_ones_batched(monkeypatch):
+    import weightsync.loaders.copy_plan as cp
+
+    model, ref, plan = _pair()
+    plan.load(_state(0))
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (calls.append(len(d)), real(d, s)))
+    monkeypatch.setattr(cp, "LARGE_COPY_BYTES", 64)  # 16-row bf16 matrices are "large" now
+    items = _state(1)
+    plan.load(items)
+    _loader(ref)(items)
+    assert _same(model, ref) == []
+    assert calls and sum(calls) < len(REPLAYED)  # some went through copy_ one by one

@@ -1,0 +1,359 @@
+"""Where each checkpoint tensor's bytes land in a model, learned from the model's own loader.
+
+``CopyPlan`` lives next to a loader whose model loads checkpoint-format tensors through Python
+(vLLM's ``model.load_weights``: a mapper, fused q/k/v and gate/up, vocabulary padding, tensor
+parallel slices, one ``weight_loader`` call per tensor). That Python costs tens of microseconds
+per tensor on every update, while what it does for an unquantized layer is always the same: copy
+a view of the incoming tensor into a view of a parameter. So the first time a name is loaded,
+the plan runs the real loader on the real tensor wrapped in a recording tensor subclass and
+writes down every copy it makes (which view of the source, into which view of which
+parameter). Later loads of that name replay the copies directly, batched (one
+``torch._foreach_copy_`` for the small tensors of a dtype, a plain copy for each large one),
+with no Python per tensor beyond a shape check.
+
+A name is replayed only when everything the loader did with its tensor was understood:
+
+* views of the source (``narrow``, slicing, ``view``/``reshape`` without a copy, ``t()``, a
+  no-op ``to``/``contiguous``) followed by ``Tensor.copy_`` (or ``__setitem__``) into a view of a
+  parameter or persistent buffer of the model;
+* metadata queries (``shape``, ``size``, ``dim``, ``numel``, ``dtype``, ``device``, ...).
+
+Anything else (arithmetic, a cast that copies, ``item()``, a copy into a tensor that is not the
+model's, an in-place change of the source) makes the name *opaque*: it always goes through the
+real loader. A name the loader skipped without touching (a tied ``lm_head.weight``) is replayed as
+a no-op, which is what the loader does. A replayed name must come with the shape, strides and
+dtype it was learned with (otherwise it is learned again), and the plan is dropped when the
+model's parameters changed identity or storage since it was learned (``check``): a reload,
+``process_weights_after_loading`` that replaced a tensor, a sleep/wake cycle.
+
+Order: replayed copies run before the loader's calls for the rest of the same batch; the two
+sets write disjoint bytes for every model we know (the loader writes each byte once).
+
+Callers: ``weightsync.loaders.vllm.VLLMWeightLoader`` (direct mode), in the vLLM worker process,
+on the thread that runs the loader. Copies are asynchronous on the current CUDA stream, as the
+loader's own are: the caller synchronises before the source buffers may be reused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch  # this module is imported only where a model is loaded (a vLLM worker)
+
+#: copies at least this large go through ``copy_`` one by one (a memcpy); smaller ones are
+#: batched per dtype and device through ``torch._foreach_copy_``
+LARGE_COPY_BYTES = 1 << 20
+
+# calls on a recorded tensor that only read metadata (result is not a tensor)
+_METADATA = frozenset({
+    "shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "layout",
+    "requires_grad", "is_leaf", "names", "is_sparse", "is_quantized", "itemsize", "nbytes",
+    "size", "dim", "numel", "nelement", "stride", "is_contiguous", "storage_offset",
+    "element_size", "is_floating_point", "is_complex", "__len__", "get_device", "data_ptr",
+    "__format__", "__repr__", "__str__", "__hash__", "_is_view", "is_shared", "is_pinned",
+})
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """``dst.copy_(src.as_strided(size, stride, src.storage_offset() + delta))``."""
+
+    dst: Any  # a view of a parameter / buffer of the model
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    delta: int  # storage offset of the source view relative to the source tensor
+    identity: bool  # the source itself (same size and stride, delta 0)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: Any
+    device_type: str
+    copies: tuple[_Copy, ...]
+
+
+class CopyPlan:
+    """Learned copies for a ``model`` loaded through ``load_fn(items)`` (see the module
+    docstring). ``load(items)`` loads a batch of ``(name, tensor)``: replayed where known, the
+    rest through ``load_fn`` (recording what it does for names not seen before). Not
+    thread-safe: one loader thread."""
+
+    def __init__(self, model: Any, load_fn: Callable[[list[tuple[str, Any]]], None]) -> None:
+        self.model = model
+        self.load_fn = load_fn
+        self._entries: dict[str, _Entry] = {}
+        self._opaque: set[str] = set()
+        self._modules: list[int] | None = None  # the module tree the plan was learned on
+        self._owners: list[tuple[dict, str, Any, int]] = []  # tensors the plan writes into
+        self.replayed = 0  # tensors loaded by replay (cumulative)
+        self.loaded = 0  # tensors loaded through load_fn (cumulative)
+
+    # -- public ----------------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        """Names that are replayed."""
+        return sorted(self._entries)
+
+    @property
+    def opaque(self) -> list[str]:
+        """Names that always go through ``load_fn``."""
+        return sorted(self._opaque)
+
+    def check(self) -> bool:
+        """Drop the plan if the model changed under it since it was learned (returns whether it
+        was kept): a module of the model replaced, or a parameter / buffer the plan writes into
+        replaced or given other storage. Call before each update (a few hundred microseconds
+        for a 7B model)."""
+        if self._modules is None:
+            return True
+        same = [id(m) for m in self.model.modules()] == self._modules and all(
+            table.get(key) is t and t.data_ptr() == ptr for table, key, t, ptr in self._owners)
+        if not same:
+            self.clear()
+        return same
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._opaque.clear()
+        self._modules = None
+        self._owners = []
+
+    def load(self, items: Sequence[tuple[str, Any]]) -> None:
+        replay: list[tuple[_Entry, Any]] = []
+        learn: list[tuple[str, Any]] = []
+        rest: list[tuple[str, Any]] = []
+        for name, t in items:
+            e = self._entries.get(name)
+            if e is not None and _fits(e, t):
+                replay.append((e, t))
+            elif name in self._opaque:
+                rest.append((name, t))
+            else:
+                learn.append((name, t))
+        if replay:
+            with torch.no_grad():
+                _replay(replay)
+            self.replayed += len(replay)
+        if learn:
+            self._learn(learn)
+            self.loaded += len(learn)
+        if rest:
+            self.load_fn(rest)
+            self.loaded += len(rest)
+
+    # -- learning --------------------------------------------------------------------------
+    def _tables(self) -> Iterable[dict]:
+        """Every module's own parameter and buffer tables."""
+        for m in self.model.modules():
+            yield m._parameters
+            yield m._buffers
+
+    def _learn(self, items: list[tuple[str, Any]]) -> None:
+        owned = {t.untyped_storage().data_ptr() for table in self._tables()
+                 for t in table.values() if t is not None and t.numel()}
+        rec = _Recorder(owned)
+        wrapped = []
+        for i, (name, t) in enumerate(items):
+            w = t.as_subclass(_Recorded)
+            w._ws_source = i
+            rec.sources.append(_Source(t))
+            wrapped.append((name, w))
+        with rec.active():
+            self.load_fn(wrapped)
+        for (name, t), src in zip(items, rec.sources, strict=True):
+            if src.opaque:
+                self._opaque.add(name)
+                self._entries.pop(name, None)
+            else:
+                self._entries[name] = _Entry(tuple(t.shape), tuple(t.stride()), t.dtype,
+                                             t.device.type, tuple(src.copies))
+        self._note_owners()
+
+    def _note_owners(self) -> None:
+        """Remember the model's module tree and the tensors the plan writes into (as they are
+        after the loader ran: it may have replaced some); entries whose target is no longer
+        the model's are dropped (learned again next time)."""
+        targets = {c.dst.untyped_storage().data_ptr() for e in self._entries.values()
+                   for c in e.copies}
+        owners, found = [], set()
+        for table in self._tables():
+            for key, t in table.items():
+                if t is None or not t.numel():
+                    continue
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in targets:
+                    owners.append((table, key, t, t.data_ptr()))
+                    found.add(ptr)
+        for name in [n for n, e in self._entries.items()
+                     if any(c.dst.untyped_storage().data_ptr() not in found for c in e.copies)]:
+            del self._entries[name]
+        self._owners = owners
+        self._modules = [id(m) for m in self.model.modules()]
+
+
+def _fits(e: _Entry, t: Any) -> bool:
+    return (e.dtype == t.dtype and e.shape == tuple(t.shape) and e.stride == tuple(t.stride())
+            and e.device_type == t.device.type)
+
+
+def _replay(batch: list[tuple[_Entry, Any]]) -> None:
+    small: dict[tuple, tuple[list, list]] = {}
+    for e, t in batch:
+        for c in e.copies:
+            src = t if c.identity else t.as_strided(c.size, c.stride,
+                                                       t.storage_offset() + c.delta)
+            dst = c.dst
+            nbytes = dst.numel() * dst.element_size()
+            if (nbytes >= LARGE_COPY_BYTES or dst.dtype != src.dtype
+                    or dst.device != src.device):
+                dst.copy_(src, non_blocking=dst.device != src.device)
+            elif nbytes:
+                ds, ss = small.setdefault((dst.dtype, dst.device), ([], []))
+                ds.append(dst)
+                ss.append(src)
+    for ds, ss in small.values():
+        torch._foreach_copy_(ds, ss)
+
+
+# --------------------------------------------------------------------------------------------
+# recording
+# --------------------------------------------------------------------------------------------
+
+
+class _Source:
+    """What the loader did with one incoming tensor."""
+
+    def __init__(self, t: Any) -> None:
+        self.storage = t.untyped_storage().data_ptr()
+        self.offset = t.storage_offset()
+        self.size = tuple(t.shape)
+        self.stride = tuple(t.stride())
+        self.copies: list[_Copy] = []
+        self.opaque = False
+
+    def view_spec(self, v: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, bool] | None:
+        """(size, stride, delta, identity) of ``v`` as a view of this source, or None."""
+        if v.untyped_storage().data_ptr() != self.storage:
+            return None
+        size, stride, delta = tuple(v.shape), tuple(v.stride()), v.storage_offset() - self.offset
+        return size, stride, delta, (size == self.size and stride == self.stride and delta == 0)
+
+
+_state = threading.local()
+
+
+class _Recorder:
+    def __init__(self, owned: set[int]) -> None:
+        self.owned = owned  # storage pointers of the model's parameters and buffers
+        self.sources: list[_Source] = []
+
+    def active(self) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope() -> Any:
+            prev = getattr(_state, "recorder", None)
+            _state.recorder = self
+            try:
+                yield
+            finally:
+                _state.recorder = prev
+
+        return scope()
+
+    def copied(self, dst: Any, src: Any) -> None:
+        source = self.sources[src._ws_source]
+        spec = source.view_spec(src)
+        if spec is None or dst.untyped_storage().data_ptr() not in self.owned or not dst.numel():
+            source.opaque = True
+            return
+        size, stride, delta, identity = spec
+        if tuple(dst.shape) != size:  # broadcasting copy: not replayed
+            source.opaque = True
+            return
+        source.copies.append(_Copy(dst.detach(), size, stride, delta, identity))
+
+
+def _func_name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        owner = getattr(getattr(func, "__self__", None), "__name__", "?")
+        return owner if name == "__get__" else f"{name}:{owner}"
+    return name
+
+
+def _recorded_args(args: Any, kwargs: Any) -> list[Any]:
+    found = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, _Recorded):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+
+    walk(args)
+    walk(kwargs)
+    return found
+
+
+def _plain_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, _Recorded)
+
+
+class _Recorded(torch.Tensor):
+    """A view of an incoming tensor that reports what the loader does with it."""
+
+    _ws_source: int = -1
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        rec: _Recorder | None = getattr(_state, "recorder", None)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if rec is None:
+            return out
+        name = _func_name(func)
+        involved = _recorded_args(args, kwargs)
+        sources = {r._ws_source for r in involved}
+
+        def opaque() -> None:
+            for s in sources:
+                rec.sources[s].opaque = True
+
+        with torch._C.DisableTorchFunctionSubclass():
+            if name == "copy_" and len(args) >= 2 and _plain_tensor(args[0]) \
+                    and isinstance(args[1], _Recorded) and len(sources) == 1:
+                rec.copied(args[0], args[1])
+                return out
+            if name == "__setitem__" and len(args) >= 3 and _plain_tensor(args[0]) \
+                    and isinstance(args[2], _Recorded) and len(sources) == 1:
+                dst = args[0][args[1]]
+                if dst.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr():
+                    rec.copied(dst, args[2])
+                else:
+                    opaque()
+                return out
+            if not isinstance(out, torch.Tensor):
+                if name not in _METADATA:
+                    opaque()
+                return out
+            # a tensor result: a view of exactly one source, not written in place, stays recorded
+            in_place = name.endswith("_") and not name.endswith("__")
+            if len(sources) == 1 and not in_place and not name.startswith("__set__"):
+                (s,) = sources
+                if rec.sources[s].view_spec(out) is not None:
+                    wrapped = out.as_subclass(_Recorded)
+                    wrapped._ws_source = s
+                    return wrapped
+            opaque()
+            return out
