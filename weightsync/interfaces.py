@@ -395,7 +395,8 @@ class WeightTransferReceiver(abc.ABC):
                 f"{type(request).__name__}: sender and engine use different strategies"
             )
         try:
-            loader.validate(request.metas())
+            if not self._known_valid(request, loader):
+                loader.validate(request.metas())
         except WeightMismatchError:
             try:
                 await self.refuse(request)
@@ -403,6 +404,11 @@ class WeightTransferReceiver(abc.ABC):
                 log.warning("refusing chunk %s failed: %s", request.chunk_index, e)
             raise
         await self._receive_and_load(request, loader)
+
+    def _known_valid(self, request: WeightUpdateRequest, loader: WeightLoader) -> bool:
+        """True when ``loader`` already accepted exactly this request's metadata (a receiver
+        that caches decoded requests may know); the check is then not repeated."""
+        return False
 
     @abc.abstractmethod
     async def _receive_and_load(self, request: WeightUpdateRequest, loader: WeightLoader) -> None:

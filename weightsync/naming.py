@@ -27,6 +27,7 @@ Pure string functions, plus two helpers over ``(name, tensor)`` streams; no heav
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -101,7 +102,14 @@ def to_engine_name(name: str, *, adapter_name: str = "default") -> str | None:
 
     Raises ``NamingError`` for unmerged adapter tensors (they have no engine name).
     ``adapter_name`` is the PEFT adapter whose ``modules_to_save`` copy is the trained one.
+    A pure function of its arguments, cached (extractors call it for every tensor of every
+    sync).
     """
+    return _engine_name(name, adapter_name)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _engine_name(name: str, adapter_name: str) -> str | None:
     name = strip_wrappers(name)
     if is_lora_param(name):
         raise NamingError(

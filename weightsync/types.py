@@ -166,12 +166,14 @@ class TensorMeta:
         name, dtype, shape = d["name"], d["dtype"], d["shape"]
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor metadata: name must be a non-empty string, got {name!r}")
-        try:
-            if not isinstance(dtype, str):
-                raise ValueError(f"dtype must be a string such as 'bfloat16', got {dtype!r}")
-            str_to_dtype(dtype)
-        except ValueError as e:
-            raise ValueError(f"parameter {name!r}: {e}") from None
+        if not (isinstance(dtype, str) and dtype in _KNOWN_DTYPES):
+            try:
+                if not isinstance(dtype, str):
+                    raise ValueError(f"dtype must be a string such as 'bfloat16', got {dtype!r}")
+                str_to_dtype(dtype)
+            except ValueError as e:
+                raise ValueError(f"parameter {name!r}: {e}") from None
+            _KNOWN_DTYPES.add(dtype)
         check_shape(name, shape)
         return cls(name, dtype.removeprefix("torch."), [int(s) for s in shape])
 
@@ -230,21 +232,36 @@ class _Tagged:
         """Normalise and check field types after from_dict (subclasses extend)."""
 
 
+_PLAIN = (str, int, float, bool, type(None))
+
+
 def _to_jsonable(v: Any) -> Any:
+    if isinstance(v, _PLAIN):
+        return v
     if isinstance(v, enum.Enum):
         return v.value
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return v.to_dict() if hasattr(v, "to_dict") else dataclasses.asdict(v)
     if isinstance(v, (list, tuple)):
+        # lists of plain values (names, dtypes, a shape) are copied as they are: requests of a
+        # few hundred tensors are serialised at every sync
+        if all(type(x) in _PLAIN_TYPES for x in v):
+            return list(v)
         return [_to_jsonable(x) for x in v]
     if isinstance(v, dict):
         return {k: _to_jsonable(x) for k, x in v.items()}
     return v
 
 
+_PLAIN_TYPES = frozenset(_PLAIN)
+
+
 # --------------------------------------------------------------------------------------------
 # Weight update requests (control plane, one per chunk)
 # --------------------------------------------------------------------------------------------
+
+
+_KNOWN_DTYPES: set[str] = set()  # dtype strings str_to_dtype accepted (checked once each)
 
 
 @dataclass(kw_only=True)
@@ -285,13 +302,18 @@ class WeightUpdateRequest(_Tagged):
         if bad:
             raise ValueError(f"{type(self).__name__}: parameter names must be non-empty strings")
         for n, d in zip(self.names, self.dtypes, strict=True):
+            if isinstance(d, str) and d in _KNOWN_DTYPES:
+                continue
             try:
                 str_to_dtype(d)
             except ValueError as e:
                 raise ValueError(f"parameter {n!r}: {e}") from None
+            _KNOWN_DTYPES.add(d)
+        shapes = []
         for n, s in zip(self.names, self.shapes, strict=True):
             check_shape(n, s)
-        self.shapes = [list(s) for s in self.shapes]
+            shapes.append(s if type(s) is list else list(s))
+        self.shapes = shapes
         if self.checksums is not None:
             if not isinstance(self.checksums, (list, tuple)) or len(self.checksums) != len(
                 self.names
@@ -357,17 +379,17 @@ class IpcBufferHandle:
     alloc_nbytes: int = 0
     device_uuid: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self) -> dict[str, Any]:  # by hand: a request carries hundreds of these
+        return {"kind": self.kind, "nbytes": self.nbytes, "name": self.name,
+                "handle": self.handle, "offset": self.offset,
+                "alloc_nbytes": self.alloc_nbytes, "device_uuid": self.device_uuid}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IpcBufferHandle:
         if not isinstance(d, dict):
             raise ValueError(f"IPC handle must be a dict, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"IPC handle: unknown fields {unknown}")
+        if not d.keys() <= _HANDLE_FIELDS:
+            raise ValueError(f"IPC handle: unknown fields {sorted(set(d) - _HANDLE_FIELDS)}")
         try:
             h = cls(**d)
         except TypeError as e:
@@ -390,6 +412,8 @@ class IpcBufferHandle:
 #: the only shared-memory segments an engine maps: weightsync's transfer buffers and shared
 #: weights (``_runtime.shm``), never an arbitrary segment of the machine
 _SHM_NAME = re.compile(r"wsw?_[A-Za-z0-9_]{1,200}")
+
+_HANDLE_FIELDS = frozenset(f.name for f in dataclasses.fields(IpcBufferHandle))
 
 
 def _handles(items: list[Any]) -> list[IpcBufferHandle]:
@@ -423,8 +447,26 @@ class CudaIpcWeightUpdateRequest(WeightUpdateRequest):
     # every_rank mode: the same tensors' handles from training ranks 1.. (one list per rank,
     # parallel to ``handles``); an engine worker reads the copy on its own GPU
     replicas: list[list[IpcBufferHandle]] = field(default_factory=list)
+    # names a layout (names, dtypes, shapes, handles) the sender assigned; a request that
+    # carries only the key (names empty) means "the same layout as the request that carried
+    # this key in full before": the receivers that decoded it keep it (see CudaIpcReceiver)
+    layout_key: str = ""
+
+    @property
+    def is_reference(self) -> bool:
+        """Only ``layout_key``: the receiver fills in the rest from its cache."""
+        return bool(self.layout_key) and not self.names and not self.handles
 
     def _coerce(self) -> None:
+        if self.is_reference:
+            if self.dtypes or self.shapes or self.replicas:
+                raise ValueError("cuda_ipc request: a layout reference carries no tensors")
+            if self.checksums is not None:  # their number is checked against the layout
+                if not isinstance(self.checksums, (list, tuple)) or not all(
+                        _is_int(c) and -(1 << 63) <= c < (1 << 63) for c in self.checksums):
+                    raise ValueError("cuda_ipc request: checksums must be signed 64-bit ints")
+                self.checksums = list(self.checksums)
+            return
         super()._coerce()
         self.handles = _handles(self.handles)
         if len(self.handles) != len(self.names):

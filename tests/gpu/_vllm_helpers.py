@@ -19,6 +19,14 @@ def close(got: list[float], want: list[float]) -> bool:
     return all(abs(a - b) <= 0.03 * abs(b) + 0.05 for a, b in zip(got, want, strict=True))
 
 
+def close_scores(got: list[float], want: list[float]) -> bool:
+    """Reward scores in bf16: the error scales with the largest score (a head with std 1 gives
+    scores of ~10, and vLLM's kernels and transformers' round a small score of such a head ~0.08
+    apart, seen on an H200), while other weights move scores by whole units."""
+    tol = 0.02 * max(abs(b) for b in want) + 0.05
+    return all(abs(a - b) <= tol for a, b in zip(got, want, strict=True))
+
+
 def prompt_ids(model_dir: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 

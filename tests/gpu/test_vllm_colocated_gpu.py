@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(600)]
 from _vllm_helpers import (  # noqa: E402
     EXT,
     close,
+    close_scores,
     cuda_state,
     hf_prompt_logprobs,
     hf_scores,
@@ -57,14 +58,15 @@ def test_policy_and_reward_on_one_gpu_each_get_their_own_sync(engines):
     free, total = torch.cuda.mem_get_info()
     assert free < 0.4 * total  # both engines really hold their share of this GPU
     scores0 = vllm_scores(reward)
-    assert close(scores0, hf_scores(rm[0]))
+    assert close_scores(scores0, hf_scores(rm[0]))
     stats = sync(policy, cuda_state(lm[1]), {"type": "cuda_ipc"})
     assert stats.versions == [1]
     assert close(vllm_prompt_logprobs(policy, ids), hf_prompt_logprobs(lm[1], ids))
     assert vllm_scores(reward) == scores0  # the reward engine did not take the policy's sync
     stats = sync(reward, cuda_state(rm[1]), {"type": "packed_cuda_ipc"})
     assert stats.versions == [1]
-    assert close(vllm_scores(reward), hf_scores(rm[1]))
+    assert close_scores(vllm_scores(reward), hf_scores(rm[1]))
+    assert not close_scores(vllm_scores(reward), scores0)  # the new head really scores apart
     assert close(vllm_prompt_logprobs(policy, ids), hf_prompt_logprobs(lm[1], ids))
     (p_state,) = policy.collective_rpc("weightsync_state")
     (r_state,) = reward.collective_rpc("weightsync_state")

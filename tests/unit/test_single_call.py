@@ -165,11 +165,11 @@ def test_apply_update_with_a_failing_chunk_is_torn_and_refuses_the_rest():
                 req.update_id, req.chunk_index, req.is_last = "u1", i, i == 2
                 d = req.to_dict()
                 if i == 1:
-                    d["handles"][0]["name"] = "/ws-no-such-segment"
+                    d["handles"][0]["name"] = "ws_no_such_segment"
                 reqs.append(d)
             start = ws.WeightUpdateStart(update_id="u1", version=3).to_dict()
             finish = ws.WeightUpdateFinish(update_id="u1", version=3, num_chunks=3).to_dict()
-            with pytest.raises(Exception, match="no-such-segment"):
+            with pytest.raises(Exception, match="ws_no_such_segment"):
                 await client.apply_update(start, reqs, finish)
         finally:
             await sender.close()
@@ -216,3 +216,103 @@ def test_hf_extractor_marks_borrowed_chunks_unless_it_casts():
     assert len(own) > 1 and all(c.borrowed for c in own)
     cast = asyncio.run(chunks(torch.float64))
     assert cast and not any(c.borrowed for c in cast)
+
+
+def _shared_pair(seed: int):
+    """A trainer whose weights live in shared memory (zero-copy for cuda_ipc on the CPU) and an
+    engine endpoint with a torch_module loader."""
+    from weightsync.strategies import share_cpu_weights
+
+    trainer = _model(seed)
+    shared = share_cpu_weights(trainer)
+    module, ep, ch = _engine()
+    return trainer, shared, module, ep, ch
+
+
+def test_repeated_layouts_go_as_references_and_land_exactly():
+    """From the second sync on, cuda_ipc sends only a layout key (the trainer's memory is the
+    same); the engine reuses what it decoded, and every sync lands the new values. Memory the
+    trainer re-allocates is a new layout, sent in full."""
+    trainer, shared, module, ep, ch = _shared_pair(6)
+
+    async def run():
+        client = FanOutClient([ch])
+        sender = await _sender({"type": "cuda_ipc"}, client)
+        extractor = ws.build_extractor({"type": "hf"})
+        receiver = ep.receiver
+        try:
+            for v in range(1, 5):
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.add_(1.0)  # in place: same memory, new values
+                await sender.send_chunks(extractor.extract_weights(trainer), client, version=v)
+                assert _equal(module, trainer), v
+            assert sender.references == 3  # syncs 2..4
+            assert len(receiver.layouts) == 1
+            # a re-allocated tensor (the user replaced .data): not shared any more -> a new
+            # layout, in full, and still exact
+            w = trainer[0].weight
+            w.data = w.data.clone() * 3
+            await sender.send_chunks(extractor.extract_weights(trainer), client, version=5)
+            assert _equal(module, trainer)
+            assert sender.references == 3
+        finally:
+            await sender.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        shared.close()
+
+
+def test_a_reference_the_engine_does_not_hold_is_refused_clearly():
+    trainer, shared, module, ep, ch = _shared_pair(7)
+
+    async def run():
+        client = FanOutClient([ch])
+        sender = await _sender({"type": "cuda_ipc"}, client)
+        extractor = ws.build_extractor({"type": "hf"})
+        try:
+            await sender.send_chunks(extractor.extract_weights(trainer), client, version=1)
+            ep.receiver.layouts.clear()  # as if another sender had re-initialised the engine
+            with pytest.raises(ws.WeightSyncError, match="does not hold"):
+                await sender.send_chunks(extractor.extract_weights(trainer), client, version=2)
+            assert ep.version == 1 and ep.state is EndpointState.IDLE  # refused before loading
+            # the sender forgot its layouts after the failure: the next sync is sent in full
+            await sender.send_chunks(extractor.extract_weights(trainer), client, version=3)
+            assert ep.version == 3 and _equal(module, trainer)
+        finally:
+            await sender.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        shared.close()
+
+
+def test_cached_views_are_rebuilt_after_a_mapping_was_dropped():
+    trainer, shared, module, ep, ch = _shared_pair(8)
+
+    async def run():
+        client = FanOutClient([ch])
+        sender = await _sender({"type": "cuda_ipc"}, client)
+        extractor = ws.build_extractor({"type": "hf"})
+        try:
+            await sender.send_chunks(extractor.extract_weights(trainer), client, version=1)
+            receiver = ep.receiver
+            (layout,) = receiver.layouts.values()
+            first = layout.views
+            receiver.buffers.segments.close()  # every mapping dropped: the epoch moves on
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.mul_(-1.0)
+            await sender.send_chunks(extractor.extract_weights(trainer), client, version=2)
+            assert sender.references == 1 and _equal(module, trainer)
+            assert layout.views is not first  # rebuilt over the new mappings
+        finally:
+            await sender.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        shared.close()

@@ -238,6 +238,7 @@ class CudaHandleCache:
         self.max_handles = max_handles
         self._open: OrderedDict[str, tuple[int, int, torch.Tensor]] = OrderedDict()
         self.opened = 0
+        self.closed = 0  # handles closed so far (views made before may be dangling)
 
     def view(self, h: IpcBufferHandle) -> torch.Tensor:
         """uint8 tensor over the ``h.nbytes`` bytes at ``h.offset`` of the shared allocation."""
@@ -282,6 +283,7 @@ class CudaHandleCache:
     def _close(self, key: str) -> None:
         import torch
 
+        self.closed += 1
         index, ptr, whole = self._open.pop(key)
         del whole
         with torch.cuda.device(index):

@@ -195,6 +195,7 @@ class AttachedSegments:
         self._bytes = 0
         self._largest = 0
         self.attached = 0  # attach calls so far (tests check caching)
+        self.dropped = 0  # mappings dropped so far (views made before may be stale)
 
     @property
     def bound_bytes(self) -> int:
@@ -235,6 +236,7 @@ class AttachedSegments:
             self._drop(name)
 
     def _drop(self, name: str) -> None:
+        self.dropped += 1
         m = self._pinned.pop(name, None)
         if m is None:
             m = self._open.pop(name)

@@ -45,7 +45,8 @@ def format_table(result: dict[str, Any]) -> str:
     if stages:
         keys = ["total_s", "extract_s", "pack_s", "send_data_s", "start_rpc_s", "chunk_rpc_s",
                 "finish_rpc_s", "apply_rpc_s", "engine_start_s", "engine_receive_s",
-                "engine_load_s", "engine_finish_s", "control_overhead_s", "noop_rpc_s"]
+                "engine_load_s", "engine_finish_s", "control_overhead_s", "noop_rpc_s",
+                "prefix_reset_s"]
         lines += ["", "stage split of one profiled sync (ms; sums over chunks; every stage "
                       "synchronised):",
                   f"{'row':18} " + " ".join(f"{k.removesuffix('_s')[:10]:>10}" for k in keys)]

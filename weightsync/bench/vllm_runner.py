@@ -300,6 +300,13 @@ class Bench:
                                                 "engine_finish_s"))
         out["control_overhead_s"] = control - engine
         out["noop_rpc_s"] = self.noop_rpc_seconds(llm)
+        # vLLM's prefix-cache reset alone (the channel runs it after every finished update; its
+        # cost grows with the number of KV-cache blocks: a Python loop over all of them)
+        from weightsync._runtime import vllm_compat as compat
+
+        t0 = time.perf_counter()
+        compat.reset_prefix_cache(llm)
+        out["prefix_reset_s"] = time.perf_counter() - t0
         self.log(f"{row}: profiled sync {total * 1e3:.1f} ms: " + ", ".join(
             f"{k} {v * 1e3:.1f}" for k, v in out.items() if k.endswith("_s") and k != "total_s"))
         return out

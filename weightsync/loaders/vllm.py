@@ -131,12 +131,14 @@ class VLLMWeightLoader(WeightLoader):
     def validate(self, metas) -> None:  # type: ignore[override]
         """Names, shapes and (with ``strict_dtype``) dtypes against the served checkpoint; every
         offender listed. The endpoint adds the update's training-mode policy."""
+        from collections import Counter
+
         from weightsync.validation import find_mismatches
 
         metas = list(metas)
-        names = [m.name for m in metas]
-        offenders = [f"{n}: sent more than once in one update" for n in sorted(
-            {n for n in names if names.count(n) > 1})]
+        counts = Counter(m.name for m in metas)
+        offenders = [f"{n}: sent more than once in one update"
+                     for n in sorted(n for n, c in counts.items() if c > 1)]
         if self._meta is not None:
             offenders += find_mismatches(metas, self._meta, check_dtype=self.cfg.strict_dtype)
         if offenders:

@@ -23,6 +23,12 @@ class IpcBufferOpener:
         self._max_cuda_handles = max_cuda_handles
         self._cuda: Any = None
 
+    @property
+    def epoch(self) -> int:
+        """Changes whenever a mapping is dropped or a handle closed: views made under another
+        epoch may point at memory that is gone."""
+        return self.segments.dropped + (self._cuda.closed if self._cuda is not None else 0)
+
     def begin_sync(self) -> None:
         """Called at an update's first chunk (drops mappings of segments the sender removed)."""
         self.segments.begin_sync()

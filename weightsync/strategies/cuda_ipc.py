@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightsync._runtime.copy import copy_into
@@ -97,6 +99,10 @@ class CudaIpcSender(EveryRankSender, WeightTransferSender):
         self.pool = SizedSegmentPool(max_free_bytes=2 * bucket_bytes(cfg), room_for_largest=True)
         self._held: dict[int, list[Any]] = {}  # id(request) -> segments / tensors kept alive
         self._lock = threading.Lock()
+        # layouts every engine has decoded: signature -> layout key (see create_request)
+        self._known: OrderedDict[tuple, str] = OrderedDict()
+        self._new_layout: dict[int, tuple[tuple, str]] = {}  # id(request) -> (signature, key)
+        self.references = 0  # requests sent as a layout reference (tests and benchmarks read it)
 
     def _coalesce(self, chunks: Any, *, held: bool) -> Any:
         """Chunks whose handles point at the trainer's own memory (contiguous CUDA tensors, or
@@ -124,6 +130,7 @@ class CudaIpcSender(EveryRankSender, WeightTransferSender):
         locs = locate_many(chunk.tensors)
         on_gpu: list[int] = []  # positions of the CUDA tensors
         gpu: list[Any] = []
+        shared = 0  # tensors read from shared weights
         try:
             for t, loc in zip(chunk.tensors, locs, strict=True):
                 if t.is_cuda:
@@ -139,6 +146,7 @@ class CudaIpcSender(EveryRankSender, WeightTransferSender):
                                         alloc_nbytes=loc.segment_nbytes)
                     )
                     self.shared_tensors += 1
+                    shared += 1
                 else:
                     src = as_bytes(t)
                     self.copied_tensors += 1
@@ -160,12 +168,38 @@ class CudaIpcSender(EveryRankSender, WeightTransferSender):
             import torch
 
             torch.cuda.synchronize()  # .contiguous() copies must land before the engine reads
-        req = CudaIpcWeightUpdateRequest(
-            names=list(chunk.names), dtypes=chunk.dtypes, shapes=chunk.shapes,
-            handles=handles,  # type: ignore[arg-type]  # every None was filled above
-        )
+        req = self._request(chunk, handles, zero_copy=len(gpu) + shared == len(chunk))  # type: ignore[arg-type]
         with self._lock:
             self._held[id(req)] = held
+        return req
+
+    def _request(self, chunk: WeightChunk, handles: list[IpcBufferHandle],
+                 zero_copy: bool) -> CudaIpcWeightUpdateRequest:
+        """The chunk's request. A chunk of the trainer's own memory (CUDA tensors, shared
+        weights) whose names, dtypes, shapes and handles equal those of a request every engine
+        already decoded goes as a reference to that layout: a few bytes instead of a few
+        hundred handles, and the engines reuse what they decoded (their views included). The
+        signature holds the allocation handles, so memory the trainer re-allocated is a new
+        layout."""
+        dtypes, shapes = chunk.dtypes, chunk.shapes
+        if not zero_copy or getattr(self, "rank_group", None) is not None:
+            return CudaIpcWeightUpdateRequest(names=list(chunk.names), dtypes=dtypes,
+                                              shapes=shapes, handles=handles)
+        sig = (tuple(chunk.names), tuple(dtypes), tuple(map(tuple, shapes)),
+               tuple((h.kind, h.name, h.handle, h.offset, h.nbytes, h.device_uuid)
+                     for h in handles))
+        with self._lock:
+            key = self._known.get(sig)
+            if key is not None:
+                self._known.move_to_end(sig)
+        if key is not None:
+            self.references += 1
+            return CudaIpcWeightUpdateRequest(names=[], dtypes=[], shapes=[], layout_key=key)
+        key = uuid.uuid4().hex
+        req = CudaIpcWeightUpdateRequest(names=list(chunk.names), dtypes=dtypes, shapes=shapes,
+                                         handles=handles, layout_key=key)
+        with self._lock:
+            self._new_layout[id(req)] = (sig, key)
         return req
 
     async def _transfer(
@@ -175,12 +209,24 @@ class CudaIpcSender(EveryRankSender, WeightTransferSender):
         inference_client: InferenceEngineClient,
     ) -> None:
         await self.share_handles(request)
-        await call_engines(inference_client, request,
-                           self.cfg.chunk_timeout_s(request.total_size_bytes))
+        try:
+            await call_engines(inference_client, request,
+                               self.cfg.chunk_timeout_s(chunk.total_size_bytes))
+        except BaseException:
+            with self._lock:  # whatever the engines hold now, send every layout in full again
+                self._known.clear()
+            raise
+        with self._lock:
+            new = self._new_layout.pop(id(request), None)
+            if new is not None:  # every engine decoded it: later syncs may refer to it
+                self._known[new[0]] = new[1]
+                while len(self._known) > MAX_KNOWN_LAYOUTS:
+                    self._known.popitem(last=False)
 
     def _release(self, request: WeightUpdateRequest) -> None:
         with self._lock:
             held = self._held.pop(id(request), [])
+            self._new_layout.pop(id(request), None)
         self._give_back(held)
 
     def _give_back(self, held: list[Any]) -> None:
@@ -208,6 +254,42 @@ class CudaIpcReceiver(WeightTransferReceiver):
         self.rank_offset = rank_offset
         self.last_replica = 0  # which rank's copy the last chunk was read from (every_rank)
         self.buffers = IpcBufferOpener(AttachedSegments(max_bytes=4 * bucket_bytes(cfg)))
+        # layouts decoded from requests that carried a layout key, most recent last
+        self.layouts: OrderedDict[str, _Layout] = OrderedDict()
+
+    def parse_request(self, request_dict: dict) -> WeightUpdateRequest:
+        """As the base class; a layout reference is filled in from the layout the same key
+        carried in full before (a key this receiver does not hold is an error that says so)."""
+        req = super().parse_request(request_dict)
+        key = getattr(req, "layout_key", "")
+        if not key:
+            return req
+        if req.is_reference:
+            layout = self.layouts.get(key)
+            if layout is None:
+                raise WeightSyncError(
+                    f"cuda_ipc: the request refers to layout {key[:8]}, which this engine "
+                    f"does not hold (its receiver was re-initialised by another sender?); "
+                    f"connect again (a new sender sends every layout in full)"
+                )
+            self.layouts.move_to_end(key)
+            full = layout.request
+            req.names, req.dtypes, req.shapes = full.names, full.dtypes, full.shapes
+            req.handles, req.replicas = full.handles, full.replicas
+            if req.checksums is not None and len(req.checksums) != len(req.names):
+                raise WeightSyncError(
+                    f"cuda_ipc: {len(req.checksums)} checksums for layout {key[:8]} of "
+                    f"{len(req.names)} tensors"
+                )
+        else:
+            self.layouts[key] = _Layout(req)
+            while len(self.layouts) > MAX_KNOWN_LAYOUTS * 2:
+                self.layouts.popitem(last=False)
+        return req
+
+    def _known_valid(self, request: WeightUpdateRequest, loader: WeightLoader) -> bool:
+        layout = self.layouts.get(getattr(request, "layout_key", "") or "")
+        return layout is not None and layout.valid_for is _engine_loader(loader)
 
     async def _receive_and_load(
         self, request: WeightUpdateRequest, loader: WeightLoader
@@ -216,6 +298,20 @@ class CudaIpcReceiver(WeightTransferReceiver):
             self.buffers.begin_sync()
         handles, self.last_replica = pick_replica(request.handles, request.replicas,
                                                   self.rank_offset)
+        layout = self.layouts.get(getattr(request, "layout_key", "") or "")
+        if (layout is not None and layout.views is not None
+                and layout.epoch == self.buffers.epoch and layout.replica == self.last_replica):
+            tensors = layout.views  # same memory, same views: nothing to open or rebuild
+        else:
+            tensors = self._views(request, handles)
+            if layout is not None:
+                layout.views, layout.epoch = tensors, self.buffers.epoch
+                layout.replica = self.last_replica
+        if layout is not None:  # the template validated it before calling us
+            layout.valid_for = _engine_loader(loader)
+        await loader.load_weights(tensors)
+
+    def _views(self, request: WeightUpdateRequest, handles: list[IpcBufferHandle]) -> dict:
         raws = []
         for m, h in zip(request.metas(), handles, strict=True):
             if h.nbytes != m.nbytes:
@@ -225,15 +321,37 @@ class CudaIpcReceiver(WeightTransferReceiver):
             raws.append(self.buffers.open(h))
         n = len(raws)
         try:
-            tensors = views_into(raws, request.names, request.dtypes, request.shapes, range(n),
-                                 [0] * n)
+            return views_into(raws, request.names, request.dtypes, request.shapes, range(n),
+                              [0] * n)
         except ValueError as e:
             raise WeightSyncError(f"cuda_ipc request: {e}") from None
-        await loader.load_weights(tensors)
 
 
     def close(self) -> None:
         self.buffers.close()
+
+
+#: layouts a sender refers to (the receivers keep twice as many)
+MAX_KNOWN_LAYOUTS = 8
+
+
+def _engine_loader(loader: Any) -> Any:
+    """The engine's own loader behind the per-update sink the endpoint hands receivers (the
+    sink is new at every update; the loader's verdict on a layout's metadata is not)."""
+    return getattr(loader, "loader", loader)
+
+
+class _Layout:
+    """A decoded request of one layout key (receiver side): its metadata and handles, the
+    loader that accepted its metadata, and the tensor views over its buffers with the opener
+    epoch and replica they were made under."""
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.valid_for: Any = None
+        self.views: dict | None = None
+        self.epoch = -1
+        self.replica = 0
 
 
 class CudaIpcStrategy(WeightTransferStrategy):
