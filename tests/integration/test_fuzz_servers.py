@@ -264,7 +264,7 @@ def _safe(value):
     if isinstance(info, dict):
         info = dict(info)
         for key in ("join_timeout_s", "timeout_s"):
-            v = info.get(key)
+            v = info.get(key, 1.0)  # a dropped timeout means the default: tens of seconds
             if isinstance(v, (int, float)) and not isinstance(v, bool) and (
                     math.isfinite(v) and v > 0.5):
                 info[key] = 0.5

@@ -163,6 +163,7 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
         # vLLM mounts its elastic-EP admin routes on every server; without elastic EP they can
         # only fail (a 500) or try to rescale the engine, and nothing guards them: drop them
         _drop_routes(app, ELASTIC_EP_PATHS)
+    _drop_routes(app, unserved_paths(app.state))
     mount(app, _health_router(engine))
     mount(app, control_router(control, ludic, api_key=cfg.api_key,
                               max_body_bytes=cfg.max_body_bytes))
@@ -173,6 +174,28 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
 
 #: vLLM's admin routes that make sense only with ``--enable-elastic-ep``
 ELASTIC_EP_PATHS = ("/scale_elastic_ep", "/is_scaling_elastic_ep")
+
+
+#: vLLM routes mounted whatever the model, served by the handler in ``app.state.<attr>``; when
+#: vLLM leaves that handler ``None`` (the model cannot do it) the route only answers 501
+#: ("the model does not support ..."): such a route is not served here, so it is not mounted (404)
+HANDLER_ROUTES: dict[str, tuple[str, ...]] = {
+    "serving_structured_decisions": ("/v1/systemone",),
+    "serving_pooling": ("/pooling",),
+    "serving_classification": ("/classify",),
+    "serving_scores": ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"),
+    "serving_embedding": ("/v1/embeddings", "/v2/embed"),
+    "serving_render": ("/v1/chat/completions/render", "/v1/messages/render",
+                       "/v1/completions/render", "/v1/responses/render"),
+    "serving_derender": ("/v1/chat/completions/derender", "/v1/completions/derender"),
+}
+
+
+def unserved_paths(state: Any) -> tuple[str, ...]:
+    """The paths of ``HANDLER_ROUTES`` whose handler vLLM set to ``None`` on ``state`` (an
+    attribute vLLM does not set at all is left alone: that version serves the route itself)."""
+    return tuple(path for attr, paths in HANDLER_ROUTES.items()
+                 if hasattr(state, attr) and getattr(state, attr) is None for path in paths)
 
 
 def _drop_routes(app: Any, paths: tuple[str, ...]) -> None:
