@@ -17,8 +17,9 @@ Rows (``--rows``):
 
 * ours, end to end (extract -> transfer -> ``load_weights`` in vLLM -> version published), through
   ``FanOutClient`` + ``build_strategy`` + ``send_chunks``: ``broadcast``, ``cuda_ipc``,
-  ``packed_cuda_ipc``, and ``cuda_ipc_1chunk`` (``cuda_ipc`` with the whole model in one chunk:
-  its handles point at the trainer's own tensors, so no buffer bounds the chunk);
+  ``packed_cuda_ipc``, ``cuda_ipc_1chunk`` (``cuda_ipc`` with the whole model in one chunk:
+  its handles point at the trainer's own tensors, so no buffer bounds the chunk) and
+  ``cuda_ipc_load_weights`` (``cuda_ipc`` with the loader's copy plan off);
 * ``per_param``: ours made per-parameter (one announce, one broadcast and one ``load_weights``
   per tensor), through the same client with one chunk per tensor and no packing;
 * ``ludic``: the Ludic / TRL client's protocol (``weightsync.bench.ludic``): one announce of the
@@ -32,8 +33,9 @@ Rows (``--rows``):
 
 Every row: ``--warmup`` syncs, then ``--repeats`` timed ones (each moves new values: the trainer
 negates its weights first); ``seconds`` is their median. Then, for ours, one more *profiled*
-sync split by stage (extract, pack, sender data plane, start / chunk / finish round trips, and in
-the engine worker: chunk handling, ``load_weights``, finish), every stage bracketed by device
+sync split by stage (extract, pack, sender data plane, start / chunk / finish round trips or the
+one ``apply_update`` call, and in the engine worker: start, chunk handling, ``load_weights`` or
+the copy plan, finish), every stage bracketed by device
 synchronisations, so its total is a little slower than the median. After each row every engine
 parameter is compared with what the trainer holds by on-device checksums
 (``weightsync.bench.checksum``); on CPU, where vLLM repacks linear weights and they cannot be
