@@ -182,9 +182,13 @@ def error_from_http(status: int, body: Any, *, where: str) -> BaseException:
     offenders -> ``WeightMismatchError``, 400 -> ``ValueError``, 409 -> ``UpdateRefusedError``
     (``CommunicatorReplacedError`` when the reason says the communicator was replaced), 502 ->
     ``EngineDiedError``, 422 -> ``ChecksumMismatchError``, 503 -> ``UpdateIncompleteError``, 504 -> ``WeightSyncTimeout``,
-    anything else ``WeightSyncError``.
+    anything else ``WeightSyncError``. OpenAI's shape ``{"error": {"message", ...}}`` (vLLM's
+    OpenAI routes) gives its message as the detail.
     """
     data = body if isinstance(body, Mapping) else {"detail": str(body)[:2000]}
+    openai = data.get("error")
+    if "detail" not in data and isinstance(openai, Mapping):
+        data = {"detail": openai.get("message", str(openai))}
     detail = str(data.get("detail", data.get("error", "")))
     offenders = list(data.get("offenders") or [])
     kind = data.get("error_type")

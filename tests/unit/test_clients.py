@@ -279,6 +279,9 @@ def test_codec_statuses_and_bodies_without_a_type():
     assert type(error_from_http(504, "gateway", where=w)) is WeightSyncTimeout
     other = error_from_http(418, {"detail": "teapot"}, where=w)
     assert type(other) is WeightSyncError and "HTTP 418: teapot" in str(other) and w in str(other)
+    openai = error_from_http(400, {"error": {"message": "max_tokens: must be >= 1",
+                                             "type": "BadRequestError", "code": 400}}, where=w)
+    assert type(openai) is ValueError and str(openai).endswith("max_tokens: must be >= 1")
     unknown = error_from_dict({"error_type": "KeyError", "error": "'x'"}, engine="e")
     assert type(unknown) is WeightSyncError and "e: KeyError: 'x'" in str(unknown)
 

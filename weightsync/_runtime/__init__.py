@@ -11,6 +11,8 @@
 - ``cuda_handles``: CUDA IPC handles as plain fields and the receiver's handle cache.
 - ``process_group``: a private torch.distributed group (gloo / NCCL) with its own store.
 - ``vllm_compat``: the one place that knows vLLM's version-specific internals.
+- ``http``: the trainer-side HTTP clients' plumbing (``LoopClients``: an httpx client per event
+  loop; ``error_from_response``).
 
 Modules outside weightsync must not import from here; inside weightsync, this is the one package
 whose modules other packages may import although its name is private. Nothing here is imported

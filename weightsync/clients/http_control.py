@@ -26,16 +26,11 @@ chunk in flight. With ``api_key`` every call sends ``Authorization: Bearer <key>
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-from weightsync.errors import (
-    EngineDiedError,
-    WeightSyncError,
-    WeightSyncTimeout,
-    error_from_http,
-)
+from weightsync._runtime.http import LoopClients, error_from_response
+from weightsync.errors import EngineDiedError, WeightSyncError, WeightSyncTimeout
 
 
 class HttpChannel:
@@ -51,7 +46,9 @@ class HttpChannel:
         self.timeout_s = float(timeout_s)
         self.communicator_id: int | None = None
         self._training_mode: str | None = None
-        self._clients: dict[int, Any] = {}  # per event loop (httpx clients are loop-bound)
+        self._http = LoopClients(
+            timeout_s=self.timeout_s,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
     async def world_size(self) -> int:
         answer = await self._request("GET", "/get_world_size", None, self.timeout_s)
@@ -105,26 +102,15 @@ class HttpChannel:
         return body
 
     # -- HTTP plumbing -------------------------------------------------------------------------
-    def _http(self) -> Any:
-        import httpx
-
-        key = id(asyncio.get_running_loop())
-        client = self._clients.get(key)
-        if client is None or client.is_closed:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(self.timeout_s))
-            self._clients = {key: client}
-        return client
-
     async def _request(self, verb: str, path: str, body: dict | None, timeout_s: float) -> dict:
         import httpx
 
         where = self.base_url + path
         try:
             if verb == "GET":
-                r = await self._http().get(where, timeout=timeout_s)
+                r = await self._http.get().get(where, timeout=timeout_s)
             else:
-                r = await self._http().post(where, json=body or {}, timeout=timeout_s)
+                r = await self._http.get().post(where, json=body or {}, timeout=timeout_s)
         except httpx.TimeoutException as e:
             raise WeightSyncTimeout(
                 f"{where}: no answer within {timeout_s:g}s ({type(e).__name__})"
@@ -135,19 +121,10 @@ class HttpChannel:
             raise WeightSyncError(f"{where}: {type(e).__name__}: {e}") from None
         if r.status_code < 400:
             return r.json()
-        try:
-            answer: Any = r.json()
-        except ValueError:
-            answer = {"detail": r.text[:2000]}
-        raise error_from_http(r.status_code, answer, where=where)
+        raise error_from_response(where, r)
 
     async def aclose(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for c in clients:
-            try:
-                await c.aclose()
-            except RuntimeError:  # its loop is gone
-                pass
+        await self._http.aclose()
 
     def __repr__(self) -> str:
         return f"HttpChannel({self.base_url!r})"

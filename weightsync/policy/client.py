@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from weightsync._runtime.http import LoopClients, error_from_response
 from weightsync.errors import WeightSyncError
 from weightsync.policy.types import ChatCompletionRequest, ChatResponse
 from weightsync.types import SyncStats
@@ -70,7 +71,7 @@ class VLLMChatClient:
         self.connection_timeout_s = connection_timeout_s
         self.request_timeout_s = request_timeout_s
         self.last_sync_stats: SyncStats | None = None
-        self._http_clients: dict[int, Any] = {}
+        self._http = LoopClients(timeout_s=request_timeout_s)
         self._loop: Any = None  # the LoopThread that owns the weight-sync session
         self._sync: Any = None
         self._wait_for_server()
@@ -150,7 +151,7 @@ class VLLMChatClient:
 
     async def get_policy_version(self) -> int:
         """The version the server serves now (``GET /runtime_version``)."""
-        r = await self._http().get(self.server_url + "/runtime_version")
+        r = await self._http.get().get(self.server_url + "/runtime_version")
         r.raise_for_status()
         return int(r.json()["version"])
 
@@ -161,7 +162,7 @@ class VLLMChatClient:
         r = httpx.post(self.server_url + "/reset_prefix_cache", headers=self._auth(),
                        timeout=self.request_timeout_s)
         if r.status_code != 200:
-            raise _http_error(self.server_url + "/reset_prefix_cache", r)
+            raise error_from_response(self.server_url + "/reset_prefix_cache", r)
 
     def close_communicator(self) -> None:
         """Leave the weight-sync group (the server drops its receivers); a later
@@ -196,10 +197,10 @@ class VLLMChatClient:
         payload.update(request.extra_body)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         t0 = time.perf_counter()
-        r = await self._http().post(self.server_url + path, json=payload)
+        r = await self._http.get().post(self.server_url + path, json=payload)
         latency = time.perf_counter() - t0
         if r.status_code != 200:
-            raise _http_error(self.server_url + path, r)
+            raise error_from_response(self.server_url + path, r)
         body = r.json()
         version = int(r.headers["x-weight-version"]) if "x-weight-version" in r.headers else None
         response = _parse_choice(body, chat, version)
@@ -208,7 +209,7 @@ class VLLMChatClient:
         return response, info
 
     async def _model(self) -> str:
-        r = await self._http().get(self.server_url + "/v1/models")
+        r = await self._http.get().get(self.server_url + "/v1/models")
         r.raise_for_status()
         self.model = str(r.json()["data"][0]["id"])
         return self.model
@@ -217,24 +218,9 @@ class VLLMChatClient:
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def _http(self) -> Any:
-        import httpx
-
-        key = id(asyncio.get_running_loop())
-        client = self._http_clients.get(key)
-        if client is None or client.is_closed:
-            client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s))
-            self._http_clients = {key: client}
-        return client
-
     async def aclose(self) -> None:
         """Close the HTTP clients of this loop and the weight-sync session."""
-        clients, self._http_clients = list(self._http_clients.values()), {}
-        for c in clients:
-            try:
-                await c.aclose()
-            except RuntimeError:  # its loop is gone
-                pass
+        await self._http.aclose()
         await asyncio.to_thread(self.close_communicator)
 
     async def __aenter__(self) -> VLLMChatClient:
@@ -260,15 +246,3 @@ def _parse_choice(body: dict, chat: bool, version: int | None) -> ChatResponse:
         completion_token_ids=choice.get("token_ids"), prompt_token_ids=prompt_ids,
         completion_logprobs=logprobs, weight_version=version,
     )
-
-
-def _http_error(where: str, r: Any) -> BaseException:
-    from weightsync.errors import error_from_http
-
-    try:
-        body: Any = r.json()
-    except ValueError:
-        body = {"detail": r.text[:2000]}
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):  # OpenAI's error shape
-        body = {"detail": body["error"].get("message", str(body["error"]))}
-    return error_from_http(r.status_code, body, where=where)

@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncIterable, Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
+from weightsync._runtime.http import LoopClients, error_from_response
 from weightsync._runtime.threads import LoopThread
 from weightsync.errors import (
     CommunicatorReplacedError,
@@ -148,7 +149,7 @@ class VLLMRewardClient:
         if strategy is not None or self.device is not None:
             self.strategy_cfg = self._strategy_cfg(str(self.device or "cpu"))
         self.last_sync_stats: SyncStats | None = None
-        self._http_clients: dict[int, Any] = {}
+        self._http = LoopClients(timeout_s=request_timeout_s)
         self._engine_client: FanOutClient | None = None
         self._strategy: Any = None
         self._sender: Any = None
@@ -177,16 +178,6 @@ class VLLMRewardClient:
         return cfg
 
     # -- HTTP ---------------------------------------------------------------------------------
-    def _http(self) -> Any:
-        import httpx
-
-        key = id(asyncio.get_running_loop())
-        client = self._http_clients.get(key)
-        if client is None or client.is_closed:
-            client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s))
-            self._http_clients = {key: client}
-        return client
-
     async def wait_for_server(self, timeout_s: float | None = None) -> None:
         """Poll ``/health`` until the server answers (at most ``connection_timeout_s``), then
         run the tokenizer check when a tokenizer was given."""
@@ -196,7 +187,7 @@ class VLLMRewardClient:
         last = ""
         while True:
             try:
-                r = await self._http().get(self.base_url + "/health", timeout=5.0)
+                r = await self._http.get().get(self.base_url + "/health", timeout=5.0)
                 if r.status_code == 200 and r.json().get("type") == "reward_model":
                     break
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
@@ -222,7 +213,7 @@ class VLLMRewardClient:
             from transformers import AutoTokenizer
 
             tok = self.tokenizer = AutoTokenizer.from_pretrained(tok)
-        http = self._http()
+        http = self._http.get()
         for text in TOKENIZER_PROBES:
             mine = list(tok(text)["input_ids"])
             r = await http.post(self.base_url + "/tokenize", json={"prompt": text})
@@ -252,11 +243,11 @@ class VLLMRewardClient:
         if request.model is None and self.model_name is not None:
             request = dataclasses.replace(request, model=self.model_name)
         t0 = time.perf_counter()
-        r = await self._http().post(self.base_url + "/score", json=request.to_dict())
+        r = await self._http.get().post(self.base_url + "/score", json=request.to_dict())
         info = {"latency_s": time.perf_counter() - t0, "status": r.status_code,
                 "url": self.base_url + "/score", "num_inputs": len(request)}
         if r.status_code >= 400:
-            err = _http_error(self.base_url + "/score", r)
+            err = error_from_response(self.base_url + "/score", r)
             if r.status_code == 503 and "in progress" in str(err):
                 raise WeightSyncError(str(err))  # waiting for an update, not torn: retryable
             raise err
@@ -290,9 +281,9 @@ class VLLMRewardClient:
     async def get_model_version(self) -> int:
         """The weight version the server serves now (``/runtime_version``)."""
         await self._ensure_server()
-        r = await self._http().get(self.base_url + "/runtime_version")
+        r = await self._http.get().get(self.base_url + "/runtime_version")
         if r.status_code >= 400:
-            raise _http_error(self.base_url + "/runtime_version", r)
+            raise error_from_response(self.base_url + "/runtime_version", r)
         return int(r.json()["version"])
 
     # -- weight sync --------------------------------------------------------------------------
@@ -450,12 +441,7 @@ class VLLMRewardClient:
         await self._drop_sender()
         if self._engine_client is not None:
             await self._engine_client.aclose()
-        clients, self._http_clients = list(self._http_clients.values()), {}
-        for c in clients:
-            try:
-                await c.aclose()
-            except RuntimeError:
-                pass
+        await self._http.aclose()
 
     def close_sync(self) -> None:
         """Blocking twin of ``close``; also stops the private loop thread."""
@@ -466,22 +452,11 @@ class VLLMRewardClient:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._twin.run(coro)
 
-
     async def __aenter__(self) -> VLLMRewardClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
-
-
-def _http_error(where: str, r: Any) -> BaseException:
-    from weightsync.errors import error_from_http
-
-    try:
-        body: Any = r.json()
-    except ValueError:
-        body = {"detail": r.text[:2000]}
-    return error_from_http(r.status_code, body, where=where)
 
 
 def _served(stats: SyncStats) -> str:
