@@ -3,11 +3,13 @@ benchmarks).
 
 Pure formatting, no heavy imports. ``Progress`` prints ``[  12.3s] message`` lines to a stream
 (stdout by default), flushed at once so a user watching a slow start sees where it is;
-``progress_bar`` draws the bar the RLHF loop puts in each step's line.
+``progress_bar`` draws the bar the RLHF loop puts in each step's line; ``nan_to_none`` makes a
+result's ``--json`` record (a NaN, "not measured", becomes null).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -37,6 +39,18 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
     filled = round(width * min(max(done, 0), total) / total)
     digits = len(str(total))
     return f"[{'#' * filled}{'-' * (width - filled)}] {done:>{digits}}/{total}"
+
+
+def nan_to_none(x: Any) -> Any:
+    """``x`` with every NaN float, also inside dicts and lists, replaced by None (a JSON
+    record's "not measured")."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [nan_to_none(v) for v in x]
+    return x
 
 
 def _cell(v: Any) -> str:

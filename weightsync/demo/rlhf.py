@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.demo.config import DemoConfig
-from weightsync.demo.report import Progress, progress_bar
+from weightsync.demo.report import Progress, nan_to_none, progress_bar
 from weightsync.demo.server import signals_raise_system_exit
 
 POLICY_NAME = "tiny-policy"  # the policy server's served model name
@@ -106,19 +106,9 @@ class RLHFResult:
         return not self.failures
 
     def to_dict(self) -> dict[str, Any]:
-        d = _nan_to_none(dataclasses.asdict(self))
+        d = nan_to_none(dataclasses.asdict(self))
         d["passed"] = self.passed
         return d
-
-
-def _nan_to_none(x: Any) -> Any:
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_nan_to_none(v) for v in x]
-    return x
 
 
 def _mean(xs: list[float]) -> float:
@@ -325,20 +315,6 @@ class RLHFRun:
         return _RewardModel(demo_train.all_params(model), texts, scores)
 
     # -- the loop ------------------------------------------------------------------------------
-    def _reward_client(self) -> Any:
-        from weightsync.demo.server import free_port
-        from weightsync.reward.client import VLLMRewardClient
-
-        strategy = dict(self.cfg.strategy)
-        host = self.reward_server.host
-        if strategy.get("type") == "broadcast":  # the trainer hosts the group; loopback here
-            strategy.setdefault("master_addr", host)
-            strategy.setdefault("master_port", free_port(host))
-        return VLLMRewardClient(
-            host, self.reward_server.port, group_port=strategy.get("master_port"),
-            connection_timeout_s=self.cfg.server.startup_timeout_s, enable_weight_updates=True,
-            device=self.cfg.train.device, strategy=strategy)
-
     async def push_reward_model(self, client: Any, rm: _RewardModel) -> None:
         from weightsync.demo.data import pairwise_accuracy
         from weightsync.reward.types import RewardModelTrainingMode
@@ -365,12 +341,13 @@ class RLHFRun:
         import httpx
 
         import weightsync as ws
+        from weightsync.demo.run import _reward_client
         from weightsync.reward.presets import make_grpo_with_rm
 
         c, r = self.cfg.rlhf, self.result
         policy_url = self.policy_server.url
         algo = make_grpo_with_rm(group_size=c.group_size, mode="replace")
-        async with self._reward_client() as rm_client, \
+        async with _reward_client(self.cfg, self.reward_server) as rm_client, \
                 httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as http:
             await self.push_reward_model(rm_client, rm)
             scorer = algo.make_scorer(rm_client)

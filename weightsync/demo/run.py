@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
 import os
 import tempfile
 import time
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.demo.config import DemoConfig
-from weightsync.demo.report import Progress
+from weightsync.demo.report import Progress, nan_to_none
 from weightsync.demo.server import signals_raise_system_exit
 
 
@@ -69,10 +68,7 @@ class DemoResult:
         return not self.failures
 
     def to_dict(self) -> dict[str, Any]:
-        d = {
-            k: (None if isinstance(v, float) and math.isnan(v) else v)
-            for k, v in dataclasses.asdict(self).items()
-        }
+        d = nan_to_none(dataclasses.asdict(self))
         d["passed"] = self.passed
         return d
 
@@ -255,26 +251,11 @@ class DemoRun:
         self.result.server_ready_seconds = self.progress.elapsed
         self.progress(f"reward server healthy (waited {waited:.1f}s more)")
 
-    def _client(self) -> Any:
-        from weightsync.demo.server import free_port
-        from weightsync.reward.client import VLLMRewardClient
-
-        host = self.server.host
-        strategy = dict(self.cfg.strategy)
-        if strategy.get("type") == "broadcast":  # the trainer hosts the group; loopback here
-            strategy.setdefault("master_addr", host)
-            strategy.setdefault("master_port", free_port(host))
-        return VLLMRewardClient(
-            host, self.server.port, group_port=strategy.get("master_port"),
-            connection_timeout_s=self.cfg.server.startup_timeout_s,
-            enable_weight_updates=True, device=self.cfg.train.device, strategy=strategy,
-        )
-
     async def score_sync_score(self, t: _Trained) -> None:
         from weightsync.demo.data import pairwise_accuracy
 
         r, progress, n = self.result, self.progress, t.num_pairs
-        async with self._client() as client:
+        async with _reward_client(self.cfg, self.server) as client:
             r.version_before = int(await client.get_model_version())
             before = _floats(await client.score_batch(t.eval_texts))
             r.accuracy_before = pairwise_accuracy(before[:n], before[n:])
@@ -327,6 +308,24 @@ def _floats(scores: list[Any]) -> list[float]:
 
 def _max_abs_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def _reward_client(cfg: DemoConfig, server: Any) -> Any:
+    """A ``VLLMRewardClient`` for the demo's reward server (``server``: its ``ServerProcess``)
+    that syncs with the configured strategy; a broadcast group is hosted by this process on the
+    server's host, on a free port."""
+    from weightsync.demo.server import free_port
+    from weightsync.reward.client import VLLMRewardClient
+
+    strategy = dict(cfg.strategy)
+    if strategy.get("type") == "broadcast":
+        strategy.setdefault("master_addr", server.host)
+        strategy.setdefault("master_port", free_port(server.host))
+    return VLLMRewardClient(
+        server.host, server.port, group_port=strategy.get("master_port"),
+        connection_timeout_s=cfg.server.startup_timeout_s, enable_weight_updates=True,
+        device=cfg.train.device, strategy=strategy,
+    )
 
 
 def _quiet_transformers() -> None:
