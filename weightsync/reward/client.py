@@ -300,9 +300,7 @@ class VLLMRewardClient:
         FSDP / DDP prefixes stripped), the training mode selects what is sent (HEAD_ONLY keeps
         the head and warns about the rest) and checks it: bad input raises
         ``WeightMismatchError`` before any byte moves and changes nothing."""
-        self._check_enabled()
-        mode = RewardModelTrainingMode.parse(training_mode)
-        named = select_params(params, mode, self.head_name_patterns)  # errors here, not later
+        named, mode = self._selected(params, training_mode)  # errors here, not on the loop
         return self._run(self._sync_named(named, mode, version, timeout_s))
 
     async def sync_weights_async(
@@ -314,10 +312,18 @@ class VLLMRewardClient:
         timeout_s: float = 600.0,
     ) -> str:
         """Coroutine twin of ``sync_weights``."""
+        named, mode = self._selected(params, training_mode)
+        return await self._sync_named(named, mode, version, timeout_s)
+
+    def _selected(
+        self, params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        training_mode: RewardModelTrainingMode | str,
+    ) -> tuple[list[tuple[str, torch.Tensor]], RewardModelTrainingMode]:
+        """What a sync sends: the mode's selection of ``params`` under engine names (refused
+        when updates are disabled, or when the selection breaks the mode)."""
         self._check_enabled()
         mode = RewardModelTrainingMode.parse(training_mode)
-        named = select_params(params, mode, self.head_name_patterns)
-        return await self._sync_named(named, mode, version, timeout_s)
+        return select_params(params, mode, self.head_name_patterns), mode
 
     async def _sync_named(
         self, named: list[tuple[str, torch.Tensor]], mode: RewardModelTrainingMode,
