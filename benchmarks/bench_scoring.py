@@ -142,8 +142,8 @@ def row(method: str, batch: int | str, texts: list[str], seconds: float, scores:
 def bench_server(model_dir: str, texts: list[str], batch_sizes: list[int], repeats: int,
                  ref: TransformersReference, scratch: str,
                  progress: Callable[[str], None]) -> list[dict]:
-    from weightsync.demo.server import RewardServerProcess
     from weightsync.reward.client import VLLMRewardClient
+    from weightsync.testing.servers import RewardServerProcess
 
     recs = []
     with RewardServerProcess(model_dir, scratch_dir=scratch, extra_args=SERVER_ARGS) as server:
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = list(os.getloadavg())  # other work on the machine skews absolute figures
     texts = make_texts(args.num_texts)
     recs: list[dict] = []
-    from weightsync.demo.server import signals_raise_system_exit
+    from weightsync.testing.servers import signals_raise_system_exit
 
     with signals_raise_system_exit(), tempfile.TemporaryDirectory(prefix="bench-scoring-") as scratch:
         os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(scratch, "vllm-cache"))

@@ -78,7 +78,7 @@ def backbone_state(shape: str, dtype: str) -> dict[str, Any]:
 
 
 def start(kind: str, model_dir: str, scratch: str, dtype: str) -> Any:
-    from weightsync.demo.server import RewardServerProcess
+    from weightsync.testing.servers import RewardServerProcess
 
     common = ["--api-key", API_KEY, "--max-model-len", "256", "--log-level", "warning"]
     if kind == "policy":
@@ -149,7 +149,7 @@ class LudicPusher:
         import httpx
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-        from weightsync.demo.server import free_port
+        from weightsync.testing.servers import free_port
 
         self.url, self.state = url, state
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"},

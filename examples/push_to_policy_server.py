@@ -64,8 +64,8 @@ def run(url: str, model_dir: str, api_key: str | None, steps: int) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from weightsync.demo.server import free_port
     from weightsync.policy import VLLMChatClient
+    from weightsync.testing.servers import free_port
 
     torch.set_num_threads(1)  # leave the other core to the server
     parsed = urllib.parse.urlparse(url)
@@ -108,7 +108,7 @@ def main() -> int:
             p.error("--url needs --model-dir (the trainer starts from the served weights)")
         return run(args.url, args.model_dir, args.api_key, args.steps)
 
-    from weightsync.demo.server import RewardServerProcess, signals_raise_system_exit
+    from weightsync.testing.servers import RewardServerProcess, signals_raise_system_exit
     from weightsync.testing.tiny_models import build_tiny_causal_lm
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -108,7 +108,7 @@ def main() -> None:
 
     import torch
 
-    from weightsync.demo.server import (
+    from weightsync.testing.servers import (
         PolicyServerProcess,
         RewardServerProcess,
         started_or_attached,

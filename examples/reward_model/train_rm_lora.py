@@ -109,7 +109,7 @@ def main() -> None:
 
     import torch
 
-    from weightsync.demo.server import RewardServerProcess, started_or_attached
+    from weightsync.testing.servers import RewardServerProcess, started_or_attached
     from weightsync.testing.tiny_models import build_tiny_reward_model
 
     torch.set_num_threads(1)

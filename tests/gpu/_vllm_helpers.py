@@ -44,15 +44,21 @@ def vllm_prompt_logprobs(llm: Any, ids: list[list[int]]) -> list[float]:
             for i in range(1, len(p))]
 
 
-def hf_prompt_logprobs(model_dir: str, ids: list[list[int]]) -> list[float]:
+def hf_prompt_logprobs(model: Any, ids: list[list[int]]) -> list[float]:
+    """transformers' log-probability of every prompt token after the first: ``model`` on its
+    device, or a checkpoint directory (loaded in bf16 onto the current GPU)."""
+    import os
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    if isinstance(model, (str, os.PathLike)):
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+    device = next(model.parameters()).device
     out = []
     with torch.no_grad():
         for p in ids:
-            lp = model(torch.tensor([p], device="cuda")).logits.float().log_softmax(-1)[0]
+            lp = model(torch.tensor([p], device=device)).logits.float().log_softmax(-1)[0]
             out += [float(lp[i - 1, p[i]]) for i in range(1, len(p))]
     return out
 
@@ -122,65 +128,3 @@ def start_llm(model_dir: str, gpus: str, *, tp: int = 1, memory: float = 0.3,
         return LLM(model=model_dir, dtype="bfloat16", tensor_parallel_size=tp, max_model_len=256,
                    gpu_memory_utilization=memory, enforce_eager=True,
                    worker_extension_cls=extension or BENCH_EXTENSION, seed=0)
-
-
-def start_server(module: str, model_dir: str, log_path: str, args: list[str], *,
-                 env: dict[str, str], timeout_s: float = 240.0) -> tuple[Any, str]:
-    """``python -m module --model DIR --port P ARGS`` in its own process group (with ``env``
-    added, e.g. ``CUDA_VISIBLE_DEVICES``); returns (process, base URL) once /health is 200."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--model", model_dir, "--port", str(port), *args],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{module} exited ({proc.returncode}):\n{_tail(log_path)}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop_server(proc)
-            raise RuntimeError(f"{module} not up in {timeout_s:g}s:\n{_tail(log_path)}")
-        time.sleep(0.5)
-
-
-def stop_server(proc: Any) -> None:
-    import os
-    import signal
-    import subprocess
-
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait(timeout=10)
-
-
-def _tail(path: str, n: int = 40) -> str:
-    try:
-        with open(path) as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""

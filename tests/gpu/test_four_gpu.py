@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import statistics
 import time
 
 import pytest
+
+from weightsync.testing.servers import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(560)]
 
@@ -109,12 +110,6 @@ def test_fanout_one_push_into_two_engines(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, root: str) -> None:
     from datetime import timedelta
 
@@ -190,7 +185,7 @@ def test_fsdp2_on_two_gpus_into_tp2_engine_on_two_others(tmp_path):
 
     root = str(tmp_path)
     _models(root)
-    mp.spawn(_rank_main, args=(2, _free_port(), root), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), root), nprocs=2, join=True)
     r0 = json.loads((tmp_path / "fsdp-tp2-rank0.json").read_text())
     assert "error" not in r0, r0
     assert r0["versions"] == [1] and r0["chunks"] > 2 and r0["tp"] == [2, 2]

@@ -13,20 +13,15 @@ import asyncio
 import hashlib
 import json
 import os
-import socket
 from datetime import timedelta
 
 import pytest
 
+from weightsync.testing.servers import free_port
+
 pytestmark = pytest.mark.gpu
 
 BUCKET_MB = 0.25
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _digest(t) -> str:
@@ -135,7 +130,7 @@ def test_sharded_extractor_on_two_gpus(tmp_path, kind: str) -> None:
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "report.json")
-    mp.spawn(_rank_main, args=(2, _free_port(), kind, out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), kind, out), nprocs=2, join=True)
     with open(out) as f:
         r = json.load(f)
     expected = [n for n in _model().state_dict() if n != "lm_head.weight"]

@@ -18,17 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 
+from weightsync.testing.servers import free_port
+
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(560)]
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank_main(rank: int, world: int, port: int, kind: str, strategy: str, root: str) -> None:
     from datetime import timedelta
@@ -76,21 +71,12 @@ def _trainer_model(kind: str, new: str, rank: int, world: int):
 
 def _reference_logprobs(kind: str, model, new: str, ids: list[list[int]]) -> list[float]:
     """Rank 0: transformers on the full weights the trainer holds."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    import copy
 
-    if kind == "fsdp":
-        ref = AutoModelForCausalLM.from_pretrained(new, dtype=torch.bfloat16).cuda(0)
-    else:
-        import copy
+    from _vllm_helpers import hf_prompt_logprobs
 
-        ref = copy.deepcopy(model).merge_and_unload()
-    out = []
-    with torch.no_grad():
-        for p in ids:
-            lp = ref(torch.tensor([p], device="cuda:0")).logits.float().log_softmax(-1)[0]
-            out += [float(lp[i - 1, p[i]]) for i in range(1, len(p))]
-    return out
+    return hf_prompt_logprobs(new if kind == "fsdp" else copy.deepcopy(model).merge_and_unload(),
+                              ids)
 
 
 async def _rank_async(rank: int, world: int, kind: str, strategy: str, root: str) -> None:
@@ -165,7 +151,7 @@ def test_hybrid_fsdp2_tp2_engine_on_the_same_gpus(tmp_path, kind, strategy):
                          num_kv_heads=2, seed=0)
     build_tiny_causal_lm(os.path.join(root, "new"), hidden_size=128, num_heads=2,
                          num_kv_heads=2, seed=5)
-    mp.spawn(_rank_main, args=(2, _free_port(), kind, strategy, root), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), kind, strategy, root), nprocs=2, join=True)
     r0, r1 = (json.load(open(os.path.join(root, f"{kind}-{strategy}-rank{r}.json")))  # noqa: SIM115
               for r in (0, 1))
     assert "error" not in r0 and "error" not in r1, (r0, r1)

@@ -4,15 +4,13 @@ NCCL). Afterwards what the server serves equals the trainer's model (bf16 tolera
 
 * ``serve-reward`` (pooling): ``/score`` against transformers' scores;
 * ``serve-policy`` (generative, vLLM's OpenAI app + our control plane): prompt logprobs from
-  ``/v1/completions`` against transformers' (skipped in a checkout without
-  ``weightsync.servers.policy``).
+  ``/v1/completions`` against transformers'.
 
 Both servers share GPU 1 (reward about 25% of its memory, policy about 45%)."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 
 import pytest
 
@@ -43,17 +41,20 @@ def _push(url: str, model) -> object:
 def test_broadcast_into_reward_server_on_gpu1(tmp_path):
     _need_two_gpus()
     import torch
-    from _vllm_helpers import close, hf_scores, start_server, stop_server
+    from _vllm_helpers import close, hf_scores
     from transformers import AutoModelForSequenceClassification
 
+    from weightsync.testing.servers import RewardServerProcess
     from weightsync.testing.tiny_models import build_tiny_reward_model
 
     base = build_tiny_reward_model(tmp_path / "base", seed=0, head_std=1.0)
     new = build_tiny_reward_model(tmp_path / "new", seed=5, head_std=1.0)
-    proc, url = start_server(
-        "weightsync.servers.reward", base, str(tmp_path / "reward.log"),
-        ["--api-key", API_KEY, "--dtype", "bfloat16", "--max-model-len", "256",
-         "--gpu-memory-utilization", "0.25", "--enforce-eager"], env=GPU1)
+    server = RewardServerProcess(
+        base, log_path=str(tmp_path / "reward.log"), env=GPU1,
+        extra_args=["--api-key", API_KEY, "--dtype", "bfloat16", "--max-model-len", "256",
+                    "--gpu-memory-utilization", "0.25", "--enforce-eager"],
+    ).start_healthy()
+    url = server.url
     try:
         from weightsync.reward import VLLMRewardClient
 
@@ -74,27 +75,28 @@ def test_broadcast_into_reward_server_on_gpu1(tmp_path):
         assert close(after, hf_scores(new)), (after, hf_scores(new))
         assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 0.5
     finally:
-        stop_server(proc)
+        server.stop()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("weightsync.servers.policy") is None,
-                    reason="weightsync.servers.policy (serve-policy) is not in this checkout")
 def test_broadcast_into_policy_server_on_gpu1(tmp_path):
     _need_two_gpus()
     import httpx
     import torch
-    from _vllm_helpers import close, hf_prompt_logprobs, prompt_ids, start_server, stop_server
+    from _vllm_helpers import close, hf_prompt_logprobs, prompt_ids
     from transformers import AutoModelForCausalLM
 
+    from weightsync.testing.servers import PolicyServerProcess
     from weightsync.testing.tiny_models import build_tiny_causal_lm
 
     base = build_tiny_causal_lm(tmp_path / "base", seed=0)
     new = build_tiny_causal_lm(tmp_path / "new", seed=5)
     ids = prompt_ids(base)
-    proc, url = start_server(
-        "weightsync.servers.policy", base, str(tmp_path / "policy.log"),
-        ["--api-key", API_KEY, "--dtype", "bfloat16", "--max-model-len", "256",
-         "--gpu-memory-utilization", "0.45", "--enforce-eager"], env=GPU1)
+    server = PolicyServerProcess(
+        base, log_path=str(tmp_path / "policy.log"), env=GPU1,
+        extra_args=["--api-key", API_KEY, "--dtype", "bfloat16", "--max-model-len", "256",
+                    "--gpu-memory-utilization", "0.45", "--enforce-eager"],
+    ).start_healthy()
+    url = server.url
 
     def served() -> list[float]:
         out = []
@@ -118,4 +120,4 @@ def test_broadcast_into_policy_server_on_gpu1(tmp_path):
         assert stats.versions == [1]
         assert close(after, hf_prompt_logprobs(new, ids)), after
     finally:
-        stop_server(proc)
+        server.stop()

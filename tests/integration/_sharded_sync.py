@@ -5,15 +5,10 @@ that pushes a sharded model from training rank 0 into a real ``LocalEngineProces
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Callable
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from weightsync.testing.servers import free_port
 
 
 def _gloo_rank(rank: int, world: int, port: int, rank_async: Callable[..., Any], out: str) -> None:

@@ -4,7 +4,8 @@ session (vLLM CPU, ~25 s and ~2.4 GB each; each starts when a test first asks fo
 ``reward_server`` starts ``python -m weightsync.servers.reward`` on a tiny 1-label Qwen2 reward
 model on 127.0.0.1 (a free port, an API key) and yields a ``RewardServerHandle``:
 
-* ``url``, ``port``, ``api_key``, ``model_dir`` (the base weights), ``proc``;
+* ``url``, ``port``, ``api_key``, ``model_dir`` (the base weights), ``process`` (its
+  ``weightsync.testing.servers.ServerProcess``);
 * ``client(**kw)``: a ``VLLMRewardClient`` for it (close it, or use ``async with``);
 * ``restore()``: sync the base weights back (FULL) and return the new version.
 
@@ -16,8 +17,8 @@ receivers from an older one, which then re-joins on its next sync).
 ``policy_server`` starts ``python -m weightsync.servers.policy`` (vLLM's OpenAI server plus our
 control plane) on a tiny tied-embedding Llama causal LM, fp32, with a chat template, on a free
 port with an API key, and yields a ``PolicyServerHandle``: ``url``, ``port``, ``api_key``,
-``model_dir``, ``headers`` (the token), ``push(weights, version=None)`` (our dialect: a
-strategy sender + ``FanOutClient`` over the URL), ``restore()`` (push the base weights back). The
+``model_dir``, ``headers`` (the token), ``push(weights, version=None)`` (our dialect, through
+the front door ``ws.connect(...).push``), ``restore()`` (push the base weights back). The
 same sharing rules hold.
 """
 
@@ -25,35 +26,36 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from weightsync.testing.servers import PolicyServerProcess, RewardServerProcess, ServerProcess
+
 API_KEY = "test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: what every test server gets: a short context and a small KV cache (2 cores, 24 GiB shared)
+SMALL_SERVER = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+                "--log-level", "warning"]
 
 
 @dataclass
-class RewardServerHandle:
+class ServerHandle:
+    """A server the tests share: where it is, its token, the weights it started on, and its
+    process (None: a server started outside the tests, see the fixtures)."""
+
     url: str
     port: int
     api_key: str
     model_dir: str
-    proc: subprocess.Popen | None  # None: a server started outside the tests (see below)
-    log_path: str
-    _clients: list[Any] = field(default_factory=list)
+    process: ServerProcess | None
 
+    def log_tail(self, n_chars: int = 4000) -> str:
+        return self.process.log_tail(n_chars) if self.process is not None else ""
+
+
+@dataclass
+class RewardServerHandle(ServerHandle):
     def client(self, **kwargs: Any) -> Any:
         from weightsync.reward import VLLMRewardClient
 
@@ -74,51 +76,15 @@ class RewardServerHandle:
         finally:
             client.close_sync()
 
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            with open(self.log_path) as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
 
-
-def start_server(
-    module: str, model_dir: str, log_path: str, *, api_key: str | None, args: list[str],
-    timeout_s: float = 180.0,
-) -> tuple[subprocess.Popen, int]:
-    """Start ``python -m module --model DIR --port P ...`` and wait until /health answers 200
-    (or fail with its log)."""
-    import httpx
-
-    port = free_port()
-    cmd = [sys.executable, "-m", module, "--model", model_dir, "--port", str(port), *args]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{module} exited ({proc.returncode}):\n{_tail(log_path)}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, port
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            _stop(proc)
-            raise RuntimeError(f"{module} not up in {timeout_s:g}s:\n{_tail(log_path)}")
-        time.sleep(0.5)
-
-
-def _tail(path: str, n: int = 40) -> str:
-    try:
-        with open(path) as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
+def start_server(server_cls: type[ServerProcess], model_dir: str, log_path: str, *,
+                 api_key: str | None, args: list[str], timeout_s: float = 180.0
+                 ) -> ServerProcess:
+    """Start ``server_cls`` on ``model_dir`` (its output to ``log_path``) and wait until /health
+    answers 200 (or fail with its log)."""
+    token = ["--api-key", api_key] if api_key else []
+    return server_cls(model_dir, log_path=log_path,
+                      extra_args=[*args, *token]).start_healthy(timeout_s=timeout_s)
 
 
 def start_reward_server(
@@ -126,44 +92,15 @@ def start_reward_server(
     timeout_s: float = 180.0,
 ) -> RewardServerHandle:
     """Start a reward server subprocess and wait until /health answers (or fail with its log)."""
-    proc, port = start_server(
-        "weightsync.servers.reward", model_dir, log_path, api_key=api_key, timeout_s=timeout_s,
-        args=["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
-              "--log-level", "warning", *(extra or [])],
-    )
-    return RewardServerHandle(f"http://127.0.0.1:{port}", port, api_key or "", model_dir,
-                              proc, log_path)
+    server = start_server(RewardServerProcess, model_dir, log_path, api_key=api_key,
+                          timeout_s=timeout_s, args=[*SMALL_SERVER, *(extra or [])])
+    return RewardServerHandle(server.url, server.port, api_key or "", model_dir, server)
 
 
-def stop_reward_server(handle: Any) -> None:
-    """SIGTERM the server's process group (it shuts vLLM down), SIGKILL if it lingers."""
-    if handle.proc is not None:
-        _stop(handle.proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the group; let its last members (vLLM's engine core, Python's resource tracker,
-    which unlinks the engine's /dev/shm segments once the others are gone) leave by themselves;
-    SIGKILL only what is still there after the grace (a SIGKILL before the tracker ran leaks
-    the segments)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            pass
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)  # anyone left in the group?
-        except (ProcessLookupError, PermissionError):
-            break
-        time.sleep(0.2)
-    try:  # the engine core / worker children share the process group
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait(timeout=10)
+def stop_server(handle: ServerHandle) -> None:
+    """Stop a server the tests started (its whole process group; see ``ServerProcess.stop``)."""
+    if handle.process is not None:
+        handle.process.stop()
 
 
 @pytest.fixture(scope="session")
@@ -182,14 +119,14 @@ def reward_server(tiny_reward_model_dir: str, tmp_path_factory: pytest.TempPathF
     if external:
         port, _, model_dir = external.partition(":")
         yield RewardServerHandle(f"http://127.0.0.1:{port}", int(port), API_KEY, model_dir,
-                                 None, "")
+                                 None)
         return
     log_path = str(tmp_path_factory.mktemp("reward-server") / "server.log")
     handle = start_reward_server(tiny_reward_model_dir, log_path)
     try:
         yield handle
     finally:
-        stop_reward_server(handle)
+        stop_server(handle)
 
 
 @pytest.fixture(scope="session")
@@ -203,12 +140,12 @@ def reward_server_launcher():
         started.append(handle)
         return handle
 
-    launch.stop = stop_reward_server  # type: ignore[attr-defined]
+    launch.stop = stop_server  # type: ignore[attr-defined]
     try:
         yield launch
     finally:
         for h in started:
-            stop_reward_server(h)
+            stop_server(h)
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,14 +159,7 @@ CHAT_TEMPLATE = (
 
 
 @dataclass
-class PolicyServerHandle:
-    url: str
-    port: int
-    api_key: str
-    model_dir: str
-    proc: subprocess.Popen | None
-    log_path: str
-
+class PolicyServerHandle(ServerHandle):
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
@@ -252,9 +182,6 @@ class PolicyServerHandle:
         stats = self.push(load_file(os.path.join(self.model_dir, "model.safetensors")))
         return int(stats.versions[0])
 
-    def log_tail(self, n: int = 40) -> str:
-        return _tail(self.log_path, n)
-
 
 async def push_over_http(url: str, api_key: str, weights: Any, *, version: int | None = None,
                          strategy: Any = None) -> Any:
@@ -271,14 +198,12 @@ def start_policy_server(model_dir: str, log_path: str, *, api_key: str | None = 
     template = os.path.join(os.path.dirname(log_path), "chat_template.jinja")
     with open(template, "w") as f:
         f.write(CHAT_TEMPLATE)
-    proc, port = start_server(
-        "weightsync.servers.policy", model_dir, log_path, api_key=api_key,
-        args=["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
-              "--log-level", "warning", "--seed", "0", "--chat-template", template,
+    server = start_server(
+        PolicyServerProcess, model_dir, log_path, api_key=api_key,
+        args=[*SMALL_SERVER, "--seed", "0", "--chat-template", template,
               "--served-model-name", "tiny-policy", *(extra or [])],
     )
-    return PolicyServerHandle(f"http://127.0.0.1:{port}", port, api_key or "", model_dir,
-                              proc, log_path)
+    return PolicyServerHandle(server.url, server.port, api_key or "", model_dir, server)
 
 
 @pytest.fixture(scope="session")
@@ -297,11 +222,11 @@ def policy_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     if external:
         port, _, model_dir = external.partition(":")
         yield PolicyServerHandle(f"http://127.0.0.1:{port}", int(port), API_KEY, model_dir,
-                                 None, "")
+                                 None)
         return
     log_path = str(tmp_path_factory.mktemp("policy-server") / "server.log")
     handle = start_policy_server(request.getfixturevalue("tiny_policy_model_dir"), log_path)
     try:
         yield handle
     finally:
-        stop_reward_server(handle)
+        stop_server(handle)

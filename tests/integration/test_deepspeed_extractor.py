@@ -21,7 +21,9 @@ import os
 from datetime import timedelta
 
 import pytest
-from _sharded_sync import batch, check_report, free_port, sync_loop, tiny_qwen2
+from _sharded_sync import batch, check_report, sync_loop, tiny_qwen2
+
+from weightsync.testing.servers import free_port
 
 pytestmark = pytest.mark.slow
 

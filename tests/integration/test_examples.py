@@ -52,7 +52,7 @@ def test_push_to_ray_actors_example():
 def test_readme_example_pushes_into_a_real_policy_server(tiny_policy_model_dir, tmp_path):
     """A policy server of its own (versions start at 0, as in a fresh deployment): the README's
     loop pushes steps 1..3; afterwards the server serves version 3 and its completions say so."""
-    from conftest import start_policy_server, stop_reward_server
+    from conftest import start_policy_server, stop_server
 
     server = start_policy_server(tiny_policy_model_dir, str(tmp_path / "server.log"))
     try:
@@ -67,4 +67,4 @@ def test_readme_example_pushes_into_a_real_policy_server(tiny_policy_model_dir, 
                        json={"model": "tiny-policy", "prompt": "hello", "max_tokens": 2})
         assert r.status_code == 200 and r.headers["x-weight-version"] == "3"
     finally:
-        stop_reward_server(server)
+        stop_server(server)

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 from _policy_ref import PROMPTS, TOL, Reference, max_diff
-from conftest import free_port
 
 from weightsync.errors import WeightMismatchError, WeightSyncError
+from weightsync.testing.servers import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,8 @@ import httpx
 import pytest
 import torch
 from _policy_ref import PROMPTS, TOL, Reference, check_against, prompt_lps, served
-from conftest import free_port
+
+from weightsync.testing.servers import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -265,7 +265,7 @@ SPEC_TRAINER = textwrap.dedent('''
 def test_a_trainer_knowing_only_the_design_pushes_and_scores(restored, hf, tmp_path):
     from safetensors.torch import save_file
 
-    from weightsync.demo.server import free_port
+    from weightsync.testing.servers import free_port
 
     tok, model = hf
     g = torch.Generator().manual_seed(11)

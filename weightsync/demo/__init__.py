@@ -9,7 +9,7 @@
   trainer's policy copy), ``plot`` (the PNG).
 - ``run``: the reward-model cycle (``run_demo(cfg) -> DemoResult``).
 - ``config`` (typed config, the ``demo`` preset), ``data`` (synthetic preferences), ``train``
-  (Bradley-Terry), ``server`` (the servers as subprocesses), ``report``.
+  (Bradley-Terry), ``report``; the servers run as subprocesses (``weightsync.testing.servers``).
 """
 
 from weightsync.demo.cli import apply_overrides, build_parser, main, rlhf_tables, summary_table

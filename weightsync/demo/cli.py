@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         print("weightsync demo: interrupted", file=sys.stderr)
         result.failures.append("interrupted")
         code = 130
-    except SystemExit as e:  # SIGTERM / SIGHUP (see weightsync.demo.server.signals_raise_system_exit); the server is down
+    except SystemExit as e:  # SIGTERM / SIGHUP (see weightsync.testing.servers.signals_raise_system_exit); the server is down
         code = e.code if isinstance(e.code, int) and e.code else 1
         print(f"weightsync demo: terminated (exit {code})", file=sys.stderr)
         result.failures.append(f"terminated by a signal (exit {code})")

@@ -38,7 +38,7 @@ from typing import Any
 
 from weightsync.demo.config import DemoConfig
 from weightsync.demo.report import Progress, nan_to_none, progress_bar
-from weightsync.demo.server import signals_raise_system_exit
+from weightsync.testing.servers import signals_raise_system_exit
 
 POLICY_NAME = "tiny-policy"  # the policy server's served model name
 
@@ -270,7 +270,7 @@ class RLHFRun:
         return rm_dir, policy_dir
 
     def start_servers(self, rm_dir: str, policy_dir: str, wd: str) -> None:
-        from weightsync.demo.server import PolicyServerProcess, RewardServerProcess
+        from weightsync.testing.servers import PolicyServerProcess, RewardServerProcess
 
         s = self.cfg.server
         common = ["--max-model-len", str(s.max_model_len), "--log-level", "warning"]

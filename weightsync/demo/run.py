@@ -26,7 +26,7 @@ from typing import Any
 
 from weightsync.demo.config import DemoConfig
 from weightsync.demo.report import Progress, nan_to_none
-from weightsync.demo.server import signals_raise_system_exit
+from weightsync.testing.servers import signals_raise_system_exit
 
 
 @dataclass(kw_only=True)
@@ -183,7 +183,7 @@ class DemoRun:
         )
 
     def start_server(self, model_dir: str, wd: str) -> None:
-        from weightsync.demo.server import RewardServerProcess
+        from weightsync.testing.servers import RewardServerProcess
 
         s = self.cfg.server
         self.server = RewardServerProcess(
@@ -314,8 +314,8 @@ def _reward_client(cfg: DemoConfig, server: Any) -> Any:
     """A ``VLLMRewardClient`` for the demo's reward server (``server``: its ``ServerProcess``)
     that syncs with the configured strategy; a broadcast group is hosted by this process on the
     server's host, on a free port."""
-    from weightsync.demo.server import free_port
     from weightsync.reward.client import VLLMRewardClient
+    from weightsync.testing.servers import free_port
 
     strategy = dict(cfg.strategy)
     if strategy.get("type") == "broadcast":

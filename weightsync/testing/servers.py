@@ -1,7 +1,7 @@
 """Run a reward or policy server as a real subprocess and always take it down again.
 
-Used by ``weightsync demo``, ``benchmarks/bench_scoring.py`` and the examples, in the trainer's
-process. ``ServerProcess`` starts ``python -m MODULE --model DIR --host H --port P ...`` in its own
+Used by ``weightsync demo``, the integration and GPU tests' server fixtures, the benchmarks and
+the examples, in the trainer's process. ``ServerProcess`` starts ``python -m MODULE --model DIR --host H --port P ...`` in its own
 session (so vLLM's engine-core children go down with it), sends its output to a log file, waits
 for ``GET /health`` while reporting progress, and stops the whole process group on ``stop()``,
 on leaving a ``with`` block, and at interpreter exit (atexit), whichever comes first. A server
@@ -18,14 +18,17 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 
@@ -66,13 +69,18 @@ def vllm_scratch_env(scratch_dir: str) -> dict[str, str]:
     env.setdefault("VLLM_RPC_BASE_PATH", os.path.join(scratch_dir, "vllm-rpc"))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")  # the log tail in an error is the latest output
     os.makedirs(env["VLLM_RPC_BASE_PATH"], exist_ok=True)
     return env
 
 
 class ServerProcess:
     """One server subprocess (``python -m module``) on ``host:port``, owned by the calling
-    process; ``label`` names it in messages and in its log file's name."""
+    process; ``label`` names it in messages and in its log file's name. ``scratch_dir``: where
+    vLLM's cache and IPC sockets go (``vllm_scratch_env``); default a short-named temporary
+    directory of its own, removed by ``stop``. ``port``: default a free one; ``log_path``:
+    default ``scratch_dir/<label>-<port>.log``; ``env``: added to the environment, e.g.
+    ``CUDA_VISIBLE_DEVICES``."""
 
     module = ""
     label = "server"
@@ -81,25 +89,31 @@ class ServerProcess:
         self,
         model_dir: str,
         *,
-        scratch_dir: str,
+        scratch_dir: str | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
         extra_args: Sequence[str] = (),
         module: str | None = None,
+        log_path: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         module = module or self.module
         if not module:
             raise ValueError("ServerProcess: give module= (e.g. 'weightsync.servers.reward')")
         self.model_dir = model_dir
+        self._remove_scratch: Callable[[], Any] | None = None
+        if scratch_dir is None:  # short: vLLM's IPC socket paths must stay under ~107 bytes
+            scratch_dir = tempfile.mkdtemp(prefix="weightsync-server-")
+            self._remove_scratch = weakref.finalize(self, shutil.rmtree, scratch_dir, True)
         self.host = host
         self.port = port or free_port(host)
         slug = self.label.replace(" ", "-")
-        self.log_path = os.path.join(scratch_dir, f"{slug}-{self.port}.log")
+        self.log_path = log_path or os.path.join(scratch_dir, f"{slug}-{self.port}.log")
         self.cmd = [
             sys.executable, "-m", module, "--model", model_dir,
             "--host", host, "--port", str(self.port), *extra_args,
         ]
-        self._env = vllm_scratch_env(scratch_dir)
+        self._env = {**vllm_scratch_env(scratch_dir), **(env or {})}
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = None
 
@@ -121,6 +135,17 @@ class ServerProcess:
             start_new_session=True,
         )
         atexit.register(self.stop)
+        return self
+
+    def start_healthy(self, *, timeout_s: float = 240.0,
+                      progress: Callable[[str], None] | None = None) -> ServerProcess:
+        """``start`` and ``wait_healthy``; a server that does not come up is stopped again."""
+        self.start()
+        try:
+            self.wait_healthy(timeout_s=timeout_s, progress=progress)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def log_tail(self, n_chars: int = 4000) -> str:
@@ -172,11 +197,12 @@ class ServerProcess:
                 )
             now = time.monotonic()
             if now - t0 > timeout_s:
-                self.stop()
-                raise TimeoutError(
+                error = TimeoutError(
                     f"{self.label} not healthy after {timeout_s:.0f}s at {self.url}; "
                     f"last log lines:\n{self.log_tail()}"
                 )
+                self.stop()
+                raise error
             if progress is not None and now >= next_report:
                 last = self.last_log_line()
                 progress(
@@ -221,6 +247,8 @@ class ServerProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
+        if self._remove_scratch is not None:
+            self._remove_scratch()
 
     def __enter__(self) -> ServerProcess:
         if self._proc is None:
