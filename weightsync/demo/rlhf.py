@@ -38,7 +38,7 @@ from typing import Any
 
 from weightsync.demo.config import DemoConfig
 from weightsync.demo.report import Progress, nan_to_none, progress_bar
-from weightsync.testing.servers import signals_raise_system_exit
+from weightsync.testing.servers import signals_raise_system_exit, stop_together
 
 POLICY_NAME = "tiny-policy"  # the policy server's served model name
 
@@ -246,10 +246,7 @@ class RLHFRun:
         servers = [s for s in (self.policy_server, self.reward_server) if s is not None]
         if servers:
             self.progress(f"stopping {' and '.join(s.label for s in servers)}")
-        for server in servers:  # both shut down at once, then each is waited for
-            server.terminate()
-        for server in servers:
-            server.stop()
+        stop_together(servers)
         self.policy_server = self.reward_server = None
 
     # -- set-up --------------------------------------------------------------------------------

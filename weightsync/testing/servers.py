@@ -1,15 +1,15 @@
 """Run a reward or policy server as a real subprocess and always take it down again.
 
 Used by ``weightsync demo``, the integration and GPU tests' server fixtures, the benchmarks and
-the examples, in the trainer's process. ``ServerProcess`` starts ``python -m MODULE --model DIR --host H --port P ...`` in its own
-session (so vLLM's engine-core children go down with it), sends its output to a log file, waits
-for ``GET /health`` while reporting progress, and stops the whole process group on ``stop()``,
-on leaving a ``with`` block, and at interpreter exit (atexit), whichever comes first. A server
-that dies during start-up raises ``RuntimeError`` with the tail of its log.
-``RewardServerProcess`` (``weightsync.servers.reward``) and ``PolicyServerProcess``
-(``weightsync.servers.policy``, i.e. ``weightsync serve-policy``) only fix module and label.
-``started_or_attached`` is what the examples use: a server of their own, or one already running
-at a URL they were given.
+the examples, in the trainer's process. ``ServerProcess`` starts ``python -m MODULE --model DIR
+--host H --port P ...`` in its own session (so vLLM's engine-core children go down with it),
+sends its output to a log file, waits for ``GET /health`` while reporting progress, and stops
+the whole process group on ``stop()``, on leaving a ``with`` block, and at interpreter exit
+(atexit), whichever comes first. A server that dies during start-up raises ``RuntimeError``
+with the tail of its log. ``RewardServerProcess`` (``weightsync.servers.reward``) and
+``PolicyServerProcess`` (``weightsync.servers.policy``, i.e. ``weightsync serve-policy``) only
+fix module and label. ``stop_together`` stops several at once. ``started_or_attached`` is what
+the examples use: a server of their own, or one already running at a URL they were given.
 """
 
 from __future__ import annotations
@@ -273,6 +273,15 @@ class PolicyServerProcess(ServerProcess):
     label = "policy server"
 
 
+def stop_together(servers: Sequence[ServerProcess]) -> None:
+    """Stop several servers at once: SIGTERM to all, then wait for each (their shutdowns
+    overlap instead of adding up)."""
+    for server in servers:
+        server.terminate()
+    for server in servers:
+        server.stop()
+
+
 @contextlib.contextmanager
 def started_or_attached(
     servers: Sequence[tuple[type[ServerProcess], str, str | None]],
@@ -286,23 +295,21 @@ def started_or_attached(
     as given (a server someone else runs on ``model_dir``'s checkpoint; left running), or a
     ``server_cls`` started on ``model_dir``. The ones started here start together, are waited
     for, and are stopped on leaving (SIGTERM / SIGHUP included)."""
-    with signals_raise_system_exit(), contextlib.ExitStack() as stack:
-        started: list[ServerProcess] = []
-        urls: list[str] = []
-        for server_cls, model_dir, url in servers:
-            if url:
-                urls.append(url.rstrip("/"))
-                continue
-            server = stack.enter_context(
-                server_cls(model_dir, scratch_dir=scratch_dir, extra_args=extra_args))
-            started.append(server)
-            urls.append(server.url)
-            if progress is not None:
-                progress(f"{server.label} starting (pid {server.pid}, log {server.log_path})")
-        for server in started:
-            server.wait_healthy(timeout_s=timeout_s, progress=progress)
+    started: list[ServerProcess] = []
+    with signals_raise_system_exit():
         try:
+            urls: list[str] = []
+            for server_cls, model_dir, url in servers:
+                if url:
+                    urls.append(url.rstrip("/"))
+                    continue
+                server = server_cls(model_dir, scratch_dir=scratch_dir, extra_args=extra_args)
+                started.append(server.start())
+                urls.append(server.url)
+                if progress is not None:
+                    progress(f"{server.label} starting (pid {server.pid}, log {server.log_path})")
+            for server in started:
+                server.wait_healthy(timeout_s=timeout_s, progress=progress)
             yield urls
         finally:
-            for server in started:  # shut down together; the exit stack then waits for each
-                server.terminate()
+            stop_together(started)
