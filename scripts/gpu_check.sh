@@ -2,7 +2,7 @@
 # GPU checks in stages; each stage fits one 10-minute device call and ends with a short table.
 #
 #   bash scripts/gpu_check.sh tests        gpu-marked transport / extractor tests + vLLM pooling
-#                                          (tests/gpu/test_gpu_*.py, tests/integration/test_vllm_gpu.py)
+#                                          (tests/gpu/test_gpu_*.py, tests/integration/loaders/test_vllm_gpu.py)
 #   bash scripts/gpu_check.sh tests-vllm   vLLM 0.26 generative engine: colocated cuda_ipc and
 #                                          packed_cuda_ipc, eager and CUDA graphs; policy + reward
 #                                          engines sharing one GPU
@@ -77,9 +77,9 @@ summary() {  # print every bench table written in this stage
 case "$stage" in
   tests)
     vllm_tests=""
-    python3 -c "import vllm" 2>/dev/null && vllm_tests="tests/integration/test_vllm_gpu.py"
+    python3 -c "import vllm" 2>/dev/null && vllm_tests="tests/integration/loaders/test_vllm_gpu.py"
     pytest_stage gpu_tests 540 tests/gpu/test_gpu_transports.py \
-        tests/gpu/test_gpu_deepspeed_fsdp_extractors.py tests/integration/test_bench.py $vllm_tests
+        tests/gpu/test_gpu_deepspeed_fsdp_extractors.py tests/integration/bench/test_bench.py $vllm_tests
     ;;
   tests-vllm)
     need_vllm

@@ -6,7 +6,7 @@ chunk's tensors from an in-memory dict instead of a real data plane; a test may 
 one byte of a chunk after "receiving" it (a corrupted transfer, injected on purpose) or to
 fail after a chunk. Everything else is real: the endpoint, plain-dict requests, the sink, the
 ``torch_module`` loader on a real module. Real transports and processes:
-tests/integration/test_faults.py.
+tests/integration/test_engine_faults.py.
 """
 
 from __future__ import annotations

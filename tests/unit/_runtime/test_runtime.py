@@ -1,6 +1,6 @@
 """``weightsync._runtime``: the one thread pool, the one buffer pool and the one shared-memory
 helper that every package uses (the copy pool's fork safety and the shm pools' bounds are in
-``test_shm_share.py`` / ``test_bucketing_shm.py``)."""
+``strategies/test_shared_weights.py`` / ``test_shm.py``)."""
 
 from __future__ import annotations
 

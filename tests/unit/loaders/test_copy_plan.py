@@ -4,7 +4,7 @@ and replayed; against a second model loaded by ``load_weights`` every time, bit 
 The model here loads like vLLM does (fused q/k/v and gate/up filled by ``narrow`` + ``copy_``, a
 padded vocabulary, a tied head the loader skips, a ``__setitem__`` copy), plus loaders the plan
 must not replay (a transposed copy, ``fill_(item())``, a copy into a temporary). The real vLLM
-Qwen2 model is checked in ``tests/integration/test_vllm_copy_plan.py``."""
+Qwen2 model is checked in ``tests/integration/loaders/test_vllm_copy_plan.py``."""
 
 from __future__ import annotations
 

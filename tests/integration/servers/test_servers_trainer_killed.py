@@ -132,7 +132,6 @@ def _diff(a: list[float], b: list[float]) -> float:
 @pytest.fixture(scope="module")
 def targets(reward_server, policy_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("killed-trainer")
-    sys.path.insert(0, HERE)  # _policy_ref
     out = {"reward": Target("reward", reward_server, tmp),
            "policy": Target("policy", policy_server, tmp)}
     for t in out.values():  # start from A, whatever earlier tests left

@@ -16,7 +16,7 @@ from weightsync.testing.servers import free_port
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")
 
 
 def test_chat_client_completes_and_syncs(policy_server):

@@ -21,7 +21,7 @@ from weightsync.testing.servers import free_port
 
 pytestmark = pytest.mark.slow
 
-DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "policy_server.md")
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "policy_server.md")
 
 
 @pytest.fixture(scope="module")

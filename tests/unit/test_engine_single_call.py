@@ -104,7 +104,7 @@ def test_several_chunks_keep_start_chunk_finish():
 def test_cuda_ipc_keeps_the_chunks_of_tensors_it_must_copy():
     """Plain CPU tensors (not in shared weights) are copied into pooled shared memory, which
     the bucket bounds: cuda_ipc does not coalesce them, even from a list the caller holds.
-    (Coalescing of the trainer's own memory: tests/integration/test_strategies_shared.py.)"""
+    (Coalescing of the trainer's own memory: tests/integration/strategies/test_strategies_shared.py.)"""
     module, ep, ch = _engine()
     trainer = _model(3)
     sd = trainer.state_dict()

@@ -1,7 +1,7 @@
 """A trainer process for the fault tests: pushes a safetensors file into a server's control plane
 and, on request, kills (SIGKILL) or stops (SIGSTOP) itself for real at a chosen chunk.
 
-    python tests/integration/_trainer_proc.py URL WEIGHTS.safetensors --api-key K
+    python tests/integration/servers/_trainer_proc.py URL WEIGHTS.safetensors --api-key K
         --strategy broadcast|cuda_ipc|packed_cuda_ipc --version V --bucket-mb MB
         [--die-after K [--signal KILL|STOP]] [--staged] [--checksum] [--timeout-s S]
         [--idle-timeout-s S]

@@ -1,7 +1,7 @@
 """Timeouts from config: how long each phase may take, and what a peer that never joins or
 stops answering turns into. Real gloo groups between threads of this process (a peer that never
 joins is a rank nobody starts; a stuck peer is a rank that never calls the collective); real
-processes in tests/integration/test_faults.py."""
+processes in tests/integration/test_engine_faults.py."""
 
 from __future__ import annotations
 

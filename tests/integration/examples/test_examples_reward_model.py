@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "reward_model"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "reward_model"
 
 
 def run_example(script: str, *args: str, timeout: float = 600) -> dict:

@@ -17,7 +17,7 @@ Left out on purpose (each would start a real, long wait that other tests cover, 
 a Ludic-style ``/init_communicator`` with the server's exact group size (the workers then wait
 ``--group-timeout-s`` for a trainer to join: ``test_policy_server_ludic.py``), and a broadcast
 ``sync_info`` with a join timeout of more than a second (the workers wait for the rendezvous that
-long: ``test_faults.py``); broadcast ``sync_info``s here ask for at most 0.5 s. A request that
+long: ``test_engine_faults.py``); broadcast ``sync_info``s here ask for at most 0.5 s. A request that
 starts an update is followed by ``/close_communicator`` so the update gate does not hold the
 fuzzed model requests back for a minute.
 
