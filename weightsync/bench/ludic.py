@@ -26,7 +26,7 @@ from typing import Any
 
 class LudicTrainerSync:
     def __init__(self, llm: Any, *, device: str, timeout_s: float = 300.0) -> None:
-        from weightsync.bench.vllm_engine import free_port
+        from weightsync.testing.servers import free_port
 
         self.llm = llm
         self.device = device

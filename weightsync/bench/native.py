@@ -95,7 +95,7 @@ class NativeNcclSync:
                  buffer_bytes: int = GIB) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-        from weightsync.bench.vllm_engine import free_port
+        from weightsync.testing.servers import free_port
 
         self.llm = llm
         self.timeout_s = timeout_s

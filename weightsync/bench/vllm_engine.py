@@ -151,15 +151,6 @@ def stop_engine(llm: Any) -> None:
         compat.shutdown_llm(llm)
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for a rendezvous the engine's workers join)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rpc_one(llm: Any, method: str, *args: Any) -> Any:
     """``collective_rpc`` answered by worker 0."""
     return llm.collective_rpc(method, args=args)[0]
