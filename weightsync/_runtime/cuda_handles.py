@@ -139,17 +139,10 @@ def encode(t: torch.Tensor) -> IpcBufferHandle:
         _bind(index)
         ptr = t.data_ptr()
         base, alloc = _allocation_range(ptr)
-        h = _IpcHandle()
-        rc = _cudart().cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(base))
-        if rc != 0:
-            hint = (
-                " (memory from expandable segments / cuMemCreate cannot be shared with CUDA IPC: "
-                "unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments or use packed_cuda_ipc)"
-            )
-            _check(rc, "cudaIpcGetMemHandle" + hint)
+        handle = _handle_of(base)
     return IpcBufferHandle(
-        kind="cuda", nbytes=nbytes, handle=base64.b64encode(ctypes.string_at(ctypes.addressof(h), _HANDLE_BYTES)).decode(),
-        offset=ptr - base, alloc_nbytes=alloc, device_uuid=device_uuid(index),
+        kind="cuda", nbytes=nbytes, handle=handle, offset=ptr - base, alloc_nbytes=alloc,
+        device_uuid=device_uuid(index),
     )
 
 
