@@ -30,7 +30,9 @@ name -> tensor is sent as given (names normalised to engine names, chunked by th
 bucket size). The training mode (``TrainingMode`` / ``"head_only"`` / ...) is checked here
 before anything moves, travels in the update's start, and the engines enforce it; head-only
 pushes of a model send only the head. Returns ``SyncStats`` (bytes, chunks, tensors, seconds,
-the version each engine serves, the engines' names).
+the version each engine serves, the engines' names). ``push_chunks(chunks, manifest, ...)`` sends
+chunks the caller made (engine names, an iterable or a stream) the same way, on the sending
+rank.
 
 After a failed push the session stays usable where the transport allows:
 
@@ -64,7 +66,7 @@ from weightsync.errors import (
     UpdateRefusedError,
     WeightMismatchError,
 )
-from weightsync.types import SyncStats, TrainingMode
+from weightsync.types import SyncStats, TensorMeta, TrainingMode
 
 if TYPE_CHECKING:  # pragma: no cover
     from weightsync.clients import FanOutClient
@@ -258,8 +260,42 @@ class SyncSession:
         chunks = list(make_chunks(named, bucket_size_mb=float(
             self.strategy_cfg.get("bucket_size_mb", 1024))))
         manifest = [m for c in chunks for m in c.metas()]
+        return await self._send_made(chunks, manifest, version, mode, heads,
+                                     _device_name(device_of(named)))
+
+    async def push_chunks(
+        self,
+        chunks: Any,
+        manifest: Sequence[TensorMeta],
+        *,
+        version: int | None = None,
+        training_mode: TrainingMode | str | None = None,
+        head_name_patterns: Sequence[str] | None = None,
+        device: str | None = None,
+    ) -> SyncStats:
+        """One update of every engine from chunks the caller made: ``chunks`` an iterable or
+        async iterable of ``WeightChunk`` under engine names, taken as the sender asks for
+        them (a stream keeps only a few buckets alive); ``manifest`` every tensor it carries.
+        The training mode is checked against the manifest here and by the engines, and a
+        failure leaves the session as ``push`` does. ``device``: where the tensors live, for
+        a strategy whose backend follows them (default: CPU). The sending rank only; the
+        reward client streams its updates this way."""
+        if self.closed:
+            raise RuntimeError("this weight-sync session is closed; connect again")
+        if not self.is_sender:
+            raise RuntimeError(
+                f"push_chunks: rank {self.rank} is not the sending rank ({self.src_rank}); only "
+                f"the sending rank has chunks to send (use push for a sharded model)")
+        mode = TrainingMode.parse(training_mode) if training_mode is not None else None
+        heads = _head_patterns(mode, head_name_patterns)
+        return await self._send_made(chunks, list(manifest), version, mode, heads, device)
+
+    async def _send_made(
+        self, chunks: Any, manifest: list[TensorMeta], version: int | None,
+        mode: TrainingMode | None, heads: list[str] | None, device: str | None,
+    ) -> SyncStats:
         _check_mode(manifest, mode, heads)
-        await self._ensure_sender(_device_name(device_of(named)))
+        await self._ensure_sender(device)
         return await self._send(chunks, manifest, version, mode, heads)
 
     async def _send(
@@ -270,7 +306,7 @@ class SyncSession:
         try:
             stats = await self.sender.send_chunks(
                 chunks, self.client, version=version, manifest=manifest, training_mode=mode,
-                head_name_patterns=heads if mode is TrainingMode.HEAD_ONLY else None,
+                head_name_patterns=heads,
             )
         except BaseException as e:
             if isinstance(e, CommunicatorReplacedError) or not isinstance(e, _REFUSALS):

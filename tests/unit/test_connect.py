@@ -251,3 +251,44 @@ def test_a_closed_session_refuses_and_non_senders_do_nothing():
 
     asyncio.run(go())
     assert all(torch.equal(v, before[k]) for k, v in modules[0].state_dict().items())
+
+
+# -- chunks the caller made ----------------------------------------------------------------------------
+
+
+def test_push_chunks_streams_made_chunks_under_their_manifest():
+    """``push_chunks``: an async stream of chunks under a manifest, checked against the training
+    mode before anything moves; a refusal keeps the group; only the sending rank may call it."""
+    modules, eps = _engines()
+    before = {k: v.clone() for k, v in modules[0].state_dict().items()}
+    src = RewardNet(8).state_dict()
+    made = [ws.WeightChunk(["backbone.weight", "backbone.bias"],
+                           [src["backbone.weight"], src["backbone.bias"]]),
+            ws.WeightChunk(["score.weight", "score.bias"], [src["score.weight"], src["score.bias"]])]
+    manifest = [m for c in made for m in c.metas()]
+
+    async def stream():
+        for c in made:
+            yield c
+
+    async def go():
+        async with ws.connect(eps, "broadcast") as sync:
+            with pytest.raises(WeightMismatchError, match="backbone.weight: not a head parameter"):
+                await sync.push_chunks(stream(), manifest, version=1, training_mode="head_only")
+            assert modules[0].state_dict()["score.weight"].equal(before["score.weight"])
+            assert sync.sender is None  # refused before the sender was built: nothing moved
+            stats = await sync.push_chunks(stream(), manifest, version=1, device="cpu")
+            kept = sync.sender
+            stats2 = await sync.push_chunks(made[1:], made[1].metas(), version=2,
+                                            training_mode="head_only")
+            assert sync.sender is kept
+        other = await ws.connect(eps, "broadcast", rank=1)
+        with pytest.raises(RuntimeError, match="rank 1 is not the sending rank"):
+            await other.push_chunks(stream(), manifest)
+        await other.close()
+        return stats, stats2
+
+    stats, stats2 = asyncio.run(go())
+    assert stats.versions == [1] and stats.num_chunks == 2 and stats.num_tensors == 4
+    assert stats2.versions == [2] and stats2.num_tensors == 2
+    assert _same(modules[0], RewardNet(8))

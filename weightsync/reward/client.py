@@ -2,12 +2,12 @@
 
 ``RewardModelClient`` is the structural protocol the scorer / publisher / RL loop code against;
 ``VLLMRewardClient`` implements it for ``weightsync.servers.reward``. It lives in the training
-process (rank 0). Scoring is plain HTTP. Weight sync goes through the framework: a
-``weightsync.clients.FanOutClient`` over the server's HTTP control plane plus a strategy sender
-(default
-``broadcast``: gloo for CPU tensors, NCCL for CUDA ones; any strategy config works, e.g.
-``cuda_ipc`` when the server shares the host) built on the first sync and reused after. Each sync is one update with a manifest, so
-the server refuses bad names / shapes / dtypes / training modes before any byte moves.
+process (rank 0). Scoring is plain HTTP. Weight sync goes through the front door: a
+``weightsync.connect`` session over the server's HTTP control plane with a strategy sender
+(default ``broadcast``: gloo for CPU tensors, NCCL for CUDA ones; any strategy config works,
+e.g. ``cuda_ipc`` when the server shares the host) built on the first sync and reused after.
+Each sync is one update with a manifest (``SyncSession.push_chunks``), so the server refuses bad
+names / shapes / dtypes / training modes before any byte moves.
 
 Sync and async, one rule for the whole reward package: a method keeps the flavour the design
 gives it and its twin carries a suffix. ``score``, ``score_batch``, ``get_model_version`` are
@@ -33,20 +33,14 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from weightsync._runtime.http import LoopClients, error_from_response
 from weightsync._runtime.threads import LoopThread
-from weightsync.errors import (
-    CommunicatorReplacedError,
-    UpdateIncompleteError,
-    UpdateRefusedError,
-    WeightMismatchError,
-    WeightSyncError,
-)
+from weightsync.errors import CommunicatorReplacedError, WeightSyncError
 from weightsync.reward.selection import select_params
 from weightsync.reward.types import RewardModelTrainingMode, ScoringRequest, ScoringResponse
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from weightsync.clients import FanOutClient
+    from weightsync.connect import SyncSession
     from weightsync.types import SyncStats, TensorMeta, WeightChunk
 
 T = TypeVar("T")
@@ -150,10 +144,8 @@ class VLLMRewardClient:
             self.strategy_cfg = self._strategy_cfg(str(self.device or "cpu"))
         self.last_sync_stats: SyncStats | None = None
         self._http = LoopClients(timeout_s=request_timeout_s)
-        self._engine_client: FanOutClient | None = None
-        self._strategy: Any = None
-        self._sender: Any = None
-        self._sender_loop: asyncio.AbstractEventLoop | None = None
+        self._session: SyncSession | None = None  # the front door's session, opened at the 1st sync
+        self._session_loop: asyncio.AbstractEventLoop | None = None
         self._server_up = False
         self._twin = LoopThread("weightsync-reward-client")  # runs the blocking twins
         self._sync_lock: asyncio.Lock | None = None
@@ -367,14 +359,14 @@ class VLLMRewardClient:
             device = str(getattr(first_tensor, "device", "cpu"))
             self.strategy_cfg = self._strategy_cfg(device)
         loop = asyncio.get_running_loop()
-        if self._sender_loop is not None and self._sender_loop is not loop:
-            if not self._sender_loop.is_closed():
+        if self._session_loop is not None and self._session_loop is not loop:
+            if not self._session_loop.is_closed():
                 raise WeightSyncError(
                     "this client's weight-sync group lives on another running event loop; use "
                     "one flavour per client (sync_weights, or sync_weights_async on one loop)"
                 )
-            self._sender = None  # its loop is gone (e.g. a finished asyncio.run): rejoin
-            self._sync_lock = None
+            self._session = self._session_loop = None  # its loop is gone (a finished
+            self._sync_lock = None  # asyncio.run): join again
         if self._sync_lock is None:
             self._sync_lock = asyncio.Lock()
         async with self._sync_lock:
@@ -394,59 +386,27 @@ class VLLMRewardClient:
         self, chunks: Iterable[WeightChunk] | AsyncIterable[WeightChunk],
         manifest: list[TensorMeta], mode: RewardModelTrainingMode, version: int | None,
     ) -> SyncStats:
-        sender = await self._ensure_sender()
-        assert self._engine_client is not None
-        try:
-            return await sender.send_chunks(
-                chunks, self._engine_client, version=version, manifest=manifest,
-                training_mode=mode, head_name_patterns=self.head_name_patterns,
-            )
-        except CommunicatorReplacedError:
-            await self._drop_sender()  # our group is gone on the server side
-            raise
-        except (WeightMismatchError, ValueError, UpdateIncompleteError, UpdateRefusedError):
-            raise  # refused / torn: the data plane is still in step
-        except BaseException:
-            await self._drop_sender()  # a transport failure: rebuild the group next time
-            raise
+        """One update through the front door's session (``weightsync.connect``): it builds the
+        group at the first sync, keeps it after a refusal and drops it after a transport
+        failure or a replaced communicator (the next sync joins again)."""
+        if self._session is None:
+            from weightsync.connect import connect
 
-    async def _ensure_sender(self) -> Any:
-        if self._sender is not None:
-            return self._sender
-        from weightsync.config import build_strategy
-
-        if self._engine_client is None:
-            from weightsync.clients import FanOutClient
-
-            self._engine_client = FanOutClient(
-                [self.base_url], api_key=self.api_key, timeout_s=self.request_timeout_s
-            )
-        assert self.strategy_cfg is not None
-        self._strategy = build_strategy(self.strategy_cfg)
-        info = await self._strategy.create_sync_info(None, self._engine_client)
-        self._sender = await self._strategy.create_sender(None, self._engine_client, info)
-        self._sender_loop = asyncio.get_running_loop()
-        return self._sender
-
-    async def _drop_sender(self) -> None:
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            try:
-                await sender.close()
-            except Exception:  # noqa: BLE001 - already failing; keep the first error
-                pass
+            assert self.strategy_cfg is not None
+            self._session = await connect([self.base_url], self.strategy_cfg,
+                                          api_key=self.api_key, is_sender=True)
+            self._session_loop = asyncio.get_running_loop()
+        return await self._session.push_chunks(
+            chunks, manifest, version=version, training_mode=mode,
+            head_name_patterns=self.head_name_patterns,
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def close(self) -> None:
         """Tear down the weight-sync group on both sides and close HTTP connections."""
-        if self._sender is not None and self._engine_client is not None:
-            try:
-                await self._engine_client.close_weight_transfer()
-            except Exception:  # noqa: BLE001 - the server may be gone already
-                pass
-        await self._drop_sender()
-        if self._engine_client is not None:
-            await self._engine_client.aclose()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()  # best effort on the server's side: it may be gone already
         await self._http.aclose()
 
     def close_sync(self) -> None:

@@ -250,14 +250,14 @@ def test_a_model_is_streamed_not_collected(reward_server, base) -> None:
         async with reward_server.client() as client:
             pub = Recording(client, bucket_size_mb=0.02)
             await pub.publish_async(model, training_mode=Mode.FULL)  # joins the group
-            sent = client._engine_client.update_named_weights
+            sent = client._session.client.update_named_weights
             count = iter(range(10_000))
 
             async def recorded_send(request):
                 events.append(("sent", next(count)))
                 return await sent(request)
 
-            client._engine_client.update_named_weights = recorded_send
+            client._session.client.update_named_weights = recorded_send
             events.clear()
             stats = await pub.publish_async(model, training_mode=Mode.FULL)
             return stats, await client.score_batch(TEXTS)

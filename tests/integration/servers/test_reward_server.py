@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+import weightsync as ws
 from weightsync.errors import UpdateIncompleteError, WeightMismatchError, WeightSyncError
 from weightsync.reward import RewardModelTrainingMode, ScoringRequest, VLLMRewardClient
 from weightsync.types import WeightChunk
@@ -399,18 +400,22 @@ def test_torn_update_answers_503_until_a_complete_one_lands(restored, hf):
     new = perturbed(model, seed=21)
     names = list(new)
 
+    chunks = [WeightChunk(names[:3], [new[n] for n in names[:3]]),
+              WeightChunk(names[3:6], [new[n] for n in names[3:6]])]
+    whole = WeightChunk(names, [new[n] for n in names])  # the update's manifest: every tensor
+
     async def dying_chunks():
-        yield WeightChunk(names[:3], [new[n] for n in names[:3]])
-        yield WeightChunk(names[3:6], [new[n] for n in names[3:6]])
+        for chunk in chunks:
+            yield chunk
         await asyncio.sleep(2)  # the pipeline prefetches: let the first chunk land first
         raise RuntimeError("trainer died")
 
     async def go():
         async with restored.client(strategy={"type": "cuda_ipc"}) as c:
             v0 = await c.get_model_version()
-            sender = await c._ensure_sender()
-            with pytest.raises(RuntimeError, match="trainer died"):
-                await sender.send_chunks(dying_chunks(), c._engine_client)
+            async with ws.connect([restored.url], "cuda_ipc", api_key=restored.api_key) as sync:
+                with pytest.raises(RuntimeError, match="trainer died"):
+                    await sync.push_chunks(dying_chunks(), whole.metas())  # dies part-way
             state = httpx.get(restored.url + "/runtime_version").json()
             r = httpx.post(restored.url + "/score", json={"input": TEXTS, "normalize": False})
             with pytest.raises(UpdateIncompleteError, match="incomplete"):
