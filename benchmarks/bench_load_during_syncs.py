@@ -28,6 +28,7 @@ competing with the servers for the same cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -140,7 +141,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     strategy = STRATEGIES[args.strategy]
     outcomes: dict[str, list[Any]] = {"no syncs": [], "syncs": []}
     versions_by_window: list[tuple[str, str, set[int]]] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    scratch = (contextlib.nullcontext(tempfile.mkdtemp(prefix="load-", dir=args.scratch))
+               if args.scratch else tempfile.TemporaryDirectory())
+    with scratch as tmp:
         reward_dir, policy_dir = build_models(tmp, args.hidden_size, args.layers)
         nbytes = {d: sum(t.numel() * t.element_size() for t in weight_sets(d)[0].values())
                   for d in (reward_dir, policy_dir)}
@@ -217,7 +220,8 @@ def report(args: argparse.Namespace, outcomes: dict[str, list[Any]], trainers: d
     for kind, server in (("score", "reward"), ("generate", "policy")):
         secs = trainers[kind].push_seconds
         syncs[server] = {"pushes": len(secs), "median_s": statistics.median(secs) if secs else 0,
-                         "max_s": max(secs, default=0.0), "bytes": nbytes[kind],
+                         "max_s": max(secs, default=0.0), "seconds_all": secs,
+                         "bytes": nbytes[kind],
                          "busy_fraction": sum(secs) / (args.rounds * args.window_s)}
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -268,6 +272,8 @@ def main() -> int:
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="broadcast",
                    help="how the trainers push (broadcast over gloo)")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="chunk size of a push (4)")
+    p.add_argument("--scratch", help="keep the models and server logs in a new folder here "
+                                     "(default: a temp dir, removed)")
     p.add_argument("--json", dest="json_path", help="write the result here")
     args = p.parse_args()
     if args.rounds < 1 or args.window_s <= 0:

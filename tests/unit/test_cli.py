@@ -63,6 +63,7 @@ def test_strategy_all_and_lists_parse():
     assert (cfg.bucket_mb, cfg.dtype, cfg.repeats, cfg.json_path, cfg.backend) == (
         64.0, "float32", 5, "out.json", "gloo"
     )
+    assert not cfg.integrity and bench_cli.parse_args(["--integrity"]).integrity
 
 
 def test_unknown_command_lists_commands(capsys):

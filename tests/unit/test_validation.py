@@ -7,7 +7,7 @@ import pytest
 from weightsync.errors import WeightMismatchError
 from weightsync.interfaces import WeightLoader
 from weightsync.types import TensorMeta
-from weightsync.validation import check_metadata, find_mismatches
+from weightsync.validation import check_metadata, find_mismatches, size_offenders
 
 EXPECTED = {
     m.name: m
@@ -96,3 +96,24 @@ def test_loader_validate_uses_expected_metadata():
     with pytest.raises(WeightMismatchError, match="score.weight: shape"):
         _Loader(EXPECTED).validate([TensorMeta("score.weight", "float32", [2, 16])])
     _Loader(None).validate([TensorMeta("whatever", "int8", [3])])  # unknown target: no check
+
+
+def test_size_limits_bound_what_an_update_may_make_an_engine_allocate():
+    """No tensor bigger than its target (a loader that casts would accept float64); a whole
+    update (a start's manifest) no more tensors and no more bytes than the model; an unknown
+    target has no limits."""
+    whole = list(EXPECTED.values())
+    assert size_offenders(whole, EXPECTED, whole_update=True) == []
+    assert size_offenders([TensorMeta("model.norm.weight", "float16", [16])], EXPECTED) == []
+    wide = TensorMeta("model.norm.weight", "float64", [16])
+    assert size_offenders([wide], EXPECTED) == [
+        "model.norm.weight: 128 bytes (float64[16]) but the target holds 64 (float32[16]); send "
+        "the engine's dtype"]
+    # an alias the loader accepts (e.g. a tied head's second name) can still not grow the update
+    alias = TensorMeta("lm_head.weight", "float32", [64, 16])
+    assert size_offenders([*whole, alias], EXPECTED, whole_update=True) == [
+        "the update has 6 tensors but the model only 5",
+        f"the update carries {sum(m.nbytes for m in whole) + alias.nbytes} bytes but the "
+        f"model's parameters hold {sum(m.nbytes for m in whole)}"]
+    assert size_offenders([*whole, alias], EXPECTED) == []  # per chunk: only per-tensor limits
+    assert size_offenders([wide, alias], None, whole_update=True) == []

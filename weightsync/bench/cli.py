@@ -43,6 +43,9 @@ def build_parser(prog: str = "weightsync bench") -> argparse.ArgumentParser:
                    help="chunks in flight per sync (2; 1 = one chunk at a time)")
     p.add_argument("--repeats", type=int, default=3, help="timed syncs per strategy (3)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-call timeout (300)")
+    p.add_argument("--integrity", action="store_true",
+                   help="also time every row with checksum: true, staged: true and both "
+                        "(syncs alternate; columns: their cost against the plain syncs)")
     p.add_argument("--json", dest="json_path", default=None, help="write records to this path")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
@@ -62,6 +65,7 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -
         dtype=ns.dtype, bucket_mb=ns.bucket_mb, max_inflight=ns.max_inflight,
         repeats=ns.repeats, timeout_s=ns.timeout_s,
         json_path=ns.json_path, quiet=ns.quiet, skip_slow_naive=everything,
+        integrity=ns.integrity,
     )
     try:
         validate_config(cfg)

@@ -25,6 +25,14 @@ sync went without a sender copy); the ``cuda_ipc(copy)`` / ``packed_cuda_ipc(cop
 same model unshared (the sender copies into transfer buffers), as before. On CUDA the weights are
 shared by CUDA IPC anyway and ``all`` skips the ``(copy)`` rows.
 
+Integrity options (``BenchConfig.integrity``, ``--integrity``): every row's syncs alternate, in
+the same process pair and the same rounds, between the plain update and the same update with
+``checksum: true`` (the sender checksums every tensor, every engine verifies what it received),
+``staged: true`` (engines receive into staging buffers and copy at finish) and both. The sender
+reads both fields from its config per update, so the variants toggle them between syncs.
+``seconds`` stays the plain syncs' median; ``integrity`` holds each variant's median and its
+cost against plain (``checksum_cost`` / ``staged_cost`` in the table: 0.02 = 2% longer).
+
 ``naive`` is the per-tensor way many RL stacks start with: broadcast, one request and one
 broadcast per tensor, no bucketing, no packing.
 
@@ -50,6 +58,14 @@ DEFAULT_STRATEGIES = [
     f"packed_cuda_ipc{COPY_SUFFIX}", NAIVE,
 ]
 NAIVE_MAX_TENSORS = 1000  # above this the per-tensor row takes minutes (many-small: ~30 s/sync)
+PLAIN = "plain"
+#: ``--integrity`` variants: name -> the strategy config fields a sync sets
+INTEGRITY_VARIANTS = {
+    PLAIN: {"checksum": False, "staged": False},
+    "checksum": {"checksum": True, "staged": False},
+    "staged": {"checksum": False, "staged": True},
+    "checksum+staged": {"checksum": True, "staged": True},
+}
 
 
 @dataclass(kw_only=True)
@@ -71,6 +87,8 @@ class BenchConfig:
     # CPU IPC rows (without the "(copy)" suffix) send a model whose weights were moved into
     # shared memory once (``share_cpu_weights``); False: every row copies
     share_weights: bool = True
+    # time every row's syncs also with checksum: true, staged: true and both (alternating)
+    integrity: bool = False
 
     def resolved_backend(self) -> str:
         return self.backend or ("nccl" if self.device.startswith("cuda") else "gloo")
@@ -168,31 +186,49 @@ async def bench_strategy(
         sync_info = await strategy.create_sync_info(strategy.cfg, client)
         sender = await strategy.create_sender(strategy.cfg, client, sync_info)
         manifest = extractor.metadata(module)
-        times, ref_times = [], []
+        variants = list(INTEGRITY_VARIANTS) if cfg.integrity else [PLAIN]
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        ref_times: list[float] = []
+        version = 0
         for i in range(cfg.repeats + 1):
-            _negate_(module)  # every sync moves values the receiver does not hold yet
-            if probe is not None and i > 0:
-                ref_times.append(probe.once())
-            t0 = time.perf_counter()
-            stats = await sender.send_chunks(
-                extractor.extract_weights(module), client, version=i + 1, manifest=manifest
-            )
-            dt = time.perf_counter() - t0
-            if i == 0:
-                rec["first_seconds"] = dt
-            else:
-                times.append(dt)
-            log(f"{name}: sync {i + 1}/{cfg.repeats + 1}{' (warm-up)' if i == 0 else ''} "
-                f"{stats.total_bytes / 1e9:.3f} GB in {dt:.3f} s "
-                f"({stats.total_bytes / dt / 1e9:.2f} GB/s, {stats.num_chunks} chunks)")
+            for variant in variants:  # alternating: a busy moment slows every variant alike
+                for key, value in INTEGRITY_VARIANTS[variant].items():
+                    setattr(sender.cfg, key, value)  # read per update by the sender
+                _negate_(module)  # every sync moves values the receiver does not hold yet
+                if probe is not None and i > 0 and variant == PLAIN:
+                    ref_times.append(probe.once())
+                version += 1
+                t0 = time.perf_counter()
+                stats = await sender.send_chunks(
+                    extractor.extract_weights(module), client, version=version,
+                    manifest=manifest,
+                )
+                dt = time.perf_counter() - t0
+                if i == 0 and variant == PLAIN:
+                    rec["first_seconds"] = dt
+                elif i > 0:
+                    times[variant].append(dt)
+                label = "" if variant == PLAIN else f" [{variant}]"
+                log(f"{name}: sync {i + 1}/{cfg.repeats + 1}{label}"
+                    f"{' (warm-up)' if i == 0 else ''} "
+                    f"{stats.total_bytes / 1e9:.3f} GB in {dt:.3f} s "
+                    f"({stats.total_bytes / dt / 1e9:.2f} GB/s, {stats.num_chunks} chunks)")
+        plain = statistics.median(times[PLAIN])
         rec.update(
             bytes=stats.total_bytes, num_tensors=stats.num_tensors, num_chunks=stats.num_chunks,
-            seconds=statistics.median(times), seconds_all=times,
-            gbps=stats.total_bytes / statistics.median(times) / 1e9,
+            seconds=plain, seconds_all=times[PLAIN], gbps=stats.total_bytes / plain / 1e9,
             version=stats.versions[0] if stats.versions else None,
         )
+        if cfg.integrity:
+            rec["integrity"] = {
+                v: {"seconds": statistics.median(t), "seconds_all": t,
+                    "cost": statistics.median(t) / plain - 1.0}
+                for v, t in times.items()
+            }
+            rec["checksum_cost"] = rec["integrity"]["checksum"]["cost"]
+            rec["staged_cost"] = rec["integrity"]["staged"]["cost"]
         if hasattr(sender, "shared_tensors"):  # IPC senders count tensors sent without a copy
-            rec["shared_tensors"] = sender.shared_tensors // (cfg.repeats + 1)
+            rec["shared_tensors"] = sender.shared_tensors // version
         if probe is not None:
             rec["memcpy_gbps"] = probe.gbps(ref_times)
         log(f"{name}: checking digests")
@@ -403,19 +439,25 @@ _COLUMNS = [
     ("first_seconds", "first s", "{:.3f}"), ("shared_weights", "shared", "{}"),
     ("bit_exact", "bit_exact", "{}"),
 ]
+#: shown when the records have them (``--integrity``), before ``bit_exact``
+_INTEGRITY_COLUMNS = [("checksum_cost", "checksum cost", "{:+.1%}"),
+                      ("staged_cost", "staged cost", "{:+.1%}")]
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
-    rows = [[h for _, h, _ in _COLUMNS]]
+    columns = list(_COLUMNS)
+    if any("checksum_cost" in r for r in records):
+        columns[-1:-1] = _INTEGRITY_COLUMNS
+    rows = [[h for _, h, _ in columns]]
     for r in records:
         row = []
-        for key, _, fmt in _COLUMNS:
+        for key, _, fmt in columns:
             v = r.get(key)
             row.append("-" if v is None or v != v else fmt.format(v))
         if r.get("error"):
             row[-1] = "ERROR"
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in
                        enumerate(zip(row, widths, strict=True))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -43,6 +43,28 @@ def test_bench_cli_every_strategy_bit_exact(tmp_path, capsys):
     assert "sync 1/3 (warm-up)" in captured.err  # progress on stderr
 
 
+def test_bench_integrity_variants_alternate_and_stay_bit_exact(tmp_path, capsys):
+    """``--integrity``: every round syncs plain, checksum, staged, checksum+staged in turn on
+    one sender and engine; the last sync (checksum+staged) leaves the engine bit-exact."""
+    from weightsync.bench.runner import INTEGRITY_VARIANTS
+
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--shape", "tiny", "--strategy", "broadcast,packed_cuda_ipc",
+                   "--repeats", "2", "--bucket-mb", "0.1", "--integrity", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    for r in json.loads(out.read_text()):
+        assert r["error"] is None and r["bit_exact"] is True, r
+        assert r["version"] == 3 * len(INTEGRITY_VARIANTS)  # warm-up + 2 rounds of 4 syncs
+        assert sorted(r["integrity"]) == sorted(INTEGRITY_VARIANTS)
+        for v, got in r["integrity"].items():
+            assert len(got["seconds_all"]) == 2 and got["seconds"] > 0, v
+            assert got["cost"] == pytest.approx(got["seconds"] / r["seconds"] - 1)
+        assert r["checksum_cost"] == r["integrity"]["checksum"]["cost"]
+    assert "checksum cost" in captured.out.splitlines()[0]
+    assert "[checksum+staged]" in captured.err
+
+
 @pytest.mark.gpu
 def test_bench_cuda_every_strategy_bit_exact(tmp_path):
     """On a GPU machine: IPC rows on one GPU (CUDA IPC handles), NCCL broadcast rows when a
