@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from weightsync.bench.serving_load import LoadRunner
-    from weightsync.demo.server import (
+    from weightsync.testing.servers import (
         PolicyServerProcess,
         RewardServerProcess,
         started_or_attached,

@@ -1,10 +1,11 @@
 """Model requests while weights change: concurrent scoring and generation clients against the
 reward and the policy server, every answer recorded with the version that produced it.
 
-Callers (in the trainer's / test's process): ``benchmarks/bench_load_during_syncs.py`` (latency
-p50 / p99 with and without syncs) and ``tests/integration/test_load_during_syncs.py`` (no failed
-request, every answer's version matches the weights that produced it). Each client is a thread
-with its own HTTP connection that sends one request after the other until stopped:
+Callers (in the trainer's / test's process): ``benchmarks/bench_load_during_syncs.py``
+(latency p50 / p99 with and without syncs) and
+``tests/integration/servers/test_servers_load_during_syncs.py`` (no failed request, every
+answer's version matches the weights that produced it). Each client is a thread with its own
+HTTP connection that sends one request after the other until stopped:
 
 * a scorer: ``POST /score`` of fixed texts (raw logits) on the reward server; the version is the
   body's ``version``;

@@ -1,6 +1,7 @@
 """Scoring and generation under load while weights change: 4 scorers on the reward server and 4
 generators on the policy server (``weightsync.bench.serving_load``) run the whole time while
-each server takes 12 complete pushes (24 syncs), from two trainer sessions at once.
+each server takes 12 complete pushes (24 syncs), from two trainer sessions at once (each opened
+before the clients start and kept for all its pushes).
 
 Every request must answer 200 (none fails: requests that arrive during an update wait at the
 gate), and every answer must come from exactly the weights of the version it reports: each push
@@ -11,7 +12,6 @@ prompt logprobs (policy) must equal what transformers computes with that set, wi
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
@@ -23,7 +23,6 @@ from weightsync.bench.serving_load import PROMPT, SCORE_TEXTS, LoadRunner, laten
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SYNCS_PER_SERVER = 12
 TOL = 1e-4
 
@@ -52,8 +51,7 @@ def _reward_reference(model_dir: str, weights) -> list[float]:
 
 
 def _policy_reference(model_dir: str, weights) -> list[float]:
-    sys.path.insert(0, HERE)
-    from _policy_ref import Reference
+    from _policy_ref import Reference  # tests/integration (on pytest's pythonpath)
 
     ref = Reference(model_dir)
     ref.load(weights)
@@ -61,33 +59,34 @@ def _policy_reference(model_dir: str, weights) -> list[float]:
 
 
 class Syncer(threading.Thread):
-    """One trainer session pushing the weight sets in turn; ``installed`` maps every version it
-    published to the set it installed."""
+    """One trainer session (opened here, kept for every push) pushing the weight sets in turn;
+    ``installed`` maps every version it published to the set it installed."""
 
-    def __init__(self, url: str, api_key: str, strategy: dict, sets, first_version: int) -> None:
+    def __init__(self, server, strategy: dict, sets) -> None:
+        import weightsync as ws
+
         super().__init__(daemon=True)
-        self.url, self.api_key, self.strategy, self.sets = url, api_key, strategy, sets
-        self.version = first_version
+        self.sets = sets
+        self.version = int(httpx.get(server.url + "/runtime_version", timeout=30)
+                           .json()["version"]) + 1
         self.installed: dict[int, int] = {}
         self.error: BaseException | None = None
         self.seconds: list[float] = []
+        self.sync = ws.connect_sync([server.url], strategy, api_key=server.api_key)
 
-    def push(self, sync, which: int) -> None:
+    def push(self, which: int) -> None:
         t0 = time.monotonic()
-        stats = sync.push(self.sets[which], version=self.version)
+        stats = self.sync.push(self.sets[which], version=self.version)
         self.seconds.append(time.monotonic() - t0)
         assert stats.versions == [self.version], stats.versions
         self.installed[self.version] = which
         self.version += 1
 
     def run(self) -> None:
-        import weightsync as ws
-
         try:
-            with ws.connect_sync([self.url], self.strategy, api_key=self.api_key) as sync:
-                for i in range(SYNCS_PER_SERVER):
-                    self.push(sync, (i + 1) % len(self.sets))
-                    time.sleep(0.2)  # requests in between, not only at the gate
+            for i in range(SYNCS_PER_SERVER):
+                self.push((i + 1) % len(self.sets))
+                time.sleep(0.2)  # requests in between, not only at the gate
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e
 
@@ -95,8 +94,6 @@ class Syncer(threading.Thread):
 def test_scorers_and_generators_during_syncs_never_fail_and_match_their_version(
     reward_server, policy_server
 ):
-    import weightsync as ws
-
     reward_sets, policy_sets = _sets(reward_server.model_dir), _sets(policy_server.model_dir)
     want_scores = [_reward_reference(reward_server.model_dir, w) for w in reward_sets]
     want_lps = [_policy_reference(policy_server.model_dir, w) for w in policy_sets]
@@ -108,27 +105,27 @@ def test_scorers_and_generators_during_syncs_never_fail_and_match_their_version(
                 > 100 * TOL
 
     syncers = []
-    for server, sets, strategy in (
-        (reward_server, reward_sets, {"type": "broadcast", "backend": "gloo",
-                                      "bucket_size_mb": 0.1}),
-        (policy_server, policy_sets, {"type": "packed_cuda_ipc", "bucket_size_mb": 0.1}),
-    ):
-        v0 = int(httpx.get(server.url + "/runtime_version", timeout=30).json()["version"])
-        syncer = Syncer(server.url, server.api_key, strategy, sets, v0 + 1)
-        with ws.connect_sync([server.url], strategy, api_key=server.api_key) as sync:
-            syncer.push(sync, 0)  # set 0 before any client starts
-        syncers.append(syncer)
-
-    runner = LoadRunner(reward_url=reward_server.url, policy_url=policy_server.url,
-                        scorers=4, generators=4, max_tokens=4).start()
-    time.sleep(1.0)
-    for s in syncers:
-        s.start()
-    for s in syncers:
-        s.join(300)
-        assert not s.is_alive(), "a trainer session never finished its pushes"
-    time.sleep(1.0)
-    outcomes = runner.stop()
+    try:
+        for server, sets, strategy in (
+            (reward_server, reward_sets, {"type": "broadcast", "backend": "gloo",
+                                          "bucket_size_mb": 0.1}),
+            (policy_server, policy_sets, {"type": "packed_cuda_ipc", "bucket_size_mb": 0.1}),
+        ):
+            syncers.append(Syncer(server, strategy, sets))
+            syncers[-1].push(0)  # set 0 before any client starts
+        runner = LoadRunner(reward_url=reward_server.url, policy_url=policy_server.url,
+                            scorers=4, generators=4, max_tokens=4).start()
+        time.sleep(1.0)
+        for s in syncers:
+            s.start()
+        for s in syncers:
+            s.join(300)
+            assert not s.is_alive(), "a trainer session never finished its pushes"
+        time.sleep(1.0)
+        outcomes = runner.stop()
+    finally:
+        for s in syncers:
+            s.sync.close()
     for s in syncers:
         assert s.error is None, repr(s.error)
     assert sum(len(s.installed) for s in syncers) >= 2 * SYNCS_PER_SERVER + 2
