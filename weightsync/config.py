@@ -377,6 +377,13 @@ def resolve_extractor(extractor: Any) -> dict[str, Any] | None:
     return dict(data)
 
 
+def broadcast_backend(device: Any) -> str:
+    """The collective backend for tensors on ``device`` (a ``torch.device``, its name, or None
+    for CPU): NCCL for CUDA, gloo for anything else. The one rule behind every default backend
+    (the front door, the reward client, the bench)."""
+    return "nccl" if str(getattr(device, "type", device) or "cpu").startswith("cuda") else "gloo"
+
+
 def strategy_needs_backend(cfg: Mapping[str, Any]) -> bool:
     """A strategy whose config has a ``backend`` field the caller did not set."""
     if "backend" in cfg:

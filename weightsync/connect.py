@@ -59,7 +59,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from weightsync.config import resolve_extractor, resolve_strategy, strategy_needs_backend
+from weightsync.config import (
+    broadcast_backend,
+    resolve_extractor,
+    resolve_strategy,
+    strategy_needs_backend,
+)
 from weightsync.errors import (
     CommunicatorReplacedError,
     UpdateIncompleteError,
@@ -324,7 +329,7 @@ class SyncSession:
         assert self.client is not None
         cfg = dict(self.strategy_cfg)
         if strategy_needs_backend(cfg):
-            cfg["backend"] = "nccl" if str(device or "cpu").startswith("cuda") else "gloo"
+            cfg["backend"] = broadcast_backend(device)
         strategy = build_strategy(cfg)
         info = await strategy.create_sync_info(strategy.cfg, self.client)
         self.sender = await strategy.create_sender(strategy.cfg, self.client, info)

@@ -26,12 +26,13 @@ from typing import Any
 
 class LudicTrainerSync:
     def __init__(self, llm: Any, *, device: str, timeout_s: float = 300.0) -> None:
+        from weightsync.config import broadcast_backend
         from weightsync.testing.servers import free_port
 
         self.llm = llm
         self.device = device
         self.timeout_s = timeout_s
-        self.backend = "nccl" if device.startswith("cuda") else "gloo"
+        self.backend = broadcast_backend(device)
         self.world = len(llm.collective_rpc("bench_noop"))  # engine workers
         port = free_port()
         strategy = {"type": "ludic_broadcast", "backend": self.backend, "timeout_s": timeout_s,

@@ -91,7 +91,9 @@ class BenchConfig:
     integrity: bool = False
 
     def resolved_backend(self) -> str:
-        return self.backend or ("nccl" if self.device.startswith("cuda") else "gloo")
+        from weightsync.config import broadcast_backend
+
+        return self.backend or broadcast_backend(self.device)
 
 
 # --------------------------------------------------------------------------------------------

@@ -106,9 +106,7 @@ class VLLMChatClient:
         cfg: dict[str, Any] = {"type": "broadcast", "master_port": self.group_port}
         if self.host in _LOOPBACK:
             cfg["master_addr"] = "127.0.0.1"
-        if self.device is not None:
-            cfg["backend"] = "nccl" if self.device.startswith("cuda") else "gloo"
-        return cfg
+        return cfg  # the backend follows self.device (given to connect) or the tensors
 
     def _connect(self) -> None:
         from weightsync._runtime.threads import LoopThread

@@ -152,11 +152,10 @@ class VLLMRewardClient:
 
     # -- configuration ------------------------------------------------------------------------
     def _strategy_cfg(self, device: str) -> dict:
-        from weightsync.config import to_plain
+        from weightsync.config import broadcast_backend, to_plain
 
         if self._strategy_given is None:
-            backend = "nccl" if device.startswith("cuda") else "gloo"
-            cfg: dict[str, Any] = {"type": "broadcast", "backend": backend}
+            cfg: dict[str, Any] = {"type": "broadcast", "backend": broadcast_backend(device)}
             if self.group_port:
                 cfg["master_port"] = int(self.group_port)
             if self.host in ("127.0.0.1", "localhost", "::1"):
