@@ -32,6 +32,22 @@ from typing import Any
 from weightsync._runtime.http import LoopClients, error_from_response
 from weightsync.errors import EngineDiedError, WeightSyncError, WeightSyncTimeout
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def server_strategy(host: str, group_port: int | None = None) -> dict[str, Any]:
+    """The strategy a trainer-side client of one server at ``host`` uses when given none (the
+    reward and the policy client): a ``broadcast`` group the trainer hosts on ``group_port``
+    (None: a free one), which a server on this machine's loopback reaches at 127.0.0.1 (any
+    other server at this node's address, the strategy's default). No ``backend``: it follows
+    the tensors (``config.broadcast_backend``)."""
+    cfg: dict[str, Any] = {"type": "broadcast"}
+    if group_port:
+        cfg["master_port"] = int(group_port)
+    if host in _LOOPBACK:
+        cfg["master_addr"] = "127.0.0.1"
+    return cfg
+
 
 class HttpChannel:
     ordered = False

@@ -19,8 +19,6 @@ from weightsync.errors import WeightSyncError
 from weightsync.policy.types import ChatCompletionRequest, ChatResponse
 from weightsync.types import SyncStats
 
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
 
 class VLLMChatClient:
     """Client of one policy server at ``http://host:port``.
@@ -103,10 +101,9 @@ class VLLMChatClient:
     def _strategy_cfg(self) -> Any:
         if self.strategy is not None:
             return self.strategy
-        cfg: dict[str, Any] = {"type": "broadcast", "master_port": self.group_port}
-        if self.host in _LOOPBACK:
-            cfg["master_addr"] = "127.0.0.1"
-        return cfg  # the backend follows self.device (given to connect) or the tensors
+        from weightsync.clients.http_control import server_strategy
+
+        return server_strategy(self.host, self.group_port)  # connect picks the backend
 
     def _connect(self) -> None:
         from weightsync._runtime.threads import LoopThread

@@ -152,18 +152,14 @@ class VLLMRewardClient:
 
     # -- configuration ------------------------------------------------------------------------
     def _strategy_cfg(self, device: str) -> dict:
-        from weightsync.config import broadcast_backend, to_plain
+        from weightsync.clients.http_control import server_strategy
+        from weightsync.config import broadcast_backend, resolve_strategy
 
         if self._strategy_given is None:
-            cfg: dict[str, Any] = {"type": "broadcast", "backend": broadcast_backend(device)}
-            if self.group_port:
-                cfg["master_port"] = int(self.group_port)
-            if self.host in ("127.0.0.1", "localhost", "::1"):
-                cfg["master_addr"] = "127.0.0.1"
+            cfg = {**server_strategy(self.host, self.group_port),
+                   "backend": broadcast_backend(device)}
         else:
-            cfg = dict(to_plain(self._strategy_given))
-            if "strategy" in cfg and "type" not in cfg:
-                cfg = dict(cfg["strategy"])
+            cfg = resolve_strategy(self._strategy_given)  # any way the front door takes one
         if self._bucket_size_mb is not None:
             cfg["bucket_size_mb"] = self._bucket_size_mb
         return cfg

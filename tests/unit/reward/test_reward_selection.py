@@ -115,6 +115,14 @@ def test_client_defaults_and_local_refusals():
     assert VLLMRewardClient(device=0).strategy_cfg["backend"] == "nccl"  # an int is cuda:n
     assert VLLMRewardClient(device="cpu", group_port=51217).strategy_cfg == {
         "type": "broadcast", "backend": "gloo", "master_port": 51217, "master_addr": "127.0.0.1"}
+    assert VLLMRewardClient(host="10.0.0.7", device="cuda:1").strategy_cfg == {
+        "type": "broadcast", "backend": "nccl"}  # a remote server: the node's address, any port
+    # a strategy given any way the front door takes one: a name, a preset, a whole preset mapping
+    assert VLLMRewardClient(strategy="cuda_ipc", bucket_size_mb=8).strategy_cfg == {
+        "type": "cuda_ipc", "bucket_size_mb": 8}
+    assert VLLMRewardClient(strategy="broadcast_gloo").strategy_cfg["backend"] == "gloo"
+    assert VLLMRewardClient(strategy={"strategy": {"type": "packed_cuda_ipc"}}).strategy_cfg == {
+        "type": "packed_cuda_ipc"}
     on = VLLMRewardClient(enable_weight_updates=True, port=9)  # nothing listens on port 9
     with pytest.raises(WeightMismatchError, match="not a head parameter"):
         on.sync_weights({"model.norm.weight": SD["model.norm.weight"]}, training_mode="head_only")
