@@ -214,6 +214,7 @@ class SyncSession:
     ) -> SyncStats | None:
         from weightsync.config import build_extractor
         from weightsync.extractors.auto import device_of, extractor_config_for, model_kind
+        from weightsync.pipeline import send_extracted
 
         sharded = model_kind(model) in ("fsdp", "deepspeed")
         if not sharded and not self.is_sender:
@@ -232,19 +233,12 @@ class SyncSession:
         ext = build_extractor(cfg)
         manifest = ext.metadata(model, dtype)  # the same on every rank; no collective
         _check_mode(manifest, mode, heads)  # every rank refuses alike, before any gather
-        if not self.is_sender:
-            async for _ in ext.extract_weights(model, dtype):  # lockstep gathers, nothing kept
-                pass
-            return None
-        started = getattr(ext, "runs_started", None)
-        try:
+
+        async def send(stream: Any) -> SyncStats:
             await self._ensure_sender(_device_name(device_of(model)))
-            return await self._send(ext.extract_weights(model, dtype), manifest, version, mode,
-                                    heads)
-        except BaseException:
-            if sharded and started is not None and ext.runs_started == started:
-                ext.drain(model, dtype)  # never started: run this rank's gathers anyway
-            raise
+            return await self._send(stream(), manifest, version, mode, heads)
+
+        return await send_extracted(ext, model, dtype, send)
 
     async def _push_tensors(
         self, tensors: Any, version: int | None, mode: TrainingMode | None,

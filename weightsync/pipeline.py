@@ -1,6 +1,6 @@
 """The machinery between a model and the engines: bucketing, and the bounded send pipeline.
 
-Trainer side only (the sending rank). Two jobs, both public:
+Trainer side only (the sending rank, but for ``send_extracted``). Its jobs, all public:
 
 * **Bucketing** turns ``(engine_name, tensor)`` pairs into ``WeightChunk`` s:
   ``group_by_module`` keeps one module's parameters together (``a.b.weight`` and ``a.b.bias``),
@@ -27,6 +27,11 @@ Trainer side only (the sending rank). Two jobs, both public:
 
   Why not ``asyncio.TaskGroup``: it cancels every sibling at once on the first failure, which
   would release buffers an engine is still reading and skip votes peers wait for.
+* ``send_extracted`` runs one extraction of a model per update on every training rank: the
+  sending rank sends the stream, the others take part in the gathers, and no rank is left in a
+  collective when the send fails early.
+* Fewer round trips: ``coalesce`` merges the chunks of the trainer's own tensors,
+  ``peek_single`` / ``SingleCallClient`` send a one-chunk update as one ``apply_update`` call.
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from weightsync.types import SyncStats, WeightChunk, WeightUpdateRequest
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+T = TypeVar("T")
 
 NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
 
@@ -217,6 +224,38 @@ class SendPipeline:
             if t.done() and not t.cancelled():
                 t.exception()  # retrieved: no "never retrieved" warning
         tasks.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# one extraction per update, on every rank
+# --------------------------------------------------------------------------------------------
+
+
+async def send_extracted(
+    extractor: Any,  # a WeightExtractor (interfaces imports this module: no type import back)
+    model: Any,
+    generator_dtype: Any,
+    send: Callable[[Callable[[], AsyncIterator[WeightChunk]]], Awaitable[T]],
+) -> T | None:
+    """One extraction of ``model`` for one update, on this training rank (every rank of a
+    sharded model calls it in lockstep). The sending rank (``extractor.is_sender``) gives
+    ``send`` a function that starts the chunk stream (``extract_weights``) and returns what
+    ``send`` returns; the other ranks run their part of the gathers, keep nothing and return
+    None. When ``send`` fails before the stream started (a refused manifest, a group that did
+    not form), the sending rank still runs its gathers (the extractor's ``drain``), so the other
+    ranks are never left waiting in a collective. Callers: the front door (``connect``), the
+    reward publisher."""
+    if not extractor.is_sender:
+        async for _ in extractor.extract_weights(model, generator_dtype):
+            pass  # lockstep gathers; a non-sending rank keeps nothing
+        return None
+    started = getattr(extractor, "runs_started", None)  # a gathering extractor counts its runs
+    try:
+        return await send(lambda: extractor.extract_weights(model, generator_dtype))
+    except BaseException:
+        if started is not None and extractor.runs_started == started:
+            extractor.drain(model, generator_dtype)  # never started: run the gathers anyway
+        raise
 
 
 # --------------------------------------------------------------------------------------------

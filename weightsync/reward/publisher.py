@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from weightsync._runtime.threads import LoopThread
 from weightsync.errors import WeightMismatchError
+from weightsync.pipeline import send_extracted
 from weightsync.reward.selection import check_update, expected_metadata, select_params
 from weightsync.reward.types import DEFAULT_HEAD_NAME_PATTERNS, RewardModelTrainingMode
 from weightsync.types import TensorMeta, dtype_to_str, str_to_dtype
@@ -206,18 +207,12 @@ class RewardModelPublisher:
         metas = ext.metadata(model, self.dtype)  # identical on every rank, no collective
         # every rank raises the same error, before any gather
         check_update(metas, mode, self.head_name_patterns, self.expected)
-        if not ext.is_sender:
-            async for _ in ext.extract_weights(model, self.dtype):
-                raise AssertionError("a non-sending rank got a chunk")  # pragma: no cover
-            return None
-        started = getattr(ext, "runs_started", None)
-        try:
-            return await self._send(lambda: ext.extract_weights(model, self.dtype), metas, mode,
-                                    version, first_tensor=next(iter(model.parameters()), None))
-        except BaseException:
-            if sharded and started is not None and ext.runs_started == started:
-                ext.drain(model, self.dtype)  # never started: run this rank's gathers anyway
-            raise
+        first = next(iter(model.parameters()), None)
+
+        async def send(stream: Any) -> SyncStats:
+            return await self._send(stream, metas, mode, version, first_tensor=first)
+
+        return await send_extracted(ext, model, self.dtype, send)
 
     def _extractor_for(self, model: Any, mode: RewardModelTrainingMode) -> WeightExtractor:
         from weightsync.config import build_extractor

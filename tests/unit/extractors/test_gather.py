@@ -157,6 +157,50 @@ def test_abort_drains_the_remaining_gathers() -> None:
     assert sum(ext.gathered) == total  # every parameter still went through the (collective) gather
 
 
+def test_send_extracted_keeps_every_rank_in_the_gathers() -> None:
+    """``pipeline.send_extracted`` (the front door's and the publisher's one extraction per
+    update): each rank runs every gather exactly once, whether the send succeeds, fails before
+    the stream started (a refused manifest: the sending rank drains) or fails part-way (the
+    stream itself finishes the gathers)."""
+    from weightsync.pipeline import send_extracted
+
+    model = _model()
+    total = len(_CloneExtractor(_cfg()).metadata(model))
+
+    def run(ext, send):
+        return asyncio.run(send_extracted(ext, model, None, send))
+
+    async def consume(stream):
+        return [c.names async for c in stream()]
+
+    ok = _CloneExtractor(_cfg(bucket_size_mb=3000 / (1 << 20)))
+    names = run(ok, consume)
+    assert [n for c in names for n in c] == [m.name for m in ok.metadata(model)]
+    assert sum(ok.gathered) == total and ok.runs_started == 1
+
+    async def refused(stream):
+        raise ValueError("refused at start")
+
+    before = _CloneExtractor(_cfg())
+    with pytest.raises(ValueError, match="refused at start"):
+        run(before, refused)
+    assert sum(before.gathered) == total and before.runs_started == 0  # drained, not extracted
+
+    async def first_then_fail(stream):
+        async with contextlib.aclosing(stream()) as gen:
+            async for _ in gen:
+                raise RuntimeError("engine died")
+
+    midway = _CloneExtractor(_cfg(bucket_size_mb=3000 / (1 << 20)))
+    with pytest.raises(RuntimeError, match="engine died"):
+        run(midway, first_then_fail)
+    assert sum(midway.gathered) == total and midway.runs_started == 1  # no second drain
+
+    other = _CloneExtractor(_cfg(rank=1, src_rank=0))
+    assert run(other, refused) is None  # not the sending rank: send is never called
+    assert sum(other.gathered) == total
+
+
 def test_unmerged_lora_names_are_refused_before_any_gather() -> None:
     model = torch.nn.Module()
     model.register_module("q_proj", torch.nn.Module())
