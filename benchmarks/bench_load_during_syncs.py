@@ -2,7 +2,8 @@
 
     python benchmarks/bench_load_during_syncs.py [--hidden-size 256] [--layers 4]
         [--scorers 4] [--generators 4] [--max-tokens 8] [--window-s 15] [--rounds 3]
-        [--sync-gap-s 0.5] [--strategy broadcast|cuda_ipc|packed_cuda_ipc] [--json PATH]
+        [--sync-gap-s 0.5] [--strategy broadcast|cuda_ipc|packed_cuda_ipc] [--together]
+        [--scratch DIR] [--json PATH]
 
 A reward server (``weightsync serve-reward``) and a policy server (``weightsync serve-policy``)
 on two small random models built here (Qwen2 reward model, tied Llama causal LM; fp32, nothing
@@ -11,10 +12,12 @@ downloaded; ``--hidden-size`` / ``--layers`` set their size). ``--scorers`` thre
 ``/v1/completions`` (``--max-tokens`` tokens) to the policy server, each request right after the
 previous one (``weightsync.bench.serving_load.LoadRunner``). Time is cut into windows of
 ``--window-s`` seconds that alternate, ``--rounds`` times each: *no syncs* (the reference) and
-*syncs* (one trainer session per server pushes a complete update, waits ``--sync-gap-s``,
-pushes the next, ... until the window ends; the two servers' trainers run at once). A warm-up
-window and one push per server come first and are not counted. A request belongs to the window
-it started in.
+*syncs* (a trainer session pushes complete updates to the server, ``--sync-gap-s`` apart, until
+the window ends). The reward server's windows run first (its clients and its trainer only), then
+the policy server's; ``--together`` runs both servers' clients and trainers in the same windows
+instead (what ``tests/integration/servers/test_servers_load_during_syncs.py`` does). Each server
+gets a warm-up window and one push first, not counted. A request belongs to the window it
+started in.
 
 Per server and window kind: requests answered, failed requests (anything but a 200), p50 / p99 /
 max latency, requests per second, and the *syncs* rows' p50 and p99 ratio against the *no syncs*
@@ -22,7 +25,10 @@ rows of the same run (alternating windows: load on a shared machine shifts both 
 answer is checked: it names a version this run's trainer installed (no syncs: the one version in
 place). What the ratio contains on a CPU box: the pause policy (a request arriving during an
 update waits at the gate until it is complete, see ``docs/policy_server.md``) and the trainer
-competing with the servers for the same cores.
+competing with the server for the same cores. On a 2-core machine vLLM binds each server's
+worker to core 0 (core 1 is left to the front ends), so two servers busy at once share one core
+and the one that pauses for an update gives its share to the other: ``--together`` numbers say
+more about that than about syncs.
 """
 
 from __future__ import annotations
@@ -140,7 +146,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     strategy = STRATEGIES[args.strategy]
     outcomes: dict[str, list[Any]] = {"no syncs": [], "syncs": []}
-    versions_by_window: list[tuple[str, str, set[int]]] = []
     scratch = (contextlib.nullcontext(tempfile.mkdtemp(prefix="load-", dir=args.scratch))
                if args.scratch else tempfile.TemporaryDirectory())
     with scratch as tmp:
@@ -162,25 +167,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for t in trainers.values():
                     t.push()  # warm the sync path; not counted
 
-                def window(kind: str, seconds: float) -> list[Any]:
-                    runner = LoadRunner(reward_url=reward_url, policy_url=policy_url,
-                                        scorers=args.scorers, generators=args.generators,
-                                        max_tokens=args.max_tokens, model=policy_dir)
-                    before = {k: t.version for k, t in trainers.items()}
+                def window(kind: str, seconds: float, group: tuple[str, ...]) -> list[Any]:
+                    runner = LoadRunner(
+                        reward_url=reward_url if "score" in group else None,
+                        policy_url=policy_url if "generate" in group else None,
+                        scorers=args.scorers, generators=args.generators,
+                        max_tokens=args.max_tokens, model=policy_dir)
+                    mine = {k: trainers[k] for k in group}
+                    before = {k: t.version for k, t in mine.items()}
                     runner.start()
                     if kind == "syncs":
                         deadline = time.monotonic() + seconds
-                        for t in trainers.values():
+                        for t in mine.values():
                             t.run_until(deadline, args.sync_gap_s)
-                        for t in trainers.values():
+                        for t in mine.values():
                             t.join()
                     else:
                         time.sleep(seconds)
                     got = runner.stop()
-                    for k, t in trainers.items():
+                    for k, t in mine.items():
                         allowed = ({before[k]} if kind == "no syncs"
                                    else {v for v in t.installed if v >= before[k]})
-                        versions_by_window.append((kind, k, allowed))
                         wrong = [o.version for o in got if o.kind == k and o.ok
                                  and o.version not in allowed]
                         if wrong:
@@ -188,13 +195,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                f"{sorted(set(wrong))}, installed {sorted(allowed)}")
                     return got
 
-                window("no syncs", min(3.0, args.window_s))  # warm-up, not counted
-                for rnd in range(args.rounds):
-                    for kind in ("no syncs", "syncs"):
-                        got = window(kind, args.window_s)
-                        outcomes[kind].extend(got)
-                        print(f"  round {rnd} {kind:8s}: {len(got)} requests, "
-                              f"{sum(not o.ok for o in got)} failed", file=sys.stderr)
+                groups = [("score", "generate")] if args.together else [("score",), ("generate",)]
+                for group in groups:
+                    window("no syncs", min(3.0, args.window_s), group)  # warm-up, not counted
+                    for rnd in range(args.rounds):
+                        for kind in ("no syncs", "syncs"):
+                            got = window(kind, args.window_s, group)
+                            outcomes[kind].extend(got)
+                            print(f"  {'+'.join(group)} round {rnd} {kind:8s}: {len(got)} "
+                                  f"requests, {sum(not o.ok for o in got)} failed",
+                                  file=sys.stderr)
             finally:
                 for t in trainers.values():
                     t.close()
@@ -231,6 +241,7 @@ def report(args: argparse.Namespace, outcomes: dict[str, list[Any]], trainers: d
         "hidden_size": args.hidden_size, "layers": args.layers,
         "scorers": args.scorers, "generators": args.generators, "max_tokens": args.max_tokens,
         "window_s": args.window_s, "rounds": args.rounds, "sync_gap_s": args.sync_gap_s,
+        "together": args.together,
         "rows": rows, "syncs": syncs,
     }
 
@@ -239,7 +250,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['scorers']} scorers + {result['generators']} generators "
         f"({result['max_tokens']} tokens), {result['rounds']} x {result['window_s']:g} s windows "
-        f"of each kind, strategy {result['strategy']}",
+        f"of each kind, strategy {result['strategy']}, "
+        f"{'both servers at once' if result['together'] else 'one server at a time'}",
         "",
         "| server | client | window | requests | failed | p50 ms | p99 ms | max ms | req/s "
         "| p50 ratio | p99 ratio |",
@@ -269,6 +281,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="windows of each kind (3)")
     p.add_argument("--sync-gap-s", type=float, default=0.5,
                    help="pause between two pushes in a syncs window (0.5)")
+    p.add_argument("--together", action="store_true",
+                   help="run both servers' clients and trainers in the same windows (default: "
+                        "the reward server's windows first, then the policy server's)")
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="broadcast",
                    help="how the trainers push (broadcast over gloo)")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="chunk size of a push (4)")

@@ -13,9 +13,11 @@ def test_presets_load_and_flags_win(monkeypatch):
     cfg = parse_args(["--config", preset_path("reward_server"), "--model", "m",
                       "--port", "9001"])
     assert cfg.port == 9001 and cfg.model == "m" and cfg.device == "cpu"
+    assert cfg.host == "127.0.0.1"  # loopback unless --host says otherwise
     assert cfg.kv_cache_memory_bytes == 256 << 20 and cfg.api_key is None
     gpu = parse_args(["--config", preset_path("reward_server_gpu"), "--model", "m"])
     assert gpu.device == "cuda" and gpu.gpu_memory_utilization == 0.3 and gpu.enforce_eager is False
+    assert gpu.host == parse_args(["--model", "m"]).host == "127.0.0.1"
 
 
 def test_api_key_from_env_and_required_model(monkeypatch):
