@@ -87,7 +87,10 @@ def test_a_dead_engine_drops_the_group_and_a_new_connection_without_it_works():
     engines = [LocalEngineProcess.spawn(factory, {**shape, "fill": "zeros"}, name=f"engine{i}")
                for i in range(2)]
     trainer = qwen2_module(**shape, seed=1)
-    strategy = {"type": "broadcast", "backend": "gloo", "timeout_s": 10}
+    # join_timeout_s: the second push's group cannot form without engine1; engine0 has joined
+    # it and leaves only at its join timeout (a rank cannot be pulled out of gloo's rendezvous),
+    # so the reconnect below waits that long for engine0 (the default, 120 s, would too)
+    strategy = {"type": "broadcast", "backend": "gloo", "timeout_s": 10, "join_timeout_s": 15}
 
     async def go():
         sync = await ws.connect(engines, strategy)
