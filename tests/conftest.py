@@ -16,6 +16,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.makedirs(os.environ["VLLM_RPC_BASE_PATH"], exist_ok=True)
 
 
+try:  # every property test draws the same examples here and in CI (hypothesis is pinned too)
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("weightsync", derandomize=True, database=None)
+    _hypothesis_settings.load_profile("weightsync")
+except ImportError:  # the dev extra is not installed: no property tests to run either
+    pass
+
+
 def _has_cuda() -> bool:
     try:
         import torch
