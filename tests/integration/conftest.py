@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 
 from weightsync.testing.servers import PolicyServerProcess, RewardServerProcess, ServerProcess
@@ -203,7 +204,19 @@ def start_policy_server(model_dir: str, log_path: str, *, api_key: str | None = 
         args=[*SMALL_SERVER, "--seed", "0", "--chat-template", template,
               "--served-model-name", "tiny-policy", *(extra or [])],
     )
-    return PolicyServerHandle(server.url, server.port, api_key or "", model_dir, server)
+    # vLLM compiles a kernel (inductor) at the first request that asks for logprobs; on a loaded
+    # 2-core box that has taken minutes, and an update waits for the requests in flight to drain
+    # meanwhile: pay it here, before any test times a push or a request
+    handle = PolicyServerHandle(server.url, server.port, api_key or "", model_dir, server)
+    try:
+        warm = httpx.post(server.url + "/v1/completions", timeout=600, json={
+            "model": "tiny-policy", "prompt": "Hello", "max_tokens": 1, "prompt_logprobs": 0,
+            "logprobs": 0})
+        assert warm.status_code == 200, warm.text
+    except BaseException:
+        stop_server(handle)
+        raise
+    return handle
 
 
 @pytest.fixture(scope="session")
