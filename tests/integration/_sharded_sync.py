@@ -24,6 +24,9 @@ def _gloo_rank(rank: int, world: int, port: int, rank_async: Callable[..., Any],
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         asyncio.run(rank_async(rank, world, out))
+        # leave together: a rank that destroys its group while the other still uses the store
+        # rank 0 hosts has ended in gloo's "terminate called without an active exception"
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
