@@ -378,16 +378,11 @@ def _report(what: str, fuzzer: Fuzzer, seconds: float) -> None:
             print(f"  {route}: {dict(sorted(statuses.items()))}")
 
 
-def test_fuzz_reward_server(reward_server):
-    fuzzer = Fuzzer(reward_server, {**CONTROL, **REWARD})
-
-    def probe():
-        r = fuzzer.http.post("/score", json={"input": ["The model is helpful.", "hi"],
-                                             "normalize": False})
-        assert r.status_code == 200, r.text
-        return [d["score"] for d in r.json()["data"]]
-
-    before = probe()
+def _fuzz(server, routes: dict, what: str, probe) -> None:
+    """Fuzz ``server`` on ``routes``; before and after, ``probe(http)`` (what the model answers)
+    must agree, the version must not move, and the server must still serve."""
+    fuzzer = Fuzzer(server, routes)
+    before = probe(fuzzer.http)
     version = fuzzer.http.get("/runtime_version").json()["version"]
     t0 = time.monotonic()
     try:
@@ -395,36 +390,32 @@ def test_fuzz_reward_server(reward_server):
         _oversized(fuzzer)
     finally:
         fuzzer.close()
-    fuzzer.http = httpx.Client(base_url=reward_server.url, timeout=60)
-    _alive_and_unchanged(fuzzer, probe, before)
+    fuzzer.http = httpx.Client(base_url=server.url, timeout=60)
+    _alive_and_unchanged(fuzzer, lambda: probe(fuzzer.http), before)
     assert fuzzer.http.get("/runtime_version").json()["version"] == version
-    _report("reward server", fuzzer, time.monotonic() - t0)
+    _report(what, fuzzer, time.monotonic() - t0)
     assert fuzzer.sent >= REQUESTS
     assert {200, 400, 401, 404, 409} <= set(fuzzer.statuses)  # every kind of answer was seen
 
 
+def _scores(http: httpx.Client) -> list[float]:
+    r = http.post("/score", json={"input": ["The model is helpful.", "hi"], "normalize": False})
+    assert r.status_code == 200, r.text
+    return [d["score"] for d in r.json()["data"]]
+
+
+def _prompt_logprobs(http: httpx.Client) -> list[float]:
+    r = http.post("/v1/completions", json={
+        "model": "tiny-policy", "prompt": "The model is helpful", "max_tokens": 1,
+        "temperature": 0, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    return [lp for item in r.json()["choices"][0]["prompt_logprobs"][1:]
+            for lp in [next(iter(item.values()))["logprob"]]]
+
+
+def test_fuzz_reward_server(reward_server):
+    _fuzz(reward_server, {**CONTROL, **REWARD}, "reward server", _scores)
+
+
 def test_fuzz_policy_server(policy_server):
-    fuzzer = Fuzzer(policy_server, {**CONTROL, **POLICY})
-
-    def probe():
-        r = fuzzer.http.post("/v1/completions", json={
-            "model": "tiny-policy", "prompt": "The model is helpful", "max_tokens": 1,
-            "temperature": 0, "prompt_logprobs": 0})
-        assert r.status_code == 200, r.text
-        return [lp for item in r.json()["choices"][0]["prompt_logprobs"][1:]
-                for lp in [next(iter(item.values()))["logprob"]]]
-
-    before = probe()
-    version = fuzzer.http.get("/runtime_version").json()["version"]
-    t0 = time.monotonic()
-    try:
-        _run(fuzzer)
-        _oversized(fuzzer)
-    finally:
-        fuzzer.close()
-    fuzzer.http = httpx.Client(base_url=policy_server.url, timeout=60)
-    _alive_and_unchanged(fuzzer, probe, before)
-    assert fuzzer.http.get("/runtime_version").json()["version"] == version
-    _report("policy server", fuzzer, time.monotonic() - t0)
-    assert fuzzer.sent >= REQUESTS
-    assert {200, 400, 401, 404, 409} <= set(fuzzer.statuses)
+    _fuzz(policy_server, {**CONTROL, **POLICY}, "policy server", _prompt_logprobs)

@@ -115,15 +115,7 @@ def test_scorers_and_generators_during_syncs_never_fail_and_match_their_version(
             assert max(abs(x - y) for x, y in zip(want_lps[a], want_lps[b], strict=True)) \
                 > 100 * TOL
 
-    # vLLM's first logprobs request in a fresh engine compiles a kernel (torch.compile with
-    # inductor, enforce_eager or not: vllm/v1/sample/ops/logprobs.py), which starts child
-    # processes pinned to the worker's core; on a loaded 2-core box that has taken minutes, during
-    # which the requests in flight never finish and an update waits for them to drain. Pay it here,
-    # once, so the pushes below time the syncs, not the compile (it costs ~0.1 s when warm).
-    warm = httpx.post(policy_server.url + "/v1/completions", timeout=600, json={
-        "model": "tiny-policy", "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0,
-        "logprobs": 0})
-    assert warm.status_code == 200, warm.text
+    # (the fixture's server answered one logprobs request already: vLLM's first-use compile)
     syncers = []
     try:
         # timeout_s 120 (default 30): on 2 cores vLLM pins both servers' workers to core 0, and a
