@@ -14,6 +14,8 @@
 #   bash scripts/gpu_check.sh bench-graphs qwen2-0.5b, ours only, CUDA graphs captured
 #   bash scripts/gpu_check.sh bench-p2p    weightsync bench --device cuda (process to process into a
 #                                          torch module, no vLLM) on qwen2-7b, 1 and 2 chunks in flight
+#   bash scripts/gpu_check.sh bench-integrity weightsync bench --device cuda --integrity on qwen2-7b and
+#                                          qwen2-0.5b: what checksum: true and staged: true cost
 #   bash scripts/gpu_check.sh hybrid       FSDP2 over 2 ranks + a TP=2 vLLM engine on the same 2 GPUs,
 #                                          each TP worker fed by CUDA IPC from the rank on its GPU
 #   bash scripts/gpu_check.sh four-gpu     trainer -> TP=2 engine over NCCL, fan-out to two engines,
@@ -118,6 +120,17 @@ case "$stage" in
     done
     summary
     ;;
+  bench-integrity)
+    strategies=cuda_ipc,packed_cuda_ipc
+    [ "$gpus" -ge 2 ] && strategies=broadcast,$strategies
+    for shape in qwen2-7b qwen2-0.5b; do
+      timeout -s ABRT 270 python3 -m weightsync.cli bench --device cuda --repeats 7 \
+          --shape "$shape" --strategy "$strategies" --integrity --json "$OUT/integrity_$shape.json" \
+          > "$OUT/integrity_$shape.txt" 2> "$OUT/integrity_$shape.log"
+      echo "bench integrity_$shape rc=$?"
+    done
+    summary
+    ;;
   hybrid)
     need_vllm; need_gpus 2
     pytest_stage hybrid 560 tests/gpu/test_hybrid_gpu.py
@@ -129,7 +142,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {tests|tests-vllm|tests-servers|bench-small|bench-7b|bench-graphs|bench-p2p|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {tests|tests-vllm|tests-servers|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac

@@ -32,7 +32,12 @@ from typing import Any
 import httpx
 import pytest
 
-from weightsync.testing.servers import PolicyServerProcess, RewardServerProcess, ServerProcess
+from weightsync.testing.servers import (
+    PolicyServerProcess,
+    RewardServerProcess,
+    ServerProcess,
+    cpu_core_slots,
+)
 
 API_KEY = "test-token"
 #: what every test server gets: a short context and a small KV cache (2 cores, 24 GiB shared)
@@ -78,14 +83,19 @@ class RewardServerHandle(ServerHandle):
             client.close_sync()
 
 
+# policy servers' workers on the first slot, reward servers' on the second: the tests run both
+# at once (the load test drives both at full speed), and vLLM alone would bind both to core 0
+POLICY_CORES, REWARD_CORES = cpu_core_slots(2)
+
+
 def start_server(server_cls: type[ServerProcess], model_dir: str, log_path: str, *,
-                 api_key: str | None, args: list[str], timeout_s: float = 180.0
-                 ) -> ServerProcess:
+                 api_key: str | None, args: list[str], timeout_s: float = 180.0,
+                 cpu_cores: str | None = None) -> ServerProcess:
     """Start ``server_cls`` on ``model_dir`` (its output to ``log_path``) and wait until /health
     answers 200 (or fail with its log)."""
     token = ["--api-key", api_key] if api_key else []
-    return server_cls(model_dir, log_path=log_path,
-                      extra_args=[*args, *token]).start_healthy(timeout_s=timeout_s)
+    return server_cls(model_dir, log_path=log_path, extra_args=[*args, *token],
+                      cpu_cores=cpu_cores).start_healthy(timeout_s=timeout_s)
 
 
 def start_reward_server(
@@ -94,7 +104,8 @@ def start_reward_server(
 ) -> RewardServerHandle:
     """Start a reward server subprocess and wait until /health answers (or fail with its log)."""
     server = start_server(RewardServerProcess, model_dir, log_path, api_key=api_key,
-                          timeout_s=timeout_s, args=[*SMALL_SERVER, *(extra or [])])
+                          timeout_s=timeout_s, args=[*SMALL_SERVER, *(extra or [])],
+                          cpu_cores=REWARD_CORES)
     return RewardServerHandle(server.url, server.port, api_key or "", model_dir, server)
 
 
@@ -203,6 +214,7 @@ def start_policy_server(model_dir: str, log_path: str, *, api_key: str | None = 
         PolicyServerProcess, model_dir, log_path, api_key=api_key,
         args=[*SMALL_SERVER, "--seed", "0", "--chat-template", template,
               "--served-model-name", "tiny-policy", *(extra or [])],
+        cpu_cores=POLICY_CORES,
     )
     # vLLM compiles a kernel (inductor) at the first request that asks for logprobs; on a loaded
     # 2-core box that has taken minutes, and an update waits for the requests in flight to drain

@@ -183,6 +183,25 @@ def test_checksum_is_layout_independent_and_alignment_safe():
     assert tensor_checksums([torch.tensor([-1], dtype=torch.int64)] * 2) == [-1, -1]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64,
+                                   torch.uint8, torch.bool])
+@pytest.mark.parametrize("numel", [0, 1, 3, 4, 8, 13, 64, 1001])
+def test_checksum_equals_a_word_sum_computed_elsewhere(dtype, numel):
+    """Whole-word tensors take one reduction, others the padded path: both must give the sum
+    of little-endian 64-bit words modulo 2^64 (computed here by numpy, from the raw bytes)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(numel)
+    t = (torch.randint(0, 255, (numel,), generator=g, dtype=torch.uint8).to(dtype)
+         if dtype in (torch.uint8, torch.int64, torch.bool)
+         else torch.randn(numel, generator=g).to(dtype))
+    raw = t.view(torch.uint8).numpy().tobytes() if numel else b""
+    raw += bytes(-len(raw) % 8)
+    words = np.frombuffer(raw, dtype="<u8")
+    want = int(words.sum(dtype=np.uint64)) if len(words) else 0
+    assert tensor_checksums([t])[0] & (2**64 - 1) == want
+
+
 def test_mismatches_names_the_tensor():
     a, b = torch.ones(4), torch.zeros(3)
     want = tensor_checksums([a, b])

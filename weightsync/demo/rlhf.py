@@ -267,14 +267,20 @@ class RLHFRun:
         return rm_dir, policy_dir
 
     def start_servers(self, rm_dir: str, policy_dir: str, wd: str) -> None:
-        from weightsync.testing.servers import PolicyServerProcess, RewardServerProcess
+        from weightsync.testing.servers import (
+            PolicyServerProcess,
+            RewardServerProcess,
+            cpu_core_slots,
+        )
 
         s = self.cfg.server
         common = ["--max-model-len", str(s.max_model_len), "--log-level", "warning"]
+        policy_cores, reward_cores = cpu_core_slots(2)  # not both engines on one core
         self.reward_server = RewardServerProcess(
-            rm_dir, scratch_dir=wd, host=s.host, extra_args=[*common, *s.extra_args]).start()
+            rm_dir, scratch_dir=wd, host=s.host, extra_args=[*common, *s.extra_args],
+            cpu_cores=reward_cores).start()
         self.policy_server = PolicyServerProcess(
-            policy_dir, scratch_dir=wd, host=s.host,
+            policy_dir, scratch_dir=wd, host=s.host, cpu_cores=policy_cores,
             extra_args=[*common, "--served-model-name", POLICY_NAME, "--seed",
                         str(self.cfg.rlhf.seed), *s.policy_extra_args]).start()
         for server in (self.reward_server, self.policy_server):

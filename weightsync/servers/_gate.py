@@ -6,20 +6,29 @@ read side, so everything in one response comes from one weight version. A weight
 the write side from its ``start`` to its ``finish`` (several HTTP calls): it waits for in-flight
 requests to drain, and new requests wait until the update is done, so no response ever mixes
 old and new weights. A waiting writer blocks new readers (no starvation).
+
+Releasing never awaits: ``release_read``/``release_write`` are plain calls, so a request
+cancelled at any point (its client went away, the server shuts down) still gives its seat back
+in the ``finally`` that releases it; a release that awaited a lock there could itself be
+cancelled and leave a reader behind that no update could ever drain. Every reader carries a
+label (method and path) and its start time, so a drain that times out can say who is holding
+the gate (``in_flight``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 
 class UpdateGate:
     def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._readers = 0
+        self._readers: dict[int, tuple[str, float]] = {}  # token -> (label, since)
+        self._next_token = 0
         self._writer: str | None = None  # update id holding the gate
         self._writers_waiting = 0
+        self._changed = asyncio.Event()
         self.writer_since = 0.0
 
     @property
@@ -28,45 +37,56 @@ class UpdateGate:
 
     @property
     def readers(self) -> int:
-        return self._readers
+        return len(self._readers)
 
-    async def acquire_read(self, timeout_s: float) -> None:
-        """Wait (at most ``timeout_s``) until no update holds or waits for the gate."""
-        async with self._cond:
-            await asyncio.wait_for(
-                self._cond.wait_for(lambda: self._writer is None and not self._writers_waiting),
-                timeout_s,
-            )
-            self._readers += 1
+    def in_flight(self, limit: int = 5) -> str:
+        """The oldest readers, e.g. ``"POST /v1/completions for 62s, ..."`` (for error texts)."""
+        now = time.monotonic()
+        oldest = sorted(self._readers.values(), key=lambda r: r[1])
+        text = ", ".join(f"{label or 'a request'} for {now - since:.0f}s"
+                         for label, since in oldest[:limit])
+        more = len(oldest) - limit
+        return text + (f" and {more} more" if more > 0 else "")
 
-    async def release_read(self) -> None:
-        async with self._cond:
-            self._readers -= 1
-            self._cond.notify_all()
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_until(self, ready: Callable[[], bool], timeout_s: float) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not ready():
+                await self._changed.wait()
+
+    async def acquire_read(self, timeout_s: float, label: str = "") -> int:
+        """Wait (at most ``timeout_s``, else ``TimeoutError``) until no update holds or waits
+        for the gate; returns the token to hand to ``release_read``."""
+        await self._wait_until(lambda: self._writer is None and not self._writers_waiting,
+                               timeout_s)
+        self._next_token += 1
+        self._readers[self._next_token] = (label, time.monotonic())
+        return self._next_token
+
+    def release_read(self, token: int) -> None:
+        if self._readers.pop(token, None) is not None:
+            self._notify()
 
     async def acquire_write(self, owner: str, timeout_s: float) -> None:
-        """Wait until in-flight scores finished and no other update holds the gate."""
-        async with self._cond:
-            self._writers_waiting += 1
-            try:
-                await asyncio.wait_for(
-                    self._cond.wait_for(lambda: self._writer is None and self._readers == 0),
-                    timeout_s,
-                )
-            finally:
-                self._writers_waiting -= 1
-                self._cond.notify_all()
-            self._writer = owner
-            self.writer_since = time.monotonic()
+        """Wait until in-flight requests finished and no other update holds the gate."""
+        self._writers_waiting += 1
+        try:
+            await self._wait_until(lambda: self._writer is None and not self._readers, timeout_s)
+        finally:
+            self._writers_waiting -= 1
+            self._notify()
+        self._writer = owner
+        self.writer_since = time.monotonic()
 
-    async def transfer_write(self, owner: str) -> None:
+    def transfer_write(self, owner: str) -> None:
         """Hand a held gate to a new update (a restarted sync replaces an abandoned one)."""
-        async with self._cond:
-            self._writer = owner
-            self.writer_since = time.monotonic()
+        self._writer = owner
+        self.writer_since = time.monotonic()
 
-    async def release_write(self, owner: str | None = None) -> None:
-        async with self._cond:
-            if owner is None or self._writer == owner:
-                self._writer = None
-                self._cond.notify_all()
+    def release_write(self, owner: str | None = None) -> None:
+        if owner is None or self._writer == owner:
+            self._writer = None
+            self._notify()

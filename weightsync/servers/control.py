@@ -157,13 +157,14 @@ class UpdateControl:
 
     # -- the read side: requests that run the model ------------------------------------------
     @contextlib.asynccontextmanager
-    async def serving(self, what: str = "request") -> AsyncIterator[int]:
+    async def serving(self, what: str = "request", label: str = "") -> AsyncIterator[int]:
         """Hold the read side while a request runs the model; yields the version that serves
         it. Raises ``ServiceError(503)`` when an update runs longer than ``wait_timeout_s`` or
-        the weights are torn."""
+        the weights are torn. ``label`` (e.g. ``"POST /v1/completions"``) names the request in
+        the error an update gets when it cannot drain."""
         await self.expire_stale_update()
         try:
-            await self.gate.acquire_read(self.wait_timeout_s)
+            token = await self.gate.acquire_read(self.wait_timeout_s, label or what)
         except TimeoutError:
             active = self._active
             raise ServiceError(
@@ -181,7 +182,7 @@ class UpdateControl:
                 )
             yield self.version
         finally:
-            await self.gate.release_read()
+            self.gate.release_read(token)
 
     # -- communicator ------------------------------------------------------------------------
     async def init_communicator(self, strategy: dict, sync_info: dict, rank_offset: int) -> int:
@@ -264,13 +265,14 @@ class UpdateControl:
             if self._active.update_id == start.update_id:
                 raise ServiceError(409, f"update {start.update_id} was already started")
             await self._abort_active(f"superseded by update {start.update_id}", keep_gate=True)
-            await self.gate.transfer_write(start.update_id)
+            self.gate.transfer_write(start.update_id)
         else:
             try:
                 await self.gate.acquire_write(start.update_id, self.wait_timeout_s)
             except TimeoutError:
                 raise ServiceError(503, "requests in flight did not drain in "
-                                        f"{self.wait_timeout_s:g}s; retry the update") from None
+                                        f"{self.wait_timeout_s:g}s ({self.gate.in_flight()}); "
+                                        "retry the update") from None
         idle = self.update_timeout_s if start.idle_timeout_s is None else min(
             float(start.idle_timeout_s), self.update_timeout_s)
         active = _ActiveUpdate(start.update_id, mode, idle_timeout_s=idle)
@@ -284,7 +286,7 @@ class UpdateControl:
                 active.paused = True
         except BaseException:
             await self._resume(active)
-            await self.gate.release_write(start.update_id)
+            self.gate.release_write(start.update_id)
             raise
         self._active = active
         active.last_activity = time.monotonic()
@@ -352,7 +354,7 @@ class UpdateControl:
             self._active = None
             _stop_watch(active)
             await self._resume(active)
-            await self.gate.release_write(finish.update_id)
+            self.gate.release_write(finish.update_id)
         published = int(results[0]) if results and results[0] is not None else self.version
         return {"ok": finish.ok, "version": published, "state": self.torn_reason or "ready"}
 
@@ -388,7 +390,7 @@ class UpdateControl:
             _stop_watch(active)
             await self._resume(active)
             if not keep_gate:
-                await self.gate.release_write(active.update_id)
+                self.gate.release_write(active.update_id)
 
     async def abort(self, update_id: str, why: str) -> None:
         """Abort ``update_id`` if it is still the running update (a transfer that failed)."""

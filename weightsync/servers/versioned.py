@@ -50,7 +50,8 @@ class VersionedResponses:
         if scope.get("type") != "http" or not self._gated(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
-        serving = self.control.serving("generate")
+        serving = self.control.serving(
+            "generate", f"{scope.get('method', '')} {scope.get('path', '')}")
         try:
             version = await serving.__aenter__()
         except ServiceError as e:

@@ -74,13 +74,43 @@ def vllm_scratch_env(scratch_dir: str) -> dict[str, str]:
     return env
 
 
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_core_slots(n: int, cores: Sequence[int] | None = None) -> list[str | None]:
+    """Disjoint core lists (``VLLM_CPU_OMP_THREADS_BIND`` syntax, e.g. ``"0"``, ``"4-7"``) for
+    ``n`` vLLM CPU engines started on this machine together; ``None`` for each (vLLM's own
+    binding) when the user set that variable, when ``n < 2`` or when there are fewer cores
+    than engines.
+
+    Why: vLLM binds every CPU engine's worker to the same cores by itself (on a 2-core machine,
+    core 0), so two servers on one box share one core. One that decodes at full speed then
+    starves the other's gloo threads: a 0.1 MB weight chunk into the reward server took 15-25 s
+    while the policy server generated (measured here, issue 12's load test). The slots split
+    the cores this process may use into ``n`` contiguous runs; one core is left to the front
+    ends (API servers, engine cores, the trainer) when there are at least ``2n + 1``.
+    ``cores``: default the cores this process may run on.
+    """
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if n < 2 or len(cores) < n or os.environ.get(CPU_BIND_ENV):
+        return [None] * n
+    usable = cores[:-1] if len(cores) >= 2 * n + 1 else cores
+    per = len(usable) // n
+    slots = []
+    for i in range(n):
+        run = usable[i * per:(i + 1) * per]
+        slots.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return slots
+
+
 class ServerProcess:
     """One server subprocess (``python -m module``) on ``host:port``, owned by the calling
     process; ``label`` names it in messages and in its log file's name. ``scratch_dir``: where
     vLLM's cache and IPC sockets go (``vllm_scratch_env``); default a short-named temporary
     directory of its own, removed by ``stop``. ``port``: default a free one; ``log_path``:
     default ``scratch_dir/<label>-<port>.log``; ``env``: added to the environment, e.g.
-    ``CUDA_VISIBLE_DEVICES``."""
+    ``CUDA_VISIBLE_DEVICES``; ``cpu_cores``: the cores a CPU engine's worker is bound to
+    (``VLLM_CPU_OMP_THREADS_BIND``; one of ``cpu_core_slots``), default vLLM's choice."""
 
     module = ""
     label = "server"
@@ -96,6 +126,7 @@ class ServerProcess:
         module: str | None = None,
         log_path: str | None = None,
         env: Mapping[str, str] | None = None,
+        cpu_cores: str | None = None,
     ) -> None:
         module = module or self.module
         if not module:
@@ -114,8 +145,15 @@ class ServerProcess:
             "--host", host, "--port", str(self.port), *extra_args,
         ]
         self._env = {**vllm_scratch_env(scratch_dir), **(env or {})}
+        if cpu_cores is not None:
+            self._env[CPU_BIND_ENV] = cpu_cores
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment the subprocess gets (a copy)."""
+        return dict(self._env)
 
     @property
     def url(self) -> str:
@@ -293,9 +331,11 @@ def started_or_attached(
 ) -> Iterator[list[str]]:
     """Yield the base URLs of healthy servers, one per ``(server_cls, model_dir, url)``: ``url``
     as given (a server someone else runs on ``model_dir``'s checkpoint; left running), or a
-    ``server_cls`` started on ``model_dir``. The ones started here start together, are waited
-    for, and are stopped on leaving (SIGTERM / SIGHUP included)."""
+    ``server_cls`` started on ``model_dir``. The ones started here start together (each CPU
+    engine on cores of its own: ``cpu_core_slots``), are waited for, and are stopped on leaving
+    (SIGTERM / SIGHUP included)."""
     started: list[ServerProcess] = []
+    slots = iter(cpu_core_slots(sum(1 for _, _, url in servers if not url)))
     with signals_raise_system_exit():
         try:
             urls: list[str] = []
@@ -303,7 +343,8 @@ def started_or_attached(
                 if url:
                     urls.append(url.rstrip("/"))
                     continue
-                server = server_cls(model_dir, scratch_dir=scratch_dir, extra_args=extra_args)
+                server = server_cls(model_dir, scratch_dir=scratch_dir, extra_args=extra_args,
+                                    cpu_cores=next(slots))
                 started.append(server.start())
                 urls.append(server.url)
                 if progress is not None:

@@ -20,8 +20,11 @@ EXT = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
 
 
 def close(got, want) -> bool:
-    """bf16 end to end: relative + absolute tolerance."""
-    return all(abs(a - b) <= 0.03 * abs(b) + 0.05 for a, b in zip(got, want, strict=True))
+    """bf16 end to end (vLLM's kernels against transformers'): relative + absolute tolerance.
+    The scores lie between -15 and 15 and two weight sets' scores differ by more than 0.5 (the
+    test checks that too); vLLM and transformers, same bf16 weights, differed by 0.056 at a
+    score of -0.18 on an H100 (2026-11-23), so the absolute part is 0.1."""
+    return all(abs(a - b) <= 0.03 * abs(b) + 0.1 for a, b in zip(got, want, strict=True))
 
 
 @pytest.fixture(scope="module")

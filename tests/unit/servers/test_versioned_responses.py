@@ -103,7 +103,7 @@ def test_an_update_waits_for_a_stream_in_flight_and_new_requests_wait_for_the_up
             late = asyncio.ensure_future(h.post("/v1/completions"))
             await asyncio.sleep(0.2)
             assert not late.done()  # new requests wait for the update
-            await c.gate.release_write("u1")
+            c.gate.release_write("u1")
             return first, await late
 
     first, late = asyncio.run(go())
@@ -121,7 +121,7 @@ def test_torn_weights_and_long_updates_answer_503():
             c.worker_states = [{"state": "idle", "version": 4}]
             await c.gate.acquire_write("u", 1)
             busy = await h.post("/v1/completions")
-            await c.gate.release_write("u")
+            c.gate.release_write("u")
             ok = await h.post("/v1/completions")
         return torn, busy, ok
 

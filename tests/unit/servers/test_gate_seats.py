@@ -1,0 +1,94 @@
+"""The update gate's seats (``weightsync.servers._gate``), through ``VersionedResponses`` and a real
+``UpdateControl`` (no engine: a drain that times out answers before any worker call)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from weightsync.servers.control import ServiceError, UpdateControl
+from weightsync.servers.versioned import VersionedResponses
+
+
+async def _hanging_app(scope, receive, send):  # a generation that never ends
+    await asyncio.Event().wait()
+
+
+async def _asgi_request(asgi, path: str) -> None:
+    async def receive():
+        await asyncio.Event().wait()
+
+    async def send(message):
+        pass
+
+    await asgi({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
+
+
+def test_a_request_cancelled_anywhere_gives_its_seat_back():
+    """Cancelled once, and again while it unwinds (what a cancel scope does): the seat is
+    released, so the next update does not wait for a request that no longer exists."""
+
+    async def go():
+        c = UpdateControl(None, wait_timeout_s=5)
+        asgi = VersionedResponses(_hanging_app, control=c)
+        tasks = [asyncio.ensure_future(_asgi_request(asgi, "/v1/completions")) for _ in range(3)]
+        while c.gate.readers < 3:
+            await asyncio.sleep(0.01)
+        for t in tasks:
+            t.cancel()
+        await asyncio.sleep(0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        readers = c.gate.readers
+        await c.gate.acquire_write("u1", 0.5)  # TimeoutError if a seat leaked
+        return readers, c.gate.writer
+
+    assert asyncio.run(go()) == (0, "u1")
+
+
+def test_an_update_that_cannot_drain_names_the_requests_in_flight():
+    async def go():
+        c = UpdateControl(None, wait_timeout_s=0.3)
+        asgi = VersionedResponses(_hanging_app, control=c)
+        task = asyncio.ensure_future(_asgi_request(asgi, "/v1/chat/completions"))
+        while c.gate.readers < 1:
+            await asyncio.sleep(0.01)
+        try:
+            with pytest.raises(ServiceError) as e:
+                await c.start({"update_id": "u1"}, None, 1)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        # the failed start left nothing behind: the next one gets the gate
+        await c.gate.acquire_write("u2", 0.5)
+        return e.value
+
+    err = asyncio.run(go())
+    assert err.status == 503
+    assert "did not drain in 0.3s" in err.message
+    assert "POST /v1/chat/completions for 0s" in err.message
+
+
+def test_a_waiting_update_holds_new_requests_back_and_the_first_waiter_wins():
+    async def go():
+        c = UpdateControl(None, wait_timeout_s=5)
+        asgi = VersionedResponses(_hanging_app, control=c)
+        first = asyncio.ensure_future(_asgi_request(asgi, "/v1/completions"))
+        while c.gate.readers < 1:
+            await asyncio.sleep(0.01)
+        writer = asyncio.ensure_future(c.gate.acquire_write("u1", 5))
+        await asyncio.sleep(0.05)
+        late = asyncio.ensure_future(c.gate.acquire_read(5, "late"))
+        await asyncio.sleep(0.05)
+        held_back = not late.done() and not writer.done()
+        first.cancel()  # the request in flight ends: the update goes first, then the late one
+        await writer
+        writer_first = not late.done()
+        c.gate.release_write("u1")
+        token = await asyncio.wait_for(late, 1)
+        c.gate.release_read(token)
+        return held_back, writer_first, c.gate.readers
+
+    assert asyncio.run(go()) == (True, True, 0)
