@@ -25,16 +25,22 @@ async def _asgi_request(asgi, path: str) -> None:
     await asgi({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
 
 
+async def _requests_in_flight(c: UpdateControl, path: str, n: int = 1) -> list[asyncio.Future]:
+    """``n`` never-ending requests to ``path`` through the middleware, each holding a seat."""
+    asgi = VersionedResponses(_hanging_app, control=c)
+    tasks = [asyncio.ensure_future(_asgi_request(asgi, path)) for _ in range(n)]
+    while c.gate.readers < n:
+        await asyncio.sleep(0.01)
+    return tasks
+
+
 def test_a_request_cancelled_anywhere_gives_its_seat_back():
     """Cancelled once, and again while it unwinds (what a cancel scope does): the seat is
     released, so the next update does not wait for a request that no longer exists."""
 
     async def go():
         c = UpdateControl(None, wait_timeout_s=5)
-        asgi = VersionedResponses(_hanging_app, control=c)
-        tasks = [asyncio.ensure_future(_asgi_request(asgi, "/v1/completions")) for _ in range(3)]
-        while c.gate.readers < 3:
-            await asyncio.sleep(0.01)
+        tasks = await _requests_in_flight(c, "/v1/completions", 3)
         for t in tasks:
             t.cancel()
         await asyncio.sleep(0)
@@ -51,10 +57,7 @@ def test_a_request_cancelled_anywhere_gives_its_seat_back():
 def test_an_update_that_cannot_drain_names_the_requests_in_flight():
     async def go():
         c = UpdateControl(None, wait_timeout_s=0.3)
-        asgi = VersionedResponses(_hanging_app, control=c)
-        task = asyncio.ensure_future(_asgi_request(asgi, "/v1/chat/completions"))
-        while c.gate.readers < 1:
-            await asyncio.sleep(0.01)
+        (task,) = await _requests_in_flight(c, "/v1/chat/completions")
         try:
             with pytest.raises(ServiceError) as e:
                 await c.start({"update_id": "u1"}, None, 1)
@@ -74,10 +77,7 @@ def test_an_update_that_cannot_drain_names_the_requests_in_flight():
 def test_a_waiting_update_holds_new_requests_back_and_the_first_waiter_wins():
     async def go():
         c = UpdateControl(None, wait_timeout_s=5)
-        asgi = VersionedResponses(_hanging_app, control=c)
-        first = asyncio.ensure_future(_asgi_request(asgi, "/v1/completions"))
-        while c.gate.readers < 1:
-            await asyncio.sleep(0.01)
+        (first,) = await _requests_in_flight(c, "/v1/completions")
         writer = asyncio.ensure_future(c.gate.acquire_write("u1", 5))
         await asyncio.sleep(0.05)
         late = asyncio.ensure_future(c.gate.acquire_read(5, "late"))
