@@ -125,9 +125,19 @@ class Group:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
         opts.timeout = self.timeout
-        self._wait(self.pg.allreduce([t], opts),
-                   f"go/no-go all_reduce with all {self.world_size} ranks", self.timeout)
+        self._wait(self.pg.allreduce([t], opts), f"go/no-go all_reduce {self.peers()}",
+                   self.timeout)
         return int(t.item())
+
+    def peers(self) -> str:
+        """Who this rank waits for in a collective of the whole group (for error texts): the
+        sender is rank 0, every engine worker one of the others."""
+        others = self.world_size - 1 if self.rank == 0 else self.world_size - 2
+        if self.rank == 0:
+            return f"with the {others} receiver rank(s)"
+        if others <= 0:
+            return "with the sender (rank 0)"
+        return f"with the sender (rank 0) and {others} other receiver rank(s)"
 
     def _wait(self, work: Any, what: str, timeout: datetime.timedelta) -> None:
         try:

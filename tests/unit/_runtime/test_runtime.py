@@ -129,3 +129,35 @@ def test_create_mapped_names_the_segment_and_unlink_is_idempotent():
         shm.unlink(name)
         shm.unlink(name)
     assert not shm.segment_exists(name)
+
+
+def test_a_vote_the_sender_never_joins_times_out_naming_the_sender():
+    """A real 2-rank gloo group (both ranks in this process): rank 1 votes, rank 0 (the sender)
+    never does; the error names the phase, the sender and the limit."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from weightsync._runtime.process_group import Group
+    from weightsync.errors import CollectiveTimeout
+
+    store = dist.HashStore()
+    limit = datetime.timedelta(seconds=1)
+    pgs: dict[int, object] = {}
+
+    def make(rank: int) -> None:
+        pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, limit)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    receiver = Group("gloo", pgs[1], rank=1, world_size=2, timeout=limit)
+    with pytest.raises(CollectiveTimeout, match=r"go/no-go all_reduce with the sender \(rank 0\)"
+                                                r" on weight-sync rank 1/2 failed after at most 1s"):
+        receiver.all_reduce_min(1)
+    assert Group("gloo", None, rank=0, world_size=3, timeout=limit).peers() == \
+        "with the 2 receiver rank(s)"
+    assert Group("gloo", None, rank=2, world_size=4, timeout=limit).peers() == \
+        "with the sender (rank 0) and 2 other receiver rank(s)"
