@@ -284,8 +284,9 @@ class RLHFRun:
             extra_args=[*common, "--served-model-name", POLICY_NAME, "--seed",
                         str(self.cfg.rlhf.seed), *s.policy_extra_args]).start()
         for server in (self.reward_server, self.policy_server):
+            cores = f", worker cores {server.cpu_cores}" if server.cpu_cores else ""
             self.progress(f"{server.label} starting (pid {server.pid}, {server.url}, "
-                          f"log {server.log_path})")
+                          f"log {server.log_path}{cores})")
 
     def wait_for_servers(self) -> None:
         for server in (self.reward_server, self.policy_server):

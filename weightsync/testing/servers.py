@@ -145,6 +145,7 @@ class ServerProcess:
             "--host", host, "--port", str(self.port), *extra_args,
         ]
         self._env = {**vllm_scratch_env(scratch_dir), **(env or {})}
+        self.cpu_cores = cpu_cores
         if cpu_cores is not None:
             self._env[CPU_BIND_ENV] = cpu_cores
         self._proc: subprocess.Popen[bytes] | None = None

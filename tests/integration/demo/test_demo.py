@@ -105,6 +105,10 @@ def test_demo_sigterm_takes_the_servers_down(tmp_path):
             if "policy server starting" in line:
                 break
         pids = [_server_pid("".join(lines), label) for label in ("reward server", "policy server")]
+        # on a machine with 2+ cores the two engines get cores of their own (cpu_core_slots)
+        cores = re.findall(r"server starting \(.*worker cores ([0-9-]+)\)", "".join(lines))
+        if len(os.sched_getaffinity(0)) >= 2 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+            assert len(cores) == 2 and cores[0] != cores[1], "".join(lines)
         time.sleep(2.0)  # let them get into vLLM start-up
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
