@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 
 import pytest
@@ -23,6 +24,17 @@ try:  # every property test draws the same examples here and in CI (hypothesis i
     _hypothesis_settings.load_profile("weightsync")
 except ImportError:  # the dev extra is not installed: no property tests to run either
     pass
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # SIGTERM (a CI time limit, `kill`, `timeout`) ends the session the way Ctrl-C does: pytest
+    # stops and tears the fixtures down, so the server processes they started (each in a session
+    # of its own, 1-2 GB) stop with it instead of outliving the run
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def _has_cuda() -> bool:
