@@ -25,10 +25,10 @@ rows of the same run (alternating windows: load on a shared machine shifts both 
 answer is checked: it names a version this run's trainer installed (no syncs: the one version in
 place). What the ratio contains on a CPU box: the pause policy (a request arriving during an
 update waits at the gate until it is complete, see ``docs/policy_server.md``) and the trainer
-competing with the server for the same cores. On a 2-core machine vLLM binds each server's
-worker to core 0 (core 1 is left to the front ends), so two servers busy at once share one core
-and the one that pauses for an update gives its share to the other: ``--together`` numbers say
-more about that than about syncs.
+competing with the server for the same cores. The two servers' engines get cores of their own
+(``weightsync.testing.servers.cpu_core_slots``, through ``started_or_attached``); left to
+itself vLLM would bind both workers to the same cores, and with ``--together`` one busy engine
+would then starve the other's weight transfers.
 """
 
 from __future__ import annotations
