@@ -62,9 +62,9 @@ def _is_same(entry: Any, cls: Any) -> bool:
 STRATEGIES = Registry(
     "strategy",
     {
-        "broadcast": "weightsync.strategies.broadcast:BroadcastStrategy",
-        "cuda_ipc": "weightsync.strategies.cuda_ipc:CudaIpcStrategy",
-        "packed_cuda_ipc": "weightsync.strategies.packed_cuda_ipc:PackedCudaIpcStrategy",
+        "broadcast": "weightsync.strategies.broadcast:BroadcastTransferStrategy",
+        "cuda_ipc": "weightsync.strategies.cuda_ipc:CudaIpcTransferStrategy",
+        "packed_cuda_ipc": "weightsync.strategies.packed_cuda_ipc:PackedCudaIpcTransferStrategy",
         "ludic_broadcast": "weightsync.strategies.ludic_broadcast:LudicBroadcastStrategy",
     },
 )

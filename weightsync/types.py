@@ -449,7 +449,7 @@ class CudaIpcWeightUpdateRequest(WeightUpdateRequest):
     replicas: list[list[IpcBufferHandle]] = field(default_factory=list)
     # names a layout (names, dtypes, shapes, handles) the sender assigned; a request that
     # carries only the key (names empty) means "the same layout as the request that carried
-    # this key in full before": the receivers that decoded it keep it (see CudaIpcReceiver)
+    # this key in full before": the receivers that decoded it keep it (see CudaIpcTransferReceiver)
     layout_key: str = ""
 
     @property

@@ -1,6 +1,6 @@
 """Engine side of both IPC strategies: turn an ``IpcBufferHandle`` into a uint8 tensor.
 
-Owned by one receiver (``CudaIpcReceiver`` / ``PackedCudaIpcReceiver``) in an engine worker.
+Owned by one receiver (``CudaIpcTransferReceiver`` / ``PackedCudaIpcTransferReceiver``) in an engine worker.
 Shared-memory segments are attached through the receiver's ``AttachedSegments`` cache; CUDA IPC
 handles are opened once and cached (``CudaHandleCache``, created on the first CUDA handle so a
 CPU-only engine never touches CUDA).

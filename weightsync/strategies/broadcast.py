@@ -82,7 +82,7 @@ def _grace(client: Any) -> float:
     return float(getattr(client, "grace_s", _ENGINE_ERROR_GRACE_S)) + 2.0
 
 
-class BroadcastStrategy(WeightTransferStrategy):
+class BroadcastTransferStrategy(WeightTransferStrategy):
     name = "broadcast"
     config_cls = BroadcastConfig
 
@@ -123,7 +123,7 @@ class BroadcastStrategy(WeightTransferStrategy):
         cfg: BroadcastConfig | None,
         inference_client: InferenceEngineClient,
         sync_info: WeightSyncInfo,
-    ) -> BroadcastSender:
+    ) -> BroadcastTransferSender:
         """Trainer side: join as rank 0 while every engine joins through the client."""
         cfg = cfg or self.cfg
         info = _as_info(sync_info)
@@ -152,11 +152,11 @@ class BroadcastStrategy(WeightTransferStrategy):
             if not own.done():  # our side fails at the same deadline: it knows who is missing
                 await asyncio.wait({own}, timeout=_ENGINE_ERROR_GRACE_S)
             raise _name_missing_engines(e, own, sizes, inference_client) from None
-        return BroadcastSender(cfg, group, info)
+        return BroadcastTransferSender(cfg, group, info)
 
     async def create_receiver(
         self, cfg: BroadcastConfig | None, sync_info: WeightSyncInfo, rank_offset: int
-    ) -> BroadcastReceiver:
+    ) -> BroadcastTransferReceiver:
         """Engine side: join the group as ``rank_offset``."""
         cfg = cfg or self.cfg
         info = _as_info(sync_info)
@@ -166,7 +166,7 @@ class BroadcastStrategy(WeightTransferStrategy):
 
             device = torch.device("cuda", torch.cuda.current_device())
         group = await in_thread(lambda: build_group(info, rank_offset, device=device))
-        return BroadcastReceiver(cfg, group)
+        return BroadcastTransferReceiver(cfg, group)
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ class BroadcastStrategy(WeightTransferStrategy):
 # --------------------------------------------------------------------------------------------
 
 
-class BroadcastSender(WeightTransferSender):
+class BroadcastTransferSender(WeightTransferSender):
     """Rank 0. ``create_request`` packs a chunk into one of two reusable buffers (in a worker
     thread, overlapping the previous chunk's transfer); ``_transfer`` runs the go/no-go vote and
     the broadcasts in a thread while the engines receive.
@@ -334,7 +334,7 @@ class BroadcastSender(WeightTransferSender):
 # --------------------------------------------------------------------------------------------
 
 
-class BroadcastReceiver(WeightTransferReceiver):
+class BroadcastTransferReceiver(WeightTransferReceiver):
     """Engine worker at rank ``group.rank``. One receive buffer, reused across chunks."""
 
     request_cls = BroadcastWeightUpdateRequest

@@ -84,7 +84,7 @@ async def call_engines(
         ) from None
 
 
-class CudaIpcSender(EveryRankSender, WeightTransferSender):
+class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
     """Makes one handle per tensor; CPU tensors are copied into pooled shm segments unless they
     already live in shared weights. ``shared_tensors`` / ``copied_tensors`` count both kinds."""
 
@@ -244,7 +244,7 @@ class CudaIpcSender(EveryRankSender, WeightTransferSender):
         self.close_rank_group()
 
 
-class CudaIpcReceiver(WeightTransferReceiver):
+class CudaIpcTransferReceiver(WeightTransferReceiver):
     """Opens handles (cached) and hands dtype/shape views to the loader; no copy."""
 
     request_cls = CudaIpcWeightUpdateRequest
@@ -354,11 +354,11 @@ class _Layout:
         self.replica = 0
 
 
-class CudaIpcStrategy(WeightTransferStrategy):
+class CudaIpcTransferStrategy(WeightTransferStrategy):
     name = "cuda_ipc"
     config_cls = IpcConfig
-    sender_cls: ClassVar[type[WeightTransferSender]] = CudaIpcSender
-    receiver_cls: ClassVar[type[WeightTransferReceiver]] = CudaIpcReceiver
+    sender_cls: ClassVar[type[WeightTransferSender]] = CudaIpcTransferSender
+    receiver_cls: ClassVar[type[WeightTransferReceiver]] = CudaIpcTransferReceiver
 
     @classmethod
     def get_request_type(cls) -> type[WeightUpdateRequest]:

@@ -40,7 +40,7 @@ from weightsync.interfaces import (
 from weightsync.strategies._every_rank import EveryRankSender, pick_replica
 from weightsync.strategies._ipc_open import IpcBufferOpener
 from weightsync.strategies._layout import DEFAULT_ALIGN, pack_into, plan_layout, views_into
-from weightsync.strategies.cuda_ipc import CudaIpcStrategy, bucket_bytes, call_engines
+from weightsync.strategies.cuda_ipc import CudaIpcTransferStrategy, bucket_bytes, call_engines
 from weightsync.strategies.shared_weights import locate_many
 from weightsync.types import (
     IpcBufferHandle,
@@ -55,7 +55,7 @@ from weightsync.types import (
 # --------------------------------------------------------------------------------------------
 
 
-class PackedCudaIpcSender(EveryRankSender, WeightTransferSender):
+class PackedCudaIpcTransferSender(EveryRankSender, WeightTransferSender):
     handle_field = "buffers"
     overlap = True
 
@@ -172,7 +172,7 @@ class PackedCudaIpcSender(EveryRankSender, WeightTransferSender):
         self.close_rank_group()
 
 
-class PackedCudaIpcReceiver(WeightTransferReceiver):
+class PackedCudaIpcTransferReceiver(WeightTransferReceiver):
     request_cls = PackedCudaIpcWeightUpdateRequest
 
     def __init__(self, cfg: PackedIpcConfig, rank_offset: int = 1) -> None:
@@ -207,11 +207,11 @@ class PackedCudaIpcReceiver(WeightTransferReceiver):
         self.buffers.close()
 
 
-class PackedCudaIpcStrategy(CudaIpcStrategy):
+class PackedCudaIpcTransferStrategy(CudaIpcTransferStrategy):
     name = "packed_cuda_ipc"
     config_cls = PackedIpcConfig
-    sender_cls = PackedCudaIpcSender
-    receiver_cls = PackedCudaIpcReceiver
+    sender_cls = PackedCudaIpcTransferSender
+    receiver_cls = PackedCudaIpcTransferReceiver
 
     @classmethod
     def get_request_type(cls) -> type[WeightUpdateRequest]:
