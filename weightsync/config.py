@@ -93,7 +93,10 @@ class BroadcastConfig(StrategyConfig):
     master_addr: str | None = None  # default: this node's address (from Ray when running there)
     master_port: int | None = None  # default: a free port
     group_name: str = "weightsync"
-    packed: bool = True  # one broadcast per dtype per chunk instead of one per tensor
+    # the whole update in one control call, the bytes straight into the engines' weights
+    # (strategies/_stream.py); False: one control call, one vote and one packed buffer per chunk
+    stream: bool = True
+    packed: bool = True  # (stream: false) one broadcast per dtype per chunk, not one per tensor
     # 2 works over gloo (tested) and cut a 7B NCCL sync from 0.111 to 0.097 s on 2 x H200, but in
     # that run the bench's check after the syncs did not finish in time and the cause is not
     # known yet (docs/benchmarks.md). Until a GPU run clears it, broadcast sends one chunk at a

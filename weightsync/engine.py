@@ -287,9 +287,11 @@ class WeightUpdateEndpoint:
                 await self._refuse(receiver, req)
                 raise UpdateRefusedError(f"{self.name}: {problem}")
             assert update is not None
+            req.validated = _is_manifest(req, update.start.manifest)  # checked at start
             try:
                 try:
-                    self._check_chunk(req.metas(), update.start)
+                    if not req.validated:
+                        self._check_chunk(req.metas(), update.start)
                     update.sink.begin_chunk(req)  # a name this update already carried: no
                 except WeightMismatchError:
                     await self._refuse(receiver, req)  # its peers still get a no
@@ -491,6 +493,15 @@ class WeightUpdateEndpoint:
         self._state = EndpointState.TORN
         self._last_error = why
         log.error("%s: %s", self.name, why)
+
+
+def _is_manifest(request: Any, manifest: list[TensorMeta] | None) -> bool:
+    """The request carries exactly the update's manifest (a streamed update's one request)."""
+    if manifest is None or len(manifest) != len(request.names):
+        return False
+    return (request.names == [m.name for m in manifest]
+            and request.dtypes == [m.dtype for m in manifest]
+            and request.shapes == [list(m.shape) for m in manifest])
 
 
 #: what ``WeightUpdateEndpoint.call`` dispatches (the endpoint protocol every channel speaks)

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightsync.errors import WeightMismatchError
@@ -219,6 +219,20 @@ class WeightLoader(abc.ABC):
 
         check_metadata(metas, self.expected_metadata())
 
+    def direct_target(self, meta: TensorMeta) -> torch.Tensor | None:
+        """Where the bytes of ``meta`` may be written as they arrive: a contiguous tensor of the
+        engine's own weights with ``meta``'s dtype and shape (a view of a parameter), or None
+        (default) to take them through ``load_weights``. A transport that can receive into
+        given memory (the streamed broadcast) then skips its receive buffer and the copy out
+        of it; it calls ``loaded_in_place`` once the bytes landed. Asked only during an
+        in-place update, in the update's thread."""
+        return None
+
+    def loaded_in_place(self, names: Sequence[str]) -> None:  # noqa: B027
+        """``names`` were written straight into the tensors ``direct_target`` gave (the device
+        work has completed): what ``load_weights`` would do after copying (bookkeeping, tied
+        copies) happens here."""
+
     async def start_update(self, start: WeightUpdateStart) -> None:  # noqa: B027
         """Hook before the first chunk of an update."""
 
@@ -283,13 +297,8 @@ class WeightTransferSender(abc.ABC):
         stats = SyncStats(update_id=uuid.uuid4().hex)
         t0 = time.perf_counter()
         cfg = getattr(self, "cfg", None)
-        start = WeightUpdateStart(
-            update_id=stats.update_id, version=version, manifest=manifest,
-            training_mode=training_mode,
-            head_name_patterns=list(head_name_patterns) if head_name_patterns else None,
-            extras=extras or {}, staged=bool(getattr(cfg, "staged", False)),
-            idle_timeout_s=getattr(cfg, "idle_timeout_s", None),
-        )
+        start = self.start_message(stats.update_id, version, manifest, training_mode,
+                                   head_name_patterns, extras)
         stream = self._coalesce(chunks, held=isinstance(chunks, (list, tuple)))
         if self.single_call and getattr(inference_client, "supports_apply_update", False):
             only, stream = await peek_single(stream)
@@ -317,6 +326,22 @@ class WeightTransferSender(abc.ABC):
         stats.versions = list(await inference_client.finish_weight_update(finish.to_dict()))
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def start_message(
+        self, update_id: str, version: int | None, manifest: list[TensorMeta] | None,
+        training_mode: TrainingMode | str | None, head_name_patterns: list[str] | None,
+        extras: dict | None,
+    ) -> WeightUpdateStart:
+        """The update's start, with this sender's per-update options (``staged``, the idle
+        limit it promises)."""
+        cfg = getattr(self, "cfg", None)
+        return WeightUpdateStart(
+            update_id=update_id, version=version, manifest=manifest,
+            training_mode=training_mode,
+            head_name_patterns=list(head_name_patterns) if head_name_patterns else None,
+            extras=extras or {}, staged=bool(getattr(cfg, "staged", False)),
+            idle_timeout_s=getattr(cfg, "idle_timeout_s", None),
+        )
 
     async def _send_single(
         self, chunk: WeightChunk, client: InferenceEngineClient, start: WeightUpdateStart,
@@ -395,7 +420,7 @@ class WeightTransferReceiver(abc.ABC):
                 f"{type(request).__name__}: sender and engine use different strategies"
             )
         try:
-            if not self._known_valid(request, loader):
+            if not (request.validated or self._known_valid(request, loader)):
                 loader.validate(request.metas())
         except WeightMismatchError:
             try:

@@ -161,7 +161,7 @@ class SendPipeline:
         """Transfer every chunk. ``stamp(request, index, is_last)`` fills the request's update
         fields before its transfer starts; ``stats`` counts the chunks started (so a failed
         update's finish can say how many)."""
-        it = _aiter(chunks)
+        it = aiter_chunks(chunks)
         inflight: collections.deque[asyncio.Task] = collections.deque()
         nxt = await anext(it, None)
         index = 0
@@ -273,7 +273,7 @@ async def coalesce(
     anyway): a merged chunk keeps all of them alive until it is sent."""
     names: list[str] = []
     tensors: list[Any] = []
-    async for chunk in _aiter(chunks):
+    async for chunk in aiter_chunks(chunks):
         if mergeable(chunk):
             names.extend(chunk.names)
             tensors.extend(chunk.tensors)
@@ -291,11 +291,11 @@ async def peek_single(
 ) -> tuple[WeightChunk | None, AsyncIterator[WeightChunk]]:
     """``(the only chunk, None-stream)`` when ``chunks`` holds exactly one chunk, else ``(None,
     the same chunks)`` (at most two were read ahead: they are yielded again first)."""
-    it = _aiter(chunks)
+    it = aiter_chunks(chunks)
     first = await anext(it, None)
     second = await anext(it, None) if first is not None else None
     if first is not None and second is None:
-        return first, _aiter(())
+        return first, aiter_chunks(())
 
     async def again() -> AsyncIterator[WeightChunk]:
         for c in (first, second):
@@ -348,7 +348,8 @@ def _any_failed(tasks: Iterable[asyncio.Task]) -> bool:
     return any(t.done() and not t.cancelled() and t.exception() is not None for t in tasks)
 
 
-async def _aiter(chunks: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
+async def aiter_chunks(chunks: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
+    """``chunks`` (an iterable or an async iterable) as an async iterator."""
     if hasattr(chunks, "__aiter__"):
         async for c in chunks:  # type: ignore[union-attr]
             yield c

@@ -282,6 +282,9 @@ class WeightUpdateRequest(_Tagged):
     # one 64-bit checksum per tensor (``weightsync.integrity``), parallel to ``names``, when the
     # sender was asked for them (``checksum: true``); every engine verifies what it received
     checksums: list[int] | None = None
+    #: set by the engine's endpoint (never sent): the metadata was checked already (it is the
+    #: update's manifest, validated at start), so the receiver need not check it again
+    validated: ClassVar[bool] = False
 
     def _coerce(self) -> None:
         for f in ("names", "dtypes", "shapes"):
@@ -353,12 +356,17 @@ class BroadcastWeightUpdateRequest(WeightUpdateRequest):
 
     ``packed``: one flat broadcast per dtype group (tensors in request order, offsets derived
     from shapes, each start aligned to ``align_bytes``); otherwise one broadcast per tensor.
+    ``stream``: see the field.
     """
 
     TYPE: ClassVar[str] = "broadcast"
     src_rank: int = 0
     packed: bool = True
     align_bytes: int = 256
+    #: the whole update as one request: its tensors are the manifest, in stream order, and the
+    #: bytes follow as the streamed protocol (``strategies/_stream.py``); ``packed`` and
+    #: ``align_bytes`` do not apply
+    stream: bool = False
 
 
 @dataclass(kw_only=True)

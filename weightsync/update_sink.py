@@ -28,7 +28,7 @@ update (``seen``), which bounds an update by the model's own parameters.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import ChecksumMismatchError, WeightMismatchError
@@ -53,6 +53,8 @@ class UpdateSink(WeightLoader):
         self.seen: set[str] = set()
         self._staged: list[dict[str, torch.Tensor]] = []
         self._request: WeightUpdateRequest | None = None
+        self._want: dict[str, int] | None = None  # name -> the sender's checksum
+        self._chunk = 0  # the chunk landing now (its index in a streamed update's stream)
 
     # -- what a receiver calls ---------------------------------------------------------------
     def expected_metadata(self) -> Mapping[str, TensorMeta] | None:
@@ -76,23 +78,49 @@ class UpdateSink(WeightLoader):
                 [f"{n}: sent more than once in one update (chunk {request.chunk_index} repeats "
                  f"it)" for n in again], target=f"update {request.update_id} of {self.name}")
         self._request = request
+        self._chunk = request.chunk_index
+        self._want = None
+        if request.checksums is not None:
+            self.expect_checksums(request.names, request.checksums)
 
     def end_chunk(self) -> None:
         """The chunk landed (loaded or staged): its names count as carried."""
         if self._request is not None:
             self.seen.update(self._request.names)
         self._request = None
+        self._want = None
+
+    def expect_checksums(self, names: Sequence[str], checksums: Sequence[int],
+                         chunk: int | None = None) -> None:
+        """The sender's checksums of ``names``: what arrives under those names is checked
+        against them. A streamed update's come over the data plane with each of its chunks
+        (``chunk``: its index in the stream, for the error)."""
+        self._want = {**(self._want or {}), **dict(zip(names, checksums, strict=True))}
+        if chunk is not None:
+            self._chunk = chunk
+
+    def direct_target(self, meta: TensorMeta) -> torch.Tensor | None:
+        """The loader's ``direct_target`` during an in-place update (None while staging: the
+        weights must not change before the finish). A target given out counts as touched:
+        the weights change as soon as the bytes start to land."""
+        if self.staged:
+            return None
+        target = self.loader.direct_target(meta)
+        if target is not None:
+            self.touched = True
+        return target
+
+    async def landed_in_place(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Tensors the receiver wrote into ``direct_target`` s landed: check their checksums,
+        then tell the loader."""
+        bad = await self._checked(named_tensors)
+        self.loader.loaded_in_place(list(named_tensors))
+        self._raise_for(bad)
 
     async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
-        request = self._request
-        want = request.checksums if request is not None else None
         check = None
-        if want is not None:
-            from weightsync._runtime.threads import in_thread
-            from weightsync.integrity import mismatches
-
-            check = asyncio.ensure_future(
-                in_thread(mismatches, request.names, want, named_tensors, name="ws-checksum"))
+        if self._want is not None:
+            check = asyncio.ensure_future(self._checked(named_tensors))
         try:
             if self.staged:
                 self._stage(named_tensors)
@@ -101,12 +129,30 @@ class UpdateSink(WeightLoader):
                 await self.loader.load_weights(named_tensors)
         finally:
             bad = await check if check is not None else []
-        if bad:
-            assert request is not None
-            raise ChecksumMismatchError(
-                f"{self.name}: chunk {request.chunk_index} of update {request.update_id}: "
-                f"{len(bad)} tensor(s) arrived with other bytes than the sender sent "
-                f"(corrupted in transit): {'; '.join(bad[:5])}", bad)
+        self._raise_for(bad)
+
+    async def _checked(self, named_tensors: Mapping[str, torch.Tensor]) -> list[str]:
+        """One line per tensor whose bytes differ from the sender's checksum (none expected:
+        nothing to check)."""
+        want = self._want
+        if not want:
+            return []
+        from weightsync._runtime.threads import in_thread
+        from weightsync.integrity import mismatches
+
+        names = [n for n in named_tensors if n in want]
+        return await in_thread(mismatches, names, [want[n] for n in names], named_tensors,
+                               name="ws-checksum")
+
+    def _raise_for(self, bad: list[str]) -> None:
+        if not bad:
+            return
+        request = self._request
+        where = (f"chunk {self._chunk} of update {request.update_id}"
+                 if request is not None else "the update")
+        raise ChecksumMismatchError(
+            f"{self.name}: {where}: {len(bad)} tensor(s) arrived with other bytes than the "
+            f"sender sent (corrupted in transit): {'; '.join(bad[:5])}", bad)
 
     # -- staging -----------------------------------------------------------------------------
     def _stage(self, named: Mapping[str, torch.Tensor]) -> None:

@@ -72,6 +72,17 @@ def make_master_store(port: int, world_size: int, timeout_s: float) -> Any:
 
 
 @dataclass
+class Pending:
+    """A collective issued by ``Group.start_broadcast`` and not yet waited for: it keeps its
+    tensor alive until ``Group.finish_all``."""
+
+    work: Any
+    tensor: Any
+    what: str
+    timeout: datetime.timedelta
+
+
+@dataclass
 class Group:
     """A process-group backend plus what its collectives need."""
 
@@ -115,6 +126,60 @@ class Group:
         peer = "from the sender (rank 0)" if src == 0 else f"from rank {src}"
         self._wait(self.pg.broadcast([tensor], opts), f"broadcast of {nbytes} bytes {peer}",
                    opts.timeout)
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int = 0,
+                        timeout_s: float | None = None) -> Pending:
+        """Issue a broadcast without waiting for it (NCCL: queued on the communicator's stream;
+        gloo: waited for here, so gloo's operations complete in issue order). Finish a batch of
+        them with ``finish_all``. ``timeout_s``: the wait's limit (default: the group's fixed
+        part plus its per-GB part for these bytes)."""
+        import torch.distributed as dist
+
+        nbytes = tensor.numel() * tensor.element_size()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = (self.op_timeout(nbytes) if timeout_s is None
+                        else datetime.timedelta(seconds=float(timeout_s)))
+        peer = "from the sender (rank 0)" if src == 0 else f"from rank {src}"
+        pending = Pending(self.pg.broadcast([tensor], opts), tensor,
+                          f"broadcast of {nbytes} bytes {peer}", opts.timeout)
+        if self.backend_name != "nccl":
+            self._wait(pending.work, pending.what, pending.timeout)
+            pending.work = None
+        return pending
+
+    def finish_all(self, pending: list[Pending]) -> None:
+        """Wait until every broadcast of ``pending`` completed (its tensors may be reused, read
+        or freed after this), within the sum of their timeouts; a failure or timeout names the
+        operation as ``broadcast`` does. NCCL: the current stream is ordered after them and the
+        host waits once, on an event after the last."""
+        works = [p for p in pending if p.work is not None]
+        if not works:
+            return
+        import time
+
+        import torch
+
+        for p in works:
+            p.work.wait()  # stream order only: the current stream waits for the communicator's
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        limit = sum(p.timeout.total_seconds() for p in works)
+        t0 = time.perf_counter()
+        spins = 0
+        while not done.query():
+            waited = time.perf_counter() - t0
+            if waited > limit:
+                last = works[-1]
+                raise CollectiveTimeout(
+                    f"{self.backend_name} {last.what} (and {len(works) - 1} more) on weight-sync "
+                    f"rank {self.rank}/{self.world_size} did not complete within {limit:g}s (a "
+                    f"peer died or stopped answering?)")
+            spins += 1
+            time.sleep(0 if spins < 2000 else 1e-4)
+        for p in works:
+            p.work = None
 
     def all_reduce_min(self, value: int) -> int:
         """MIN over every rank of one small int (the go/no-go vote before bulk data)."""

@@ -7,7 +7,8 @@ Lives in the sending (training) process. Each call goes to every engine at once 
   channel delivers a sender's pipelined chunks in order);
 * every call has a timeout: ``timeout_s`` for control calls; a chunk
   (``update_named_weights``) gets ``timeout_s`` plus ``timeout_s_per_gb`` per GB it carries
-  (the engines receive and load it in that time); ``init_weight_transfer`` (the data plane's
+  (the engines receive and load it in that time), and ``apply_update`` likewise for all its
+  requests' bytes; ``init_weight_transfer`` (the data plane's
   rendezvous) and ``start_weight_update`` (a server first drains its requests in flight) get
   ``join_timeout_s``. A call that outlives its timeout is a ``WeightSyncTimeout`` naming the
   engine and the call (the phase);
@@ -137,8 +138,12 @@ class FanOutClient(InferenceEngineClient):
     def apply_update(  # type: ignore[override]
         self, start: dict, requests: list[dict], finish: dict
     ) -> Awaitable[list[int | None]]:
-        """Issued to every engine before this returns, like ``update_named_weights``."""
-        return self._all("apply_update", {"start": start, "requests": requests, "finish": finish})
+        """Issued to every engine before this returns, like ``update_named_weights``; the
+        engines answer within ``chunk_timeout_s`` of every request's bytes (a streamed
+        broadcast's one request carries the whole update)."""
+        nbytes = sum(request_nbytes(r) for r in requests)
+        return self._all("apply_update", {"start": start, "requests": requests, "finish": finish},
+                         timeout_s=self.chunk_timeout_s(nbytes))
 
     # -- beyond the sender's needs ---------------------------------------------------------------
     async def status(self) -> list[dict[str, Any]]:

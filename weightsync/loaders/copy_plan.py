@@ -92,6 +92,7 @@ class CopyPlan:
         self._owners: list[tuple[dict, str, Any, int]] = []  # tensors the plan writes into
         self.replayed = 0  # tensors loaded by replay (cumulative)
         self.loaded = 0  # tensors loaded through load_fn (cumulative)
+        self.direct = 0  # tensors a transport wrote into their direct_target (cumulative)
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -103,6 +104,22 @@ class CopyPlan:
     def opaque(self) -> list[str]:
         """Names that always go through ``load_fn``."""
         return sorted(self._opaque)
+
+    def direct_target(self, name: str, dtype: Any, shape: Sequence[int]) -> Any:
+        """The parameter view that a contiguous ``dtype`` tensor of ``shape`` named ``name``
+        is copied into whole, when that is all the loader does with it (one copy of the whole
+        source into a contiguous view of the same dtype and size: most tensors of an unsharded
+        model, q/k/v into their rows of a fused ``qkv_proj``); else None. Bytes written there
+        are exactly what a replay would copy."""
+        e = self._entries.get(name)
+        if e is None or len(e.copies) != 1 or e.dtype != dtype or e.shape != tuple(shape):
+            return None
+        c = e.copies[0]
+        dst = c.dst
+        if (not c.identity or dst.dtype != dtype or not dst.is_contiguous()
+                or e.stride != _contiguous_strides(e.shape)):
+            return None
+        return dst
 
     def check(self) -> bool:
         """Drop the plan if the model changed under it since it was learned (returns whether it
@@ -194,6 +211,14 @@ class CopyPlan:
             del self._entries[name]
         self._owners = owners
         self._modules = [id(m) for m in self.model.modules()]
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _fits(e: _Entry, t: Any) -> bool:

@@ -17,7 +17,7 @@ weight once).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from weightsync.config import LoaderConfig
@@ -56,6 +56,7 @@ class TorchModuleWeightLoader(WeightLoader):
             for name, t in self._targets.items()
         }
         self.aliases = _tied_groups(self._targets)
+        self._tied = {n for group in self.aliases for n in group}
         self.loads = 0  # number of load_weights calls that copied something
 
     def expected_metadata(self) -> Mapping[str, TensorMeta]:
@@ -68,6 +69,18 @@ class TorchModuleWeightLoader(WeightLoader):
             metas, self._meta, check_dtype=self.strict_dtype,
             target=f"module {type(self.module).__name__}",
         )
+
+    def direct_target(self, meta: TensorMeta) -> torch.Tensor | None:
+        """The module's own tensor for ``meta.name`` when it is contiguous, of ``meta``'s dtype
+        and shape, and not tied to another name (its bytes are then written in place)."""
+        t = self._targets.get(meta.name)
+        if (t is None or meta.name in self._tied or list(t.shape) != list(meta.shape)
+                or _dtype_str(t.dtype) != meta.dtype or not t.is_contiguous()):
+            return None
+        return t.detach()
+
+    def loaded_in_place(self, names: Sequence[str]) -> None:
+        self.loads += 1
 
     async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         self.load_weights_sync(named_tensors)

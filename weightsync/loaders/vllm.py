@@ -172,6 +172,19 @@ class VLLMWeightLoader(WeightLoader):
                 )
         return out
 
+    def direct_target(self, meta: TensorMeta) -> torch.Tensor | None:
+        """Direct mode with a copy plan that learned ``meta.name``: the parameter view its bytes
+        are copied into whole, if that is all loading it does (``CopyPlan.direct_target``)."""
+        if self.plan is None or meta.name in self._aliases:
+            return None
+        from weightsync.types import str_to_dtype
+
+        return self.plan.direct_target(meta.name, str_to_dtype(meta.dtype), meta.shape)
+
+    def loaded_in_place(self, names: Sequence[str]) -> None:
+        if self.plan is not None:
+            self.plan.direct += len(names)
+
     async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         """Load and wait for the copies: the tensors may be views of transfer buffers the
         sender reuses as soon as this returns."""

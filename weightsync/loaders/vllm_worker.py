@@ -19,7 +19,7 @@ strategy's data plane.
 * ``weightsync_world_size()``, ``weightsync_version()``, ``weightsync_state()`` (the endpoint's
   ``status()`` plus rank, world size, load mode and, in direct mode, what the copy plan replays:
   ``copy_plan`` = names replayed, names that always go through ``load_weights``, tensors
-  loaded each way), ``weightsync_expected_metadata()``.
+  loaded each way: replayed, through ``load_weights``, written in place by the transport), ``weightsync_expected_metadata()``.
 
 The endpoint owns the update lifecycle (a failing finish hook leaves it torn, and a torn worker
 refuses to serve); the extension only carries calls to it.
@@ -96,7 +96,8 @@ class WeightSyncWorkerExtension:
                 "metadata_source": endpoint.loader.metadata_source,
                 "copy_plan": None if plan is None else {
                     "names": len(plan.names), "opaque": plan.opaque[:20],
-                    "replayed": plan.replayed, "loaded": plan.loaded}}
+                    "replayed": plan.replayed, "loaded": plan.loaded,
+                    "direct": plan.direct}}
 
     def weightsync_expected_metadata(self) -> list[dict] | None:
         meta = self._ws().loader.expected_metadata()

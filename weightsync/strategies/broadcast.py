@@ -28,6 +28,8 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from weightsync._runtime.pool import BufferPool
@@ -59,11 +61,15 @@ from weightsync.strategies._layout import (
     pack_into,
     plan_layout,
 )
+from weightsync.strategies._stream import Staging, StreamFeed, StreamReceiver, send_stream
 from weightsync.types import (
     BroadcastWeightUpdateRequest,
+    SyncStats,
+    TensorMeta,
     TorchDistributedWeightSyncInfo,
     WeightChunk,
     WeightSyncInfo,
+    WeightUpdateFinish,
     WeightUpdateRequest,
 )
 
@@ -202,6 +208,95 @@ class BroadcastTransferSender(WeightTransferSender):
             shared=False)
         self._inflight: dict[int, tuple[int | None, torch.Tensor | None, PackedLayout | None]] = {}
         self._lock = threading.Lock()
+        self._pack = Staging(group.device)  # a streamed chunk's packed small tensors
+
+    # -- one streamed update --------------------------------------------------------------------
+    async def send_chunks(
+        self,
+        chunks: Any,
+        inference_client: InferenceEngineClient,
+        *,
+        version: int | None = None,
+        manifest: list[TensorMeta] | None = None,
+        training_mode: Any = None,
+        head_name_patterns: list[str] | None = None,
+        extras: dict | None = None,
+    ) -> SyncStats:
+        """One update. With ``stream`` (default) and a manifest: the streamed protocol
+        (``strategies/_stream.py``): three control calls per update (the start, the whole
+        update as one request while its chunks are broadcast as the extraction yields them,
+        the finish). Otherwise one control call, one vote and one packed broadcast per chunk
+        (the base class)."""
+        if manifest is None and isinstance(chunks, (list, tuple)):
+            manifest = [m for c in chunks for m in c.metas()]
+        if not self.cfg.stream or manifest is None:
+            return await super().send_chunks(
+                chunks, inference_client, version=version, manifest=manifest,
+                training_mode=training_mode, head_name_patterns=head_name_patterns,
+                extras=extras)
+        self._check_usable()
+        stats = SyncStats(update_id=uuid.uuid4().hex)
+        t0 = time.perf_counter()
+        start = self.start_message(stats.update_id, version, manifest, training_mode,
+                                   head_name_patterns, extras)
+        request = BroadcastWeightUpdateRequest(
+            names=[m.name for m in manifest], dtypes=[m.dtype for m in manifest],
+            shapes=[list(m.shape) for m in manifest], src_rank=0, packed=False, stream=True,
+            update_id=stats.update_id, chunk_index=0, is_last=True, version=version,
+            checksums=[0] * len(manifest) if self.cfg.checksum else None)
+        finish = WeightUpdateFinish(update_id=stats.update_id, version=version, num_chunks=1)
+        total = request.total_size_bytes
+        # the start on its own first: every engine is alive and accepts the update before any
+        # rank enters a collective (see the class docstring)
+        await inference_client.start_weight_update(start.to_dict())
+        engines = asyncio.ensure_future(
+            _chunk_then_finish(inference_client, request.to_dict(), finish.to_dict()))
+        feed = StreamFeed(depth=2)
+        data = asyncio.wrap_future(self._lane.submit(
+            self._stream_data, feed))
+        feeder = asyncio.ensure_future(feed.fill(chunks, manifest))
+        try:
+            outcome = await _first_failure(
+                data, engines, self.cfg.chunk_timeout_s(total) + self.cfg.join_timeout_s,
+                "the streamed update", grace_s=_grace(inference_client))
+        except BaseException as e:
+            dead = isinstance(e, (EngineDiedError, WeightSyncTimeout))
+            if not data.done() and not dead:  # the lane is still in step (a refusal)
+                await asyncio.wait({data}, timeout=_ENGINE_ERROR_GRACE_S)
+            data_failed = not data.done() or data.cancelled() or data.exception() is not None
+            if not isinstance(e, WeightMismatchError) and (data_failed or dead):
+                self._broken = self._broken or f"{type(e).__name__}: {e}"[:300]
+            raise _stream_error(feeder, e) from None
+        finally:
+            if not feeder.done():
+                feeder.cancel()
+            await asyncio.gather(feeder, return_exceptions=True)
+        if outcome == "aborted":  # pragma: no cover - the engines always refuse an abort
+            raise _stream_error(feeder, WeightSyncError("the update was aborted"))
+        if outcome is False:  # pragma: no cover - engines answered OK but someone voted no
+            raise WeightSyncError("an engine refused the streamed update but reported no error")
+        answer = engines.result()
+        stats.versions = list(answer if answer is not None else [])
+        stats.num_chunks, stats.num_tensors, stats.total_bytes = (
+            feed.chunks, feed.tensors, feed.nbytes)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _stream_data(self, feed: StreamFeed) -> bool | str:
+        """On the lane thread: the whole streamed update's collectives."""
+        try:
+            return send_stream(self.group, feed, checksum=bool(self.cfg.checksum),
+                               idle_timeout_s=float(self.cfg.idle_timeout_s), pack=self._pack)
+        except BaseException as e:
+            self._broken = self._broken or f"{type(e).__name__}: {e}"[:300]
+            raise
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise WeightSyncError(
+                f"the broadcast group is unusable after an earlier failure ({self._broken}); "
+                f"create a new sender (strategy.create_sender) and re-initialise the engines"
+            )
 
     # -- per chunk ---------------------------------------------------------------------------
     def create_request(self, chunk: WeightChunk) -> BroadcastWeightUpdateRequest:
@@ -230,11 +325,7 @@ class BroadcastTransferSender(WeightTransferSender):
         request: WeightUpdateRequest,
         inference_client: InferenceEngineClient,
     ) -> None:
-        if self._broken:
-            raise WeightSyncError(
-                f"the broadcast group is unusable after an earlier failure ({self._broken}); "
-                f"create a new sender (strategy.create_sender) and re-initialise the engines"
-            )
+        self._check_usable()
         with self._lock:
             _, buf, layout = self._inflight.get(id(request), (None, None, None))
         # The data job is queued on the lane before the engines' request is issued, with no
@@ -326,6 +417,7 @@ class BroadcastTransferSender(WeightTransferSender):
     async def close(self) -> None:
         self._lane.close()
         self._buffers.close()
+        self._pack.close()
         self.group.close()
 
 
@@ -343,10 +435,19 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
         self.cfg = cfg
         self.group = group
         self._buf: torch.Tensor | None = None
+        self.stream = StreamReceiver(group, Staging(group.device),
+                                     header_timeout_s=float(cfg.idle_timeout_s))
 
     async def _receive_and_load(
         self, request: WeightUpdateRequest, loader: WeightLoader
     ) -> None:
+        if getattr(request, "stream", False):
+            if not await in_thread(self._vote_yes):
+                raise WeightSyncError(
+                    f"update {request.update_id} was rejected by another engine; nothing was "
+                    f"moved (this engine's weights are unchanged)")
+            await self.stream.run(request, loader)
+            return
         tensors = await in_thread(self._recv_data, request)
         if tensors is None:
             raise WeightSyncError(
@@ -361,6 +462,10 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
     def _vote_no(self) -> None:
         with self.group.on_device():
             self.group.all_reduce_min(0)
+
+    def _vote_yes(self) -> bool:
+        with self.group.on_device():
+            return self.group.all_reduce_min(1) == 1
 
     def _recv_data(self, request: BroadcastWeightUpdateRequest) -> dict[str, torch.Tensor] | None:
         """Vote yes (the chunk was validated); None if anyone voted no, else the chunk's
@@ -392,12 +497,37 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
 
     def close(self) -> None:
         self._buf = None
+        self.stream.staging.close()
         self.group.close()
 
 
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+
+
+async def _chunk_then_finish(client: InferenceEngineClient, request: dict,
+                             finish: dict) -> list[int | None]:
+    """A streamed update's one request, then its finish (the start was answered already); a
+    failed request closes the update as aborted."""
+    try:
+        await client.update_named_weights(request)
+    except BaseException as e:  # close the update on the engines that are left, in the background
+        abort = {**finish, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+        with contextlib.suppress(Exception):
+            closing = asyncio.ensure_future(client.finish_weight_update(abort))
+            closing.add_done_callback(_consume)
+        raise
+    return list(await client.finish_weight_update(finish))
+
+
+def _stream_error(feeder: asyncio.Future, error: BaseException) -> BaseException:
+    """The error to raise for a failed streamed update: the sender's own stream failure (an
+    extraction error, a chunk that does not follow the manifest) when there was one, since the
+    engines only saw the abort it caused; else ``error``."""
+    if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
+        return feeder.exception()  # type: ignore[return-value]
+    return error
 
 
 def _as_info(sync_info: Any) -> TorchDistributedWeightSyncInfo:

@@ -23,12 +23,14 @@ FACTORY = "weightsync.local.modules:qwen2_module"
 SMALL = {"size": "small", "dtype": "float32"}
 STRATEGIES = [
     {"type": "broadcast", "backend": "gloo"},
-    {"type": "broadcast", "backend": "gloo", "packed": False},
-    {"type": "broadcast", "backend": "gloo", "max_inflight_chunks": 2},
+    {"type": "broadcast", "backend": "gloo", "stream": False},
+    {"type": "broadcast", "backend": "gloo", "stream": False, "packed": False},
+    {"type": "broadcast", "backend": "gloo", "stream": False, "max_inflight_chunks": 2},
     {"type": "cuda_ipc"},
     {"type": "packed_cuda_ipc"},
 ]
-IDS = ["broadcast-packed", "broadcast-unpacked", "broadcast-pipelined", "cuda_ipc", "packed_cuda_ipc"]
+IDS = ["broadcast-stream", "broadcast-packed", "broadcast-unpacked", "broadcast-pipelined",
+       "cuda_ipc", "packed_cuda_ipc"]
 
 
 def chunks_of(sd: dict[str, torch.Tensor], per_chunk: int) -> list[WeightChunk]:

@@ -156,3 +156,24 @@ def test_replay_takes_large_copies_one_by_one_and_small_ones_batched(monkeypatch
     _loader(ref)(items)
     assert _same(model, ref) == []
     assert calls and sum(calls) < len(REPLAYED)  # some went through copy_ one by one
+
+
+def test_direct_target_is_the_whole_copy_of_a_learned_name_and_nothing_else():
+    model, ref, plan = _pair()
+    assert plan.direct_target("q_proj.weight", torch.bfloat16, (4, H)) is None  # not learned
+    plan.load(_state(0))
+    direct = {n for n, s in SHAPES.items() if plan.direct_target(n, torch.bfloat16, s) is not None}
+    # one copy of the whole source into a contiguous view: q/k/v rows of the fused qkv, the
+    # gate/up halves, the embedding's first rows, the norm, the buffer; not the skipped tied
+    # head (no copy), not what the loader does through Python (transposed, item(), temporary)
+    assert direct == {"embed.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
+                      "gate_proj.weight", "up_proj.weight", "norm.weight", "inv_freq"}
+    assert plan.direct_target("q_proj.weight", torch.float32, (4, H)) is None  # other dtype
+    assert plan.direct_target("q_proj.weight", torch.bfloat16, (2, H)) is None  # other shape
+    # bytes written into the targets are exactly what a replay copies
+    items = dict(_state(1))
+    for name in direct:
+        plan.direct_target(name, torch.bfloat16, SHAPES[name]).copy_(items[name])
+    plan.load([(n, t) for n, t in items.items() if n not in direct])
+    _loader(ref)(list(items.items()))
+    assert _same(model, ref) == []

@@ -1,0 +1,174 @@
+"""The streamed broadcast (``weightsync/strategies/_stream.py``): what a chunk's collectives are,
+and whole updates between a sender and engines in this process over a real gloo group (threads
+of this process), into ``torch_module`` loaders whose large tensors are written in place.
+
+Faults between real processes (an engine killed or stopped mid-stream, a chunk corrupted in
+transit) are in ``tests/integration/test_engine_faults.py``; vLLM engines in
+``tests/integration/loaders``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import weightsync as ws
+from weightsync.errors import WeightMismatchError
+from weightsync.loaders.torch_module import TorchModuleWeightLoader
+from weightsync.pipeline import make_chunks
+from weightsync.strategies._stream import ALIGN, PACK_BYTES, SMALL_BYTES, plan_transfers
+from weightsync.types import TensorMeta
+
+
+def _meta(name: str, nbytes: int, dtype: str = "uint8") -> TensorMeta:
+    return TensorMeta(name, dtype, [nbytes])
+
+
+# -- a chunk's collectives ----------------------------------------------------------------------
+
+
+def test_large_tensors_go_alone_in_order_and_small_ones_are_packed_after_them():
+    metas = [_meta("norm", 100), _meta("q", SMALL_BYTES), _meta("bias", 10, "float32"),
+             _meta("empty", 0), _meta("k", 3 * SMALL_BYTES), _meta("b2", 7)]
+    plan = plan_transfers(metas)
+    assert [(t.members, t.packed) for t in plan] == [((1,), False), ((4,), False),
+                                                     ((0, 2, 5), True)]
+    pack = plan[-1]
+    assert pack.offsets == (0, ALIGN, 2 * ALIGN)  # each small tensor starts aligned
+    assert pack.nbytes == 2 * ALIGN + 7
+
+
+def test_packs_are_split_at_the_pack_limit():
+    n = SMALL_BYTES - 1
+    metas = [_meta(f"s{i}", n) for i in range(PACK_BYTES // SMALL_BYTES + 3)]
+    plan = plan_transfers(metas)
+    assert len(plan) == 2 and all(t.packed and t.nbytes <= PACK_BYTES for t in plan)
+    assert [i for t in plan for i in t.members] == list(range(len(metas)))  # all, in order
+
+
+# -- whole updates -------------------------------------------------------------------------------
+
+
+class Net(torch.nn.Module):
+    """Two tensors above ``SMALL_BYTES`` (received in place) and three small ones (packed)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.big = torch.nn.Linear(512, 1024)  # 2 MiB weight, 4 KiB bias
+        self.head = torch.nn.Linear(1024, 300)  # 1.2 MiB weight
+        self.norm = torch.nn.LayerNorm(300, elementwise_affine=False)
+        self.register_buffer("scale", torch.full((4,), float(seed)))
+
+
+def _engine(seed: int = 0) -> tuple[Net, ws.WeightUpdateEndpoint]:
+    module = Net(seed)
+    return module, ws.WeightUpdateEndpoint(TorchModuleWeightLoader(module=module), name="eng0")
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(),
+                                                 strict=True))
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+STREAM = {"type": "broadcast", "backend": "gloo", "bucket_size_mb": 2.5, "timeout_s": 20}
+
+
+def test_a_stream_lands_bit_exact_with_the_large_tensors_written_in_place():
+    module, ep = _engine()
+
+    async def go():
+        async with ws.connect([ep], STREAM, device="cpu") as sync:
+            stats = []
+            for v in (1, 2):
+                stats.append(await sync.push(Net(v), version=v))
+                receiver = ep.receiver
+                direct, staged = receiver.stream.direct, receiver.stream.staging.nbytes
+                assert _same(module, Net(v)), v
+                assert direct == 2 * v, direct  # big.weight and head.weight, every update
+                assert staged < 64 * 1024, staged  # staging held only the small tensors
+            return stats
+
+    stats = _run(go())
+    assert [s.versions for s in stats] == [[1], [2]]
+    assert stats[0].num_chunks == 2 and stats[0].num_tensors == 5  # two chunks on the wire
+    assert ep.loader.loads >= 2
+
+
+def test_a_staged_stream_writes_nothing_in_place():
+    module, ep = _engine()
+    cfg = {**STREAM, "staged": True, "checksum": True}
+
+    async def go():
+        async with ws.connect([ep], cfg, device="cpu") as sync:
+            return await sync.push(Net(3), version=1), ep.receiver.stream.direct
+
+    stats, direct = _run(go())
+    assert stats.versions == [1] and direct == 0 and _same(module, Net(3))
+
+
+def test_chunks_that_do_not_follow_the_manifest_are_refused_and_the_group_stays_in_step():
+    module, ep = _engine()
+    src = Net(4)
+    named = list(src.state_dict().items())
+
+    async def go():
+        async with ws.connect([ep], STREAM, device="cpu") as sync:
+            manifest = [TensorMeta(n, "float32", list(t.shape)) for n, t in reversed(named)]
+            with pytest.raises(ValueError, match="must follow the manifest"):
+                await sync.push_chunks(make_chunks(named), manifest, version=1)
+            sender = sync.sender
+            assert (await sync.push(src, version=2)).versions == [2]
+            return sender is sync.sender  # the same group carried the next update
+
+    assert _run(go()) and _same(module, Net(4))
+
+
+def test_an_extraction_that_fails_mid_stream_raises_its_own_error_and_the_next_push_lands():
+    module, ep = _engine()
+    src = Net(5)
+    named = list(src.state_dict().items())
+    manifest = [TensorMeta(n, "float32", list(t.shape)) for n, t in named]
+
+    def failing():
+        chunks = list(make_chunks(named, bucket_size_mb=2.5))
+        yield chunks[0]
+        raise RuntimeError("the trainer's gather broke")
+
+    async def go():
+        async with ws.connect([ep], STREAM, device="cpu") as sync:
+            with pytest.raises(RuntimeError, match="gather broke"):
+                await sync.push_chunks(failing(), manifest, version=1)
+            status = (await sync.status())[0]
+            stats = await sync.push(src, version=2)
+            return status, stats
+
+    status, stats = _run(go())
+    # the first chunk was written in place, then the engine heard the abort: torn, not v1
+    assert status["state"] == "torn" and "aborted its stream" in status["last_error"], status
+    assert status["version"] == 0
+    assert stats.versions == [2] and _same(module, src)
+
+
+def test_a_refused_manifest_moves_nothing_and_the_session_keeps_its_group():
+    module, ep = _engine()
+    before = {n: t.clone() for n, t in module.state_dict().items()}
+    bad = {n: (t[:10] if n == "big.weight" else t) for n, t in Net(6).state_dict().items()}
+
+    async def go():
+        async with ws.connect([ep], STREAM, device="cpu") as sync:
+            with pytest.raises(WeightMismatchError, match="big.weight"):
+                await sync.push(bad, version=1)
+            sender = sync.sender
+            assert all(torch.equal(t, before[n]) for n, t in module.state_dict().items())
+            stats = await sync.push(Net(6), version=1)
+            return stats, sender is sync.sender
+
+    stats, kept = _run(go())
+    assert stats.versions == [1] and kept and _same(module, Net(6))

@@ -1,0 +1,444 @@
+"""The streamed broadcast: one control call per update, the bytes straight into the weights.
+
+Used by ``strategies/broadcast.py`` when ``stream: true`` (the default). The trainer announces
+the whole update once (its manifest: every tensor, in the order the stream sends them) and then
+broadcasts chunk after chunk as its extractor yields them; the engines validate the manifest
+once, vote once and receive the whole stream inside one ``update_named_weights`` call. There is
+no control round trip per chunk, no packing copy on the trainer for the large tensors, and no
+receive buffer (nor the copy out of it) on the engine for tensors whose loader names where they
+go.
+
+Wire (on the broadcast group; every member derives the same sequence of collectives from the
+manifest, so besides the weights only two ints per chunk cross):
+
+1. **vote**: an all_reduce MIN of one int (1 = go). The sender and every receiver that accepted
+   the update vote 1; an engine that refused its start votes 0 and no byte moves.
+2. **per chunk** of the sender's stream: a header ``[count, first]`` (the chunk carries
+   manifest entries ``first .. first + count - 1``), then one broadcast per *transfer* of the
+   chunk (``plan_transfers``: each tensor of at least ``SMALL_BYTES`` alone, in manifest order,
+   then the smaller ones packed into buffers of at most ``PACK_BYTES``), then, with checksums,
+   one int64 broadcast of the chunk's checksums (``weightsync.integrity``).
+3. **end**: a header ``[0, chunks]``; or ``[-1, 0]`` when the sender's stream failed (the
+   extraction raised, the caller cancelled): every receiver then refuses the update.
+
+Receivers write a lone tensor straight into the engine tensor its loader names
+(``WeightLoader.direct_target``: a contiguous view of the weight, same dtype and size) when
+there is one; everything else lands in a staging buffer (grown to the largest chunk, reused)
+that the loader then loads (packed small tensors, fused or sharded layouts, a copy plan's first
+sync, staged updates). A receiver whose loader fails keeps receiving into staging until the
+stream ends, so the group stays in step, and raises then. On NCCL every collective of a chunk is
+issued before the first is waited for, and the host waits once per chunk.
+
+Processes: ``send_stream`` runs on the sender's lane thread (the training process), fed by
+``StreamFeed`` from the event loop that runs the extraction; ``StreamReceiver`` in each engine
+worker, inside the endpoint's ``update_named_weights``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from weightsync._runtime.threads import in_thread
+from weightsync.errors import WeightSyncError
+from weightsync.strategies._layout import align_up, as_bytes, view_as
+from weightsync.types import TensorMeta, WeightChunk
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from weightsync._runtime.process_group import Group
+    from weightsync.interfaces import WeightLoader
+
+#: tensors smaller than this are packed (one broadcast for many norms and biases)
+SMALL_BYTES = 1 << 20
+#: the largest packed buffer
+PACK_BYTES = 64 << 20
+#: every tensor starts at a multiple of this inside a packed or staging buffer
+ALIGN = 256
+
+END, ABORT = 0, -1  # header counts that are not a chunk
+
+
+# --------------------------------------------------------------------------------------------
+# what one chunk's collectives are (both sides compute it from the metadata)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One broadcast of a chunk: ``members`` (indices into the chunk's tensors) at ``offsets``
+    inside a buffer of ``nbytes``. ``packed``: several small tensors in one buffer (or a lone
+    small one); otherwise one tensor sent from (and received into) its own memory."""
+
+    members: tuple[int, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+    packed: bool
+
+
+def plan_transfers(metas: Sequence[TensorMeta]) -> list[Transfer]:
+    """The chunk's broadcasts: every tensor of at least ``SMALL_BYTES`` alone (chunk order),
+    then the smaller ones packed in chunk order into buffers of at most ``PACK_BYTES``.
+    Zero-size tensors take no broadcast."""
+    singles: list[Transfer] = []
+    packs: list[Transfer] = []
+    members: list[int] = []
+    offsets: list[int] = []
+    pos = 0
+    for i, m in enumerate(metas):
+        n = m.nbytes
+        if n == 0:
+            continue
+        if n >= SMALL_BYTES:
+            singles.append(Transfer((i,), (0,), n, False))
+            continue
+        start = align_up(pos, ALIGN)
+        if members and start + n > PACK_BYTES:
+            packs.append(Transfer(tuple(members), tuple(offsets), pos, True))
+            members, offsets, start = [], [], 0
+        members.append(i)
+        offsets.append(start)
+        pos = start + n
+    if members:
+        packs.append(Transfer(tuple(members), tuple(offsets), pos, True))
+    return singles + packs
+
+
+# --------------------------------------------------------------------------------------------
+# sender: the lane thread's side
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FeedItem:
+    """A chunk handed to the lane: its tensors, where it starts in the manifest, and a CUDA
+    event recorded after it was produced (the lane's stream waits for it; None on the CPU)."""
+
+    chunk: WeightChunk
+    first: int
+    ready: Any = None
+
+
+class StreamAbort:
+    """Put on the feed instead of a chunk when the sender's stream failed."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+class StreamFeed:
+    """Chunks from the event loop (the extraction) to the lane thread (the broadcasts), at most
+    ``depth`` held at once: a chunk's slot comes back when its broadcasts completed.
+
+    ``fill(chunks, manifest)`` (event loop) checks each chunk against the manifest (a chunk
+    that does not follow it is a ``ValueError``: the caller's mistake, the group stays in
+    step), hands it over and finally puts the end (None) or, when the stream fails or is
+    cancelled, a ``StreamAbort``; ``get`` / ``done`` are the lane's."""
+
+    def __init__(self, depth: int = 2) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._slots = asyncio.Semaphore(max(1, int(depth)))
+        self._loop = asyncio.get_running_loop()
+        self.chunks = self.tensors = self.nbytes = 0
+
+    async def fill(self, chunks: AsyncIterable[WeightChunk] | Iterable[WeightChunk],
+                   manifest: Sequence[TensorMeta]) -> None:
+        from weightsync.pipeline import aiter_chunks
+
+        index = 0
+        try:
+            async for chunk in aiter_chunks(chunks):
+                expected = manifest[index : index + len(chunk)]
+                if [m.name for m in expected] != list(chunk.names) or any(
+                        m.shape != s or m.dtype != d for m, s, d in
+                        zip(expected, chunk.shapes, chunk.dtypes, strict=True)):
+                    raise ValueError(
+                        f"streamed update: chunk {self.chunks} carries {list(chunk.names)[:3]}... "
+                        f"where the manifest announced {[m.name for m in expected][:3]}... (entry "
+                        f"{index} on): the chunks must follow the manifest, same order, shapes "
+                        f"and dtypes")
+                await self._slots.acquire()
+                self._queue.put(FeedItem(chunk, index, _record_ready(chunk)))
+                index += len(chunk)
+                self.chunks += 1
+                self.tensors += len(chunk)
+                self.nbytes += chunk.total_size_bytes
+            if index != len(manifest):
+                raise ValueError(
+                    f"streamed update: the chunks carried {index} tensors, the manifest "
+                    f"announced {len(manifest)}")
+        except BaseException as e:
+            self._queue.put(StreamAbort(e))
+            raise
+        self._queue.put(None)
+
+    def get(self, timeout_s: float) -> FeedItem | StreamAbort | None:
+        try:
+            return self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return StreamAbort(None)
+
+    def done(self) -> None:
+        """A chunk's broadcasts completed: its slot is free (called on the lane thread)."""
+        self._loop.call_soon_threadsafe(self._slots.release)
+
+
+def _record_ready(chunk: WeightChunk) -> Any:
+    """A CUDA event after the chunk's tensors were produced on this thread's stream."""
+    first = next((t for t in chunk.tensors if t.is_cuda), None)
+    if first is None:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(first.device))
+    return event
+
+
+class Staging:
+    """One growing uint8 buffer on a device, reused chunk after chunk (a chunk's collectives
+    complete before the next chunk uses it)."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self._buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._buf = None  # free the old one before the bigger one
+            self._buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        return self._buf[:nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buf is None else int(self._buf.numel())
+
+    def close(self) -> None:
+        self._buf = None
+
+
+def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_s: float,
+                pack: Staging) -> bool | str:
+    """The sender's whole update on the lane thread (see the module docstring): True when every
+    chunk went out, ``"aborted"`` when the stream failed (the receivers were told), False when a
+    receiver voted no (nothing moved). A failed collective raises (the group is out of step)."""
+    import torch
+
+    with group.on_device():
+        if group.all_reduce_min(1) == 0:
+            return False
+        chunks = 0
+        while True:
+            item = feed.get(idle_timeout_s)
+            if item is None:
+                _send_header(group, END, chunks)
+                return True
+            if isinstance(item, StreamAbort):
+                _send_header(group, ABORT, 0)
+                return "aborted"
+            chunk = item.chunk
+            if item.ready is not None:
+                torch.cuda.current_stream(group.device).wait_event(item.ready)
+            _send_header(group, len(chunk), item.first)
+            metas = chunk.metas()
+            transfers = plan_transfers(metas)
+            places, need = buffer_places(transfers, lambda k, tr: tr.packed)
+            packs = pack.get(need) if need else None
+            if packs is not None:
+                _pack(packs, transfers, places, metas, chunk.tensors)
+            pending = []
+            for tr, at in zip(transfers, places, strict=True):
+                if tr.packed:
+                    assert packs is not None
+                    buf = packs[at : at + tr.nbytes]
+                else:
+                    buf = _on_device(as_bytes(chunk.tensors[tr.members[0]]), group)
+                pending.append(group.start_broadcast(buf, src=0))
+            if checksum:
+                from weightsync.integrity import tensor_checksums
+
+                sums = torch.tensor(tensor_checksums(chunk.tensors), dtype=torch.int64,
+                                    device=group.device)
+                pending.append(group.start_broadcast(sums.view(torch.uint8), src=0))
+            group.finish_all(pending)
+            feed.done()
+            chunks += 1
+
+
+def buffer_places(transfers: list[Transfer],
+                  takes_room: Callable[[int, Transfer], bool]) -> tuple[list[int], int]:
+    """Where each transfer sits in one buffer that holds every transfer ``takes_room(k, tr)``
+    says needs room (aligned, in order), and that buffer's size; -1 for the others. The sender
+    makes room for its packed transfers, a receiver for every transfer not received in place."""
+    places, need = [], 0
+    for k, tr in enumerate(transfers):
+        if not takes_room(k, tr):
+            places.append(-1)
+            continue
+        need = align_up(need, ALIGN)
+        places.append(need)
+        need += tr.nbytes
+    return places, need
+
+
+def _pack(buf: torch.Tensor, transfers: list[Transfer], places: list[int],
+          metas: list[TensorMeta], tensors: list[torch.Tensor]) -> None:
+    """Copy the chunk's small tensors into their packed places (one batched copy per dtype)."""
+    import torch
+
+    by_dtype: dict[Any, tuple[list[Any], list[Any]]] = {}
+    for tr, at in zip(transfers, places, strict=True):
+        if not tr.packed:
+            continue
+        for i, off in zip(tr.members, tr.offsets, strict=True):
+            dst = view_as(buf, at + off, metas[i])
+            ds, ss = by_dtype.setdefault(dst.dtype, ([], []))
+            ds.append(dst)
+            ss.append(tensors[i].to(dst.device) if tensors[i].device != dst.device else tensors[i])
+    for ds, ss in by_dtype.values():
+        torch._foreach_copy_(ds, ss)
+
+
+def _send_header(group: Group, count: int, first: int) -> None:
+    import torch
+
+    header = torch.tensor([count, first], dtype=torch.int64, device=group.device)
+    group.finish_all([group.start_broadcast(header.view(torch.uint8), src=0)])
+
+
+def _on_device(b: torch.Tensor, group: Group) -> torch.Tensor:
+    dev = group.device
+    return b.to(dev) if dev is not None and b.device != dev else b
+
+
+# --------------------------------------------------------------------------------------------
+# receiver: inside the engine's update_named_weights
+# --------------------------------------------------------------------------------------------
+
+
+class StreamReceiver:
+    """Receives one streamed update into ``sink`` (the endpoint's ``UpdateSink``): lone tensors
+    into their ``direct_target`` when the sink gives one, the rest into ``staging`` and then
+    ``sink.load_weights``. ``header_timeout_s``: how long to wait for the sender's next chunk
+    (its extraction runs meanwhile)."""
+
+    def __init__(self, group: Group, staging: Staging, *, header_timeout_s: float) -> None:
+        self.group = group
+        self.staging = staging
+        self.header_timeout_s = header_timeout_s
+        self.direct = 0  # tensors written straight into the weights (cumulative)
+
+    async def run(self, request: Any, sink: WeightLoader) -> None:
+        metas = request.metas()
+        index = chunks = 0
+        failure: BaseException | None = None
+        while True:
+            count, first = await in_thread(self._recv_header)
+            if count == END:
+                if first != chunks or index != len(metas):
+                    raise WeightSyncError(
+                        f"streamed update {request.update_id}: the sender ended after {first} "
+                        f"chunk(s) and {index} of {len(metas)} tensors")
+                break
+            if count == ABORT:
+                raise WeightSyncError(
+                    f"update {request.update_id}: the sender aborted its stream after {chunks} "
+                    f"chunk(s) (its extraction failed or it was cancelled); the update is refused"
+                ) from failure
+            if first != index or count < 0 or index + count > len(metas):
+                raise WeightSyncError(
+                    f"streamed update {request.update_id}: header [{count}, {first}] after "
+                    f"{index} of {len(metas)} tensors: sender and engine are out of step")
+            part = metas[index : index + count]
+            transfers = plan_transfers(part)
+            targets = {} if failure is not None else _direct_targets(sink, part, transfers)
+            staged, direct, sums = await in_thread(
+                self._recv_chunk, part, transfers, targets, request.checksums is not None)
+            if failure is None:
+                try:
+                    await _land(sink, chunks, part, staged, direct, sums)
+                    self.direct += len(direct)
+                except BaseException as e:  # keep receiving (the group stays in step), then raise
+                    failure = e
+            index += count
+            chunks += 1
+        if failure is not None:
+            raise failure
+
+    def _recv_header(self) -> tuple[int, int]:
+        import torch
+
+        group = self.group
+        with group.on_device():
+            header = torch.empty(2, dtype=torch.int64, device=group.device)
+            group.finish_all([group.start_broadcast(header.view(torch.uint8), src=0,
+                                                    timeout_s=self.header_timeout_s)])
+            count, first = header.tolist()
+        return int(count), int(first)
+
+    def _recv_chunk(
+        self, metas: list[TensorMeta], transfers: list[Transfer], targets: dict[int, Any],
+        checksum: bool,
+    ) -> tuple[dict[str, Any], dict[str, Any], list[int] | None]:
+        """Post every broadcast of the chunk, wait once; -> (staged views, direct targets,
+        checksums)."""
+        import torch
+
+        group = self.group
+        places, need = buffer_places(transfers, lambda k, tr: k not in targets)
+        staged: dict[str, Any] = {}
+        direct: dict[str, Any] = {}
+        with group.on_device():
+            buf = self.staging.get(need) if need else None
+            pending = []
+            for k, tr in enumerate(transfers):
+                if places[k] < 0:
+                    dst = targets[k]
+                    direct[metas[tr.members[0]].name] = dst
+                    pending.append(group.start_broadcast(as_bytes(dst), src=0))
+                    continue
+                assert buf is not None
+                part = buf[places[k] : places[k] + tr.nbytes]
+                pending.append(group.start_broadcast(part, src=0))
+                for i, off in zip(tr.members, tr.offsets, strict=True):
+                    staged[metas[i].name] = view_as(part, off, metas[i])
+            sums = None
+            if checksum:
+                box = torch.empty(len(metas), dtype=torch.int64, device=group.device)
+                pending.append(group.start_broadcast(box.view(torch.uint8), src=0))
+            group.finish_all(pending)
+            if checksum:
+                sums = [int(x) for x in box.tolist()]
+        return staged, direct, sums
+
+
+def _direct_targets(sink: Any, metas: list[TensorMeta], transfers: list[Transfer]) -> dict[int, Any]:
+    """Transfer index -> the engine tensor a lone tensor may be received into."""
+    find: Callable[[TensorMeta], Any] | None = getattr(sink, "direct_target", None)
+    if find is None:
+        return {}
+    out = {}
+    for k, tr in enumerate(transfers):
+        if not tr.packed:
+            dst = find(metas[tr.members[0]])
+            if dst is not None:
+                out[k] = dst
+    return out
+
+
+async def _land(sink: Any, index: int, metas: list[TensorMeta], staged: dict[str, Any],
+                direct: dict[str, Any], sums: list[int] | None) -> None:
+    """Hand chunk ``index`` of the stream to the sink: checksums first, then what landed in
+    place, then the staged tensors to the loader."""
+    if sums is not None:
+        sink.expect_checksums([m.name for m in metas], sums, chunk=index)
+    if direct:
+        await sink.landed_in_place(direct)
+    if staged:
+        await sink.load_weights(staged)
