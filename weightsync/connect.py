@@ -147,6 +147,8 @@ class SyncSession:
         self.strategy: Any = None
         self.sender: Any = None
         self.closed = False
+        # (key, extractor, the model it is for: kept alive so its id is not reused)
+        self._extractor: tuple[tuple, Any, Any] | None = None
 
     @classmethod
     async def open(
@@ -216,21 +218,27 @@ class SyncSession:
         from weightsync.extractors.auto import device_of, extractor_config_for, model_kind
         from weightsync.pipeline import send_extracted
 
-        sharded = model_kind(model) in ("fsdp", "deepspeed")
+        kind = model_kind(model)
+        sharded = kind in ("fsdp", "deepspeed")
         if not sharded and not self.is_sender:
             return None  # nothing to gather: the sending rank pushes alone
-        if self.extractor_cfg is not None:
-            cfg = {**self.extractor_cfg, "is_sender": self.is_sender}
-            if sharded or cfg.get("type") in ("fsdp", "deepspeed"):
-                cfg.setdefault("rank", self.rank)
-                cfg.setdefault("src_rank", self.src_rank)
-        else:
-            cfg = extractor_config_for(
-                model, bucket_size_mb=float(self.strategy_cfg.get("bucket_size_mb", 1024)),
-                rank=self.rank, src_rank=self.src_rank, is_sender=self.is_sender,
-                head_name_patterns=heads if mode is TrainingMode.HEAD_ONLY else None,
-            )
-        ext = build_extractor(cfg)
+        # one extractor per model and training mode, kept across pushes: it remembers what it
+        # extracted (an unchanged model's chunks and manifest are not rebuilt every step)
+        key = (id(model), kind, mode, tuple(heads) if heads is not None else None)
+        if self._extractor is None or self._extractor[0] != key:
+            if self.extractor_cfg is not None:
+                cfg = {**self.extractor_cfg, "is_sender": self.is_sender}
+                if sharded or cfg.get("type") in ("fsdp", "deepspeed"):
+                    cfg.setdefault("rank", self.rank)
+                    cfg.setdefault("src_rank", self.src_rank)
+            else:
+                cfg = extractor_config_for(
+                    model, bucket_size_mb=float(self.strategy_cfg.get("bucket_size_mb", 1024)),
+                    rank=self.rank, src_rank=self.src_rank, is_sender=self.is_sender,
+                    head_name_patterns=heads if mode is TrainingMode.HEAD_ONLY else None,
+                )
+            self._extractor = (key, build_extractor(cfg), model)
+        ext = self._extractor[1]
         manifest = ext.metadata(model, dtype)  # the same on every rank; no collective
         _check_mode(manifest, mode, heads)  # every rank refuses alike, before any gather
 

@@ -150,6 +150,9 @@ class WeightUpdateEndpoint:
         self._last_error = ""
         self._update: _Update | None = None
         self._lock = asyncio.Lock()
+        # the last manifest parsed (raw, parsed) and the last one accepted (parsed, mode, heads)
+        self._last_manifest: tuple[list, list[TensorMeta]] | None = None
+        self._accepted: tuple[list[TensorMeta], Any, Any] | None = None
 
     # -- read-only views ------------------------------------------------------------------------
     @property
@@ -233,7 +236,7 @@ class WeightUpdateEndpoint:
     async def start_weight_update(self, start: dict) -> None:
         """Validate the whole update before any byte moves; raise (nothing changes) if the
         manifest or the version is refused."""
-        msg = WeightUpdateStart.from_dict(start)
+        msg = self._parse_start(start)
         async with self._lock:
             self._refuse_if_closed("start_weight_update")
             self._abandon_current(f"superseded by update {msg.update_id}")
@@ -244,8 +247,9 @@ class WeightUpdateEndpoint:
                     f"does not stage updates (no memory for a second copy); send it with "
                     f"staged: false"
                 )
-            if msg.manifest is not None:
+            if msg.manifest is not None and not self._accepted_before(msg):
                 self._validate(msg.manifest, msg, whole_update=True)
+                self._accepted = (msg.manifest, msg.training_mode, msg.head_name_patterns)
             if msg.version is not None and msg.version <= self._version:
                 raise UpdateRefusedError(
                     f"{self.name}: update version {msg.version} is not newer than the served "
@@ -418,6 +422,28 @@ class WeightUpdateEndpoint:
         return await getattr(self, method)(**(kwargs or {}))
 
     # -- internals ---------------------------------------------------------------------------
+    def _parse_start(self, start: dict) -> WeightUpdateStart:
+        """The start message; a manifest equal to the last one parsed (a trainer sends the same
+        one every step) is not parsed again."""
+        raw = start.get("manifest") if isinstance(start, dict) else None
+        last = self._last_manifest
+        if raw is not None and last is not None and raw == last[0]:
+            msg = WeightUpdateStart.from_dict({**start, "manifest": None})
+            msg.manifest = last[1]
+            return msg
+        msg = WeightUpdateStart.from_dict(start)
+        if raw is not None and msg.manifest is not None:
+            self._last_manifest = (raw, msg.manifest)
+        return msg
+
+    def _accepted_before(self, msg: WeightUpdateStart) -> bool:
+        """This very manifest (the same list object: ``_parse_start`` reuses it) was accepted
+        with the same training mode and head patterns: the loader's answer would be the same
+        (what the model accepts does not change while the engine runs)."""
+        last = self._accepted
+        return last is not None and last[0] is msg.manifest and last[1:] == (
+            msg.training_mode, msg.head_name_patterns)
+
     def _validate(
         self, metas: list[TensorMeta], start: WeightUpdateStart, *, whole_update: bool
     ) -> None:

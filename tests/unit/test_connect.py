@@ -292,3 +292,24 @@ def test_push_chunks_streams_made_chunks_under_their_manifest():
     assert stats.versions == [1] and stats.num_chunks == 2 and stats.num_tensors == 4
     assert stats2.versions == [2] and stats2.num_tensors == 2
     assert _same(modules[0], RewardNet(8))
+
+
+def test_one_extractor_per_model_is_kept_across_pushes_and_a_changed_model_is_seen():
+    modules, eps = _engines()
+    src = RewardNet(1)
+
+    async def go():
+        async with ws.connect(eps, "broadcast", device="cpu") as sync:
+            await sync.push(src, version=1)
+            first = sync._extractor[1]
+            with torch.no_grad():
+                src.score.weight.mul_(3)  # a training step: same tensors, new values
+            await sync.push(src, version=2)
+            kept = sync._extractor[1] is first
+            assert _same(modules[0], src)
+            other = RewardNet(2)
+            await sync.push(other, version=3)
+            return kept, sync._extractor[1] is not first
+
+    kept, rebuilt = asyncio.run(go())
+    assert kept and rebuilt and _same(modules[0], RewardNet(2))

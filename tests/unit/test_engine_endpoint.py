@@ -240,6 +240,28 @@ def test_versions_must_increase():
     _assert_weights(e.module, before)
 
 
+def test_a_manifest_sent_again_is_checked_once_but_a_new_training_mode_checks_it_again():
+    e = Engine()
+    new = _new_weights()
+    manifest = [ws.TensorMeta(n, "float32", list(t.shape)) for n, t in new.items()]
+    checks = []
+    validate = e.ep.loader.validate
+    e.ep.loader.validate = lambda metas: (checks.append(1), validate(metas))[1]
+    for v in (1, 2):
+        e.start(f"u{v}", v, manifest)
+        e.chunk(f"u{v}", 0, new)
+        assert e.finish(f"u{v}", v, 1) == v
+    assert len(checks) == 1  # the second start reused the first verdict (same manifest)
+    head_only = ws.WeightUpdateStart(update_id="h", version=3, manifest=manifest,
+                                     training_mode="head_only").to_dict()
+    with pytest.raises(WeightMismatchError, match="not a head parameter"):
+        _run(e.ep.start_weight_update(_j(head_only)))
+    changed = [*manifest[:-1], ws.TensorMeta(manifest[-1].name, "float32", [3])]
+    with pytest.raises(WeightMismatchError, match="shape"):
+        e.start("c", 3, changed)  # another manifest: checked again, refused
+    assert e.ep.version == 2
+
+
 # -- bad input changes nothing ---------------------------------------------------------------------
 
 

@@ -12,11 +12,15 @@ from dataclasses import dataclass, field
 # cuda_ipc_load_weights: cuda_ipc with the loader's copy plan off (vLLM's load_weights for every
 # tensor of every sync): what the copy plan saves
 OURS = ("broadcast", "cuda_ipc", "packed_cuda_ipc", "cuda_ipc_1chunk", "cuda_ipc_load_weights")
+# the headline rows: the path users take, ``ws.connect([llm], strategy).push(model, version=)``
+# (NCCL to an engine on the next GPU; CUDA IPC into an engine on the trainer's GPU)
+PUSH = ("push_broadcast", "push_cuda_ipc")
 PER_PARAM = "per_param"  # ours, one chunk (announce + broadcast + load) per tensor
 LUDIC = "ludic"  # the Ludic/TRL protocol: one announce, one broadcast per tensor, barrier
 NATIVE = ("native_nccl", "native_ipc", "native_ipc_packed")
-ALL_ROWS = (*OURS, PER_PARAM, LUDIC, *NATIVE)
-REMOTE_ROWS = ("broadcast", PER_PARAM, LUDIC, "native_nccl")  # engine on another GPU (NCCL)
+ALL_ROWS = (*PUSH, *OURS, PER_PARAM, LUDIC, *NATIVE)
+# engine on another GPU (NCCL)
+REMOTE_ROWS = ("push_broadcast", "broadcast", PER_PARAM, LUDIC, "native_nccl")
 
 
 @dataclass(kw_only=True)

@@ -26,6 +26,7 @@ from weightsync.bench.vllm_config import (
     LUDIC,
     NATIVE,
     PER_PARAM,
+    PUSH,
     REMOTE_ROWS,
     VllmBenchConfig,
     validate,
@@ -311,6 +312,45 @@ class Bench:
             f"{k} {v * 1e3:.1f}" for k, v in out.items() if k.endswith("_s") and k != "total_s"))
         return out
 
+    async def run_push(self, row: str, llm: Any) -> dict[str, Any]:
+        """A headline row: the trainer's module pushed as users push it, through the front door
+        (``ws.connect([llm], strategy)`` once, then ``push(module, version=)`` per sync)."""
+        import weightsync as ws
+        from weightsync.bench.vllm_engine import rpc_one
+
+        cfg = self.cfg
+        strategy = {"type": row.removeprefix("push_"), "bucket_size_mb": cfg.bucket_mb,
+                    "timeout_s": cfg.timeout_s}
+        rec: dict[str, Any] = {"row": row, "kind": "ours", "strategy": strategy,
+                               "note": "ws.connect(...).push(model)"}
+        version = int(rpc_one(llm, "weightsync_version"))
+        engine_base = self.engine_memory(llm, reset=True)
+        sender_base = self.sender_memory(reset=True)
+        times = []
+        async with ws.connect([llm], strategy) as sync:
+            for i in range(cfg.warmup + cfg.repeats):
+                self.negate()
+                version += 1
+                t0 = time.perf_counter()
+                stats = await sync.push(self.module, version=version)
+                dt = time.perf_counter() - t0
+                if stats is None or stats.versions != [version]:
+                    raise RuntimeError(f"engine published {stats and stats.versions}, expected "
+                                       f"[{version}]")
+                (times if i >= cfg.warmup else rec.setdefault("warmup_s", [])).append(dt)
+                self.log(f"{row}: push {i + 1}/{cfg.warmup + cfg.repeats} {dt * 1e3:.1f} ms "
+                         f"({stats.num_chunks} chunks)")
+        rec.update(seconds=statistics.median(times), seconds_all=times,
+                   num_chunks=stats.num_chunks, num_tensors=stats.num_tensors,
+                   bytes=stats.total_bytes)
+        state = rpc_one(llm, "weightsync_state")
+        rec["engine_load"] = {"load_mode": state.get("load_mode"),
+                              "copy_plan": state.get("copy_plan")}
+        peak, epeak = self.sender_memory(reset=False), self.engine_memory(llm, reset=False)
+        rec["sender_extra_bytes"] = None if peak is None else peak - sender_base
+        rec["engine_extra_bytes"] = None if epeak is None else epeak - engine_base
+        return rec
+
     def run_reference_row(self, row: str, llm: Any) -> dict[str, Any]:
         """A row driven by someone else's protocol: vLLM's native engines, the Ludic client."""
         from weightsync.bench.native import GIB, NativeIpcSync, NativeNcclSync
@@ -379,6 +419,8 @@ class Bench:
             try:
                 if row in NATIVE or row == LUDIC:
                     rec.update(self.run_reference_row(row, llm))
+                elif row in PUSH:
+                    rec.update(await self.run_push(row, llm))
                 else:
                     rec.update(await self.run_ours(row, llm))
                 rec["check"] = self.verify(llm)
@@ -412,16 +454,22 @@ class Bench:
 
     def native_comparison(self) -> None:
         by = {r["row"]: r for r in self.rows if r.get("seconds")}
-        pairs = {"broadcast": "native_nccl", "per_param": "native_nccl", "ludic": "native_nccl",
-                 "cuda_ipc": "native_ipc", "packed_cuda_ipc": "native_ipc",
-                 "cuda_ipc_1chunk": "native_ipc", "cuda_ipc_load_weights": "native_ipc"}
+        pairs = {"push_broadcast": "native_nccl", "broadcast": "native_nccl",
+                 "per_param": "native_nccl", "ludic": "native_nccl",
+                 "push_cuda_ipc": "native_ipc", "cuda_ipc": "native_ipc",
+                 "packed_cuda_ipc": "native_ipc", "cuda_ipc_1chunk": "native_ipc",
+                 "cuda_ipc_load_weights": "native_ipc"}
         for row, ref in pairs.items():
             if row in by and ref in by:
                 by[row]["x_native"] = by[row]["seconds"] / by[ref]["seconds"]
                 by[row]["native"] = ref
-        for slow in ("per_param", "ludic"):  # how much faster ours is than the per-tensor ways
-            if slow in by and "broadcast" in by:
-                by["broadcast"][f"{slow}_speedup"] = by[slow]["seconds"] / by["broadcast"]["seconds"]
+        for fast in ("push_broadcast", "broadcast"):  # against the per-tensor ways
+            for slow in ("per_param", "ludic"):
+                if slow in by and fast in by:
+                    by[fast][f"{slow}_speedup"] = by[slow]["seconds"] / by[fast]["seconds"]
+        for push, inner in (("push_broadcast", "broadcast"), ("push_cuda_ipc", "cuda_ipc")):
+            if push in by and inner in by:  # what the front door adds to the path it drives
+                by[push]["x_internal"] = by[push]["seconds"] / by[inner]["seconds"]
 
     def meta(self) -> dict[str, Any]:
         import platform

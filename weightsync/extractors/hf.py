@@ -212,12 +212,19 @@ class HFWeightExtractor(WeightExtractor):
             yield name, full.detach() if full is t else self._fresh(full.detach())
 
     def metadata(self, model: Any, generator_dtype: Any = None) -> list[TensorMeta]:
+        """As the base class; an unchanged model's (same tensors, see ``extract_weights``) is
+        not computed again."""
         dtype = _as_dtype(generator_dtype)
+        key = self._reuse_key(model, dtype)
+        last = getattr(self, "_last_metadata", None)
+        if key is not None and last is not None and last[0] == key:
+            return list(last[1])
         out = []
         for name, t in self._selected(model):
             d = dtype if dtype is not None and t.is_floating_point() else t.dtype
             out.append(TensorMeta(name, dtype_to_str(d), list(t.shape)))
-        return out
+        self._last_metadata = (key, out) if key is not None else None
+        return list(out)
 
     async def extract_weights(
         self, model: Any, generator_dtype: Any = None

@@ -388,3 +388,12 @@ def test_group_by_module_off_sends_tensors_singly():
     chunks = _collect(ex, WithBuffers())
     assert all(len(c) == 1 for c in chunks)
     assert [c.names[0] for c in chunks] == list(WithBuffers().state_dict())
+
+
+def test_metadata_of_an_unchanged_model_is_reused_and_a_replaced_tensor_is_seen():
+    model = torch.nn.Linear(4, 3)
+    ext = HFWeightExtractor()
+    first = ext.metadata(model)
+    assert ext.metadata(model) == first
+    model.weight = torch.nn.Parameter(torch.zeros(5, 4))  # a new tensor of another shape
+    assert [m.shape for m in ext.metadata(model)] == [[5, 4], [3]]
