@@ -121,9 +121,10 @@ def start_llm(model_dir: str, gpus: str, *, tp: int = 1, memory: float = 0.3,
 
     from vllm import LLM
 
-    from weightsync.bench.vllm_engine import BENCH_EXTENSION, scoped_env
+    from weightsync.bench.vllm_engine import BENCH_EXTENSION, fit_memory_utilization, scoped_env
 
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    memory = min(fit_memory_utilization(int(g), memory) for g in gpus.split(","))
     with scoped_env(**dict.fromkeys(TORCH_DIST_ENV), CUDA_VISIBLE_DEVICES=gpus):
         return LLM(model=model_dir, dtype="bfloat16", tensor_parallel_size=tp, max_model_len=256,
                    gpu_memory_utilization=memory, enforce_eager=True,

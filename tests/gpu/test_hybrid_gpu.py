@@ -6,7 +6,8 @@ in lockstep and rank 0 alone driving the engine.
 * ``fsdp``: the trainer holds the "new" model sharded with ``fully_shard``; every rank gathers
   the full weights (``is_sender: true`` on every rank) and sends handles to its copy;
 * ``lora_merge``: every rank holds the same PEFT LoRA model (replicated, as data parallel
-  training keeps it) with trained adapters; the merged weights are sent.
+  training keeps it) with trained adapters (set from one seed on every rank); the merged
+  weights are sent.
 
 After the push the prompt logprobs vLLM serves equal transformers' for the trainer's model
 (bf16), and each TP worker reports that it read the copy of the rank on its GPU.
@@ -61,11 +62,16 @@ def _trainer_model(kind: str, new: str, rank: int, world: int):
 
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
                                                        target_modules="all-linear"))
-    g = torch.Generator().manual_seed(7)  # "trained" adapters, the same on every rank
+    # "trained" adapters, the same on every rank (as data-parallel replicas are): both A and B
+    # from one seeded generator. PEFT initialises A from the process's own random state, which
+    # differs between the ranks: with A left as it was, each TP worker read a rank with other
+    # adapters and the engine served a mix of two models (seen on 2 x H100, 2026-11-25)
+    g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.5)
+            if "lora_A" in name or "lora_B" in name:
+                scale = 0.5 if "lora_B" in name else 0.1
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * scale)
     return model, {"type": "lora_merge", "bucket_size_mb": 0.25, "is_sender": True}
 
 

@@ -9,7 +9,8 @@ benchmark reads (checksums, memory, stage timers).
 * ``start_engine(spec)``: ``LLM(...)`` with ``BenchWorkerExtension`` on ``spec.device``. On CUDA
   the engine's process is started with ``CUDA_VISIBLE_DEVICES`` naming only that GPU (and the
   next ones for tensor parallelism), so a trainer on GPU 0 can own an engine on GPU 1 (the NCCL
-  rows) or share GPU 0 with it (the IPC rows). ``spec.native_backend`` turns on vLLM's own
+  rows) or share GPU 0 with it (the IPC rows); its memory share is the one asked for, capped to
+  what is free (``fit_memory_utilization``). ``spec.native_backend`` turns on vLLM's own
   weight-transfer engine (``weight_transfer_config``) in the same engine.
 * ``BenchWorkerExtension`` (runs in every vLLM worker): our ``WeightSyncWorkerExtension`` plus
   ``bench_checksums`` (bit-exact check on the device, see ``weightsync.bench.checksum``),
@@ -119,6 +120,19 @@ def scoped_env(**values: str | None) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def fit_memory_utilization(device_index: int, wanted: float, *, reserve_bytes: int = 1 << 30,
+                           floor: float = 0.05) -> float:
+    """``wanted`` (vLLM's ``gpu_memory_utilization``: a fraction of the whole card) capped to what
+    is free on GPU ``device_index`` now, less ``reserve_bytes``: vLLM refuses to start when the
+    fraction asks for more than is free, which is the case next to a trainer (a 7B trainer's 15
+    GB and the earlier rows' buffers leave ~21 GB of an 80 GB card, under 0.3 of it)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device_index)
+    fits = (free - reserve_bytes) / total
+    return round(max(min(float(wanted), fits), floor), 3)
+
+
 def start_engine(spec: EngineSpec) -> Any:
     """An in-process ``LLM`` (its engine core and workers are child processes)."""
     from vllm import LLM
@@ -137,7 +151,9 @@ def start_engine(spec: EngineSpec) -> Any:
 
         first = torch.device(spec.device).index or 0
         env["CUDA_VISIBLE_DEVICES"] = physical_gpu_ids(first, spec.tensor_parallel_size)
-        kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        kwargs["gpu_memory_utilization"] = min(
+            fit_memory_utilization(first + i, spec.gpu_memory_utilization)
+            for i in range(spec.tensor_parallel_size))
         if torch.cuda.is_initialized():
             env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     else:
