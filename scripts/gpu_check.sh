@@ -7,7 +7,13 @@
 #                                          packed_cuda_ipc, eager and CUDA graphs; policy + reward
 #                                          engines sharing one GPU
 #   bash scripts/gpu_check.sh tests-servers broadcast (NCCL) through ws.connect from a trainer on GPU 0
-#                                          into serve-reward and serve-policy on GPU 1
+#                                          into serve-reward and serve-policy on GPU 1, alone and
+#                                          both on GPU 1 at once; Ludic's PyNccl trainer side into
+#                                          serve-policy timed beside ours
+#   bash scripts/gpu_check.sh perf         the headline: bench_vllm_sync.py on qwen2-7b and qwen2-0.5b with
+#                                          the rows users take (push_broadcast, push_cuda_ipc), the
+#                                          internal rows they drive and the references (ludic, vLLM
+#                                          native): one 10-minute call
 #   bash scripts/gpu_check.sh bench-small  benchmarks/bench_vllm_sync.py on qwen2-0.5b and qwen2-1.5b
 #                                          (every row on 2+ GPUs, the colocated rows on one)
 #   bash scripts/gpu_check.sh bench-7b     the same on qwen2-7b
@@ -31,7 +37,22 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PYTHONPATH="${PYTHONPATH:-}:."
 OUT=${OUT:-/tmp/weightsync-gpu-out}; mkdir -p "$OUT"
+export WEIGHTSYNC_GPU_OUT="$OUT"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+
+# weightsync runs from the checkout here (PYTHONPATH), not installed: register its vLLM plugin
+# (the fast prefix-cache reset, pyproject's vllm.general_plugins entry point) as an install would
+register_plugin() {
+  local site
+  site=$(python3 -c "import vllm, os; print(os.path.dirname(os.path.dirname(vllm.__file__)))" \
+      2>/dev/null) || return 0
+  mkdir -p "$site/weightsync_plugin-0.0.dist-info"
+  printf 'Metadata-Version: 2.1\nName: weightsync-plugin\nVersion: 0.0\n' \
+      > "$site/weightsync_plugin-0.0.dist-info/METADATA"
+  printf '[vllm.general_plugins]\nweightsync = weightsync._runtime.vllm_plugin:register\n' \
+      > "$site/weightsync_plugin-0.0.dist-info/entry_points.txt"
+}
+register_plugin
 echo "stage ${stage:-?}: $gpus GPU(s); $(python3 -c 'import torch; print("torch", torch.__version__)')"
 
 need_vllm() {
@@ -62,10 +83,10 @@ bench() {  # name, timeout, then bench arguments
 }
 
 # the colocated rows (trainer and engine on GPU 0): all a one-GPU machine can run
-LOCAL_ROWS=cuda_ipc,packed_cuda_ipc,cuda_ipc_1chunk,cuda_ipc_load_weights,native_ipc,native_ipc_packed
+LOCAL_ROWS=push_cuda_ipc,cuda_ipc,packed_cuda_ipc,cuda_ipc_1chunk,cuda_ipc_load_weights,native_ipc,native_ipc_packed
 rows_for_gpus() {  # every row on 2+ GPUs; on one GPU the colocated rows, and say so
   if [ "$gpus" -ge 2 ]; then echo all; else
-    echo "one GPU: NCCL rows (broadcast, per_param, ludic, native_nccl) skipped, they need 2" >&2
+    echo "one GPU: NCCL rows (push_broadcast, broadcast, per_param, ludic, native_nccl) skipped, they need 2" >&2
     echo "$LOCAL_ROWS"; fi
 }
 
@@ -91,6 +112,14 @@ case "$stage" in
     need_vllm; need_gpus 2
     pytest_stage servers_tests 560 tests/gpu/test_servers_gpu.py
     ;;
+  perf)
+    need_vllm; need_gpus 2
+    bench qwen2-7b 330 --shape qwen2-7b \
+        --rows push_broadcast,broadcast,ludic,native_nccl,push_cuda_ipc,cuda_ipc,native_ipc
+    bench qwen2-0.5b 200 --shape qwen2-0.5b \
+        --rows push_broadcast,broadcast,native_nccl,push_cuda_ipc,cuda_ipc,native_ipc
+    summary
+    ;;
   bench-small)
     need_vllm; rows=$(rows_for_gpus)
     bench qwen2-0.5b 270 --shape qwen2-0.5b --rows "$rows"
@@ -104,8 +133,8 @@ case "$stage" in
     ;;
   bench-graphs)
     need_vllm
-    graph_rows=cuda_ipc,packed_cuda_ipc,broadcast
-    [ "$gpus" -ge 2 ] || graph_rows=cuda_ipc,packed_cuda_ipc
+    graph_rows=push_cuda_ipc,packed_cuda_ipc,push_broadcast
+    [ "$gpus" -ge 2 ] || graph_rows=push_cuda_ipc,packed_cuda_ipc
     bench qwen2-0.5b_graphs 400 --shape qwen2-0.5b --cuda-graphs --rows "$graph_rows" \
         --check-logprobs
     summary
@@ -142,7 +171,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {tests|tests-vllm|tests-servers|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {perf|tests|tests-vllm|tests-servers|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac

@@ -326,16 +326,27 @@ class StreamReceiver:
     """Receives one streamed update into ``sink`` (the endpoint's ``UpdateSink``): lone tensors
     into their ``direct_target`` when the sink gives one, the rest into ``staging`` and then
     ``sink.load_weights``. ``header_timeout_s``: how long to wait for the sender's next chunk
-    (its extraction runs meanwhile)."""
+    (its extraction runs meanwhile). The staging buffer is kept between updates unless it is
+    more than four times what the last update needed (a first update, before the loader knew
+    where tensors go, stages whole chunks; later ones only the small tensors)."""
 
     def __init__(self, group: Group, staging: Staging, *, header_timeout_s: float) -> None:
         self.group = group
         self.staging = staging
         self.header_timeout_s = header_timeout_s
         self.direct = 0  # tensors written straight into the weights (cumulative)
+        self.largest = 0
 
     async def run(self, request: Any, sink: WeightLoader) -> None:
         metas = request.metas()
+        self.largest = 0  # the most staging one chunk of this update needed
+        try:
+            await self._run(request, sink, metas)
+        finally:
+            if self.staging.nbytes > 4 * max(self.largest, 1 << 20):
+                self.staging.close()  # a first update staged everything; later ones need little
+
+    async def _run(self, request: Any, sink: WeightLoader, metas: list[TensorMeta]) -> None:
         index = chunks = 0
         failure: BaseException | None = None
         while True:
@@ -392,6 +403,7 @@ class StreamReceiver:
 
         group = self.group
         places, need = buffer_places(transfers, lambda k, tr: k not in targets)
+        self.largest = max(self.largest, need)
         staged: dict[str, Any] = {}
         direct: dict[str, Any] = {}
         with group.on_device():
