@@ -143,6 +143,7 @@ class StreamFeed:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._slots = asyncio.Semaphore(max(1, int(depth)))
         self._loop = asyncio.get_running_loop()
+        self._voted = asyncio.Event()
         self.chunks = self.tensors = self.nbytes = 0
 
     async def fill(self, chunks: AsyncIterable[WeightChunk] | Iterable[WeightChunk],
@@ -151,6 +152,10 @@ class StreamFeed:
 
         index = 0
         try:
+            # the extraction starts once every engine voted (all are receiving): extraction
+            # code that waits for the device (an .item(), a synchronize) would otherwise wait
+            # for our pending vote, whose peers need this loop to send them the request
+            await self._voted.wait()
             async for chunk in aiter_chunks(chunks):
                 expected = manifest[index : index + len(chunk)]
                 if [m.name for m in expected] != list(chunk.names) or any(
@@ -185,6 +190,10 @@ class StreamFeed:
     def done(self) -> None:
         """A chunk's broadcasts completed: its slot is free (called on the lane thread)."""
         self._loop.call_soon_threadsafe(self._slots.release)
+
+    def voted(self) -> None:
+        """Every member voted go (called on the lane thread): the extraction may start."""
+        self._loop.call_soon_threadsafe(self._voted.set)
 
 
 def _record_ready(chunk: WeightChunk) -> Any:
@@ -233,6 +242,7 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
     with group.on_device():
         if group.all_reduce_min(1) == 0:
             return False
+        feed.voted()
         chunks = 0
         while True:
             item = feed.get(idle_timeout_s)

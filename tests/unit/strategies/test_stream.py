@@ -172,3 +172,30 @@ def test_a_refused_manifest_moves_nothing_and_the_session_keeps_its_group():
 
     stats, kept = _run(go())
     assert stats.versions == [1] and kept and _same(module, Net(6))
+
+
+def test_the_extraction_starts_only_once_every_engine_voted():
+    """Extraction code that waits for the device (an ``.item()``, a synchronize) waits for the
+    sender's pending vote, whose peers need the event loop to send them the request; on GPU that
+    deadlocked (a bench probe that synchronised between chunks, 2 x H100, 2026-11-25). Here the
+    extraction blocks the loop until the engine has voted, as the device would."""
+    import threading
+
+    module, ep = _engine()
+    src = Net(7)
+    named = list(src.state_dict().items())
+    manifest = [TensorMeta(n, "float32", list(t.shape)) for n, t in named]
+    voted = threading.Event()
+
+    def extraction():
+        assert voted.wait(10), "the extraction ran before the engine had voted"
+        yield from make_chunks(named, bucket_size_mb=2.5)
+
+    async def go():
+        async with ws.connect([ep], STREAM, device="cpu") as sync:
+            receiver = ep.receiver
+            vote = receiver._vote_yes
+            receiver._vote_yes = lambda: (vote(), voted.set())[0]
+            return await sync.push_chunks(extraction(), manifest, version=1)
+
+    assert _run(go()).versions == [1] and _same(module, src)
