@@ -1,8 +1,10 @@
-"""The ``weightsync`` command: ``bench``, ``demo``, ``serve-reward``, ``serve-policy``.
+"""The ``weightsync`` command: ``bench``, ``demo``, ``serve-reward``, ``serve-policy``,
+``make-model``.
 
 A dispatcher only: each subcommand hands its remaining arguments to the ``main(argv)`` of its
 own module (``_SUBCOMMANDS``: ``weightsync.bench.cli``, ``weightsync.demo.cli``,
-``weightsync.servers.reward``, ``weightsync.servers.policy``), imported only when chosen, so
+``weightsync.servers.reward``, ``weightsync.servers.policy``,
+``weightsync.testing.make_model``), imported only when chosen, so
 ``weightsync bench --help`` stays fast. Bad arguments exit with status 2 and a message that
 names the argument and lists the valid values.
 """
@@ -23,6 +25,10 @@ _SUBCOMMANDS = {
     "serve-policy": (
         "weightsync.servers.policy", "main",
         "serve a causal LM: vLLM's OpenAI server plus weight-sync endpoints",
+    ),
+    "make-model": (
+        "weightsync.testing.make_model", "main",
+        "write a tiny policy or reward model (tokenizer, chat template) to serve, offline",
     ),
 }
 

@@ -1,10 +1,13 @@
-"""What both servers do around their app: serve it until told to stop, and the process's exit.
+"""What both servers do around their app: serve it until told to stop, say once that it is
+ready, and the process's exit.
 
 Callers: ``weightsync.servers.reward`` and ``weightsync.servers.policy``, in the server process.
 ``serve_app`` runs uvicorn on the caller's event loop (the engine lives on it too) with uvicorn's
-own signal handling off: signals are ``run_main``'s business, which maps SIGINT / SIGTERM to the
-``stop`` event, logs a failure and leaves the process at once with its exit code (a gloo group
-joined by the vLLM workers can otherwise keep interpreter exit waiting).
+own signal handling off, and prints the server's ready line (``ready_line``: its URL, model and
+version, the control plane, whether a token is required, the update timeouts) on stdout once
+uvicorn accepts connections. Signals are ``run_main``'s business, which maps SIGINT / SIGTERM to
+the ``stop`` event, logs a failure and leaves the process at once with its exit code (a gloo
+group joined by the vLLM workers can otherwise keep interpreter exit waiting).
 """
 
 from __future__ import annotations
@@ -14,8 +17,39 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
+
+#: seconds a stopping server gives vLLM's engine core to stop its workers and unlink its
+#: shared-memory queues before it is killed (vLLM's default, ``shutdown_timeout`` 0, kills it at
+#: once: the segments leak and Python's resource tracker warns about them at exit)
+ENGINE_STOP_GRACE_S = 10.0
+
+#: the control plane's routes, as the ready line lists them
+CONTROL_SUMMARY = "/init_communicator, /update_param_batch, /close_communicator"
+
+
+def ready_line(
+    what: str,
+    *,
+    url: str,
+    model: str,
+    version: int,
+    api_key: str | None,
+    update_timeout_s: float,
+    wait_timeout_s: float,
+    serves: str,
+) -> str:
+    """The one line a server prints when it accepts connections: ``what`` (e.g. ``policy
+    server``) at ``url`` serving ``model`` at weight ``version``, what else it serves
+    (``serves``), the control plane and whether it needs a token, and the update timeouts (an
+    update silent for ``update_timeout_s`` is aborted; a request waits ``wait_timeout_s`` for an
+    update and an update as long for the requests in flight)."""
+    token = "token required (--api-key)" if api_key else "no token required (no --api-key)"
+    return (f"weightsync {what} ready on {url}: model {model} (weight version {version}); "
+            f"{serves}; control plane {CONTROL_SUMMARY}, {token}; update timeout "
+            f"{update_timeout_s:g} s, request/update wait {wait_timeout_s:g} s")
 
 
 async def serve_app(
@@ -27,10 +61,12 @@ async def serve_app(
     lifespan: str,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
+    announce: str | None = None,
 ) -> None:
     """Serve ``app`` on ``host:port`` until ``stop`` is set (or the task is cancelled);
-    ``ready`` is set just before serving starts. Raises ``OSError`` when the port could not
-    be bound."""
+    ``ready`` is set just before serving starts; ``announce`` (a ``ready_line``) is printed on
+    stdout once uvicorn accepts connections. Raises ``OSError`` when the port could not be
+    bound."""
     import uvicorn
 
     http = uvicorn.Server(uvicorn.Config(
@@ -44,15 +80,25 @@ async def serve_app(
             http.should_exit = True
 
         watcher = asyncio.ensure_future(_watch())
+    herald = asyncio.ensure_future(_announce(http, announce)) if announce else None
     if ready is not None:
         ready.set()
     try:
         await http.serve()
     finally:
-        if watcher is not None:
-            watcher.cancel()
+        for task in (watcher, herald):
+            if task is not None:
+                task.cancel()
     if not http.started:
         raise OSError(f"could not serve on {host}:{port} (port in use?)")
+
+
+async def _announce(http: Any, line: str) -> None:
+    while not http.started:  # set by uvicorn once its socket listens
+        if http.should_exit:
+            return
+        await asyncio.sleep(0.05)
+    print(line, file=sys.stdout, flush=True)
 
 
 def run_main(serve: Callable[[asyncio.Event], Awaitable[None]], *, what: str, log_level: str,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
-from weightsync.servers._serving import run_main, serve_app
+from weightsync.servers._serving import ENGINE_STOP_GRACE_S, ready_line, run_main, serve_app
 
 log = logging.getLogger("weightsync.servers.policy")
 
@@ -58,20 +58,64 @@ class PolicyServerConfig:
     log_level: str = "info"
 
 
-def _our_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weightsync serve-policy", add_help=False)
-    p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    p.add_argument("--api-key", help="token required by every weight/communicator route "
-                                     "(default: $WEIGHTSYNC_API_KEY)")
-    p.add_argument("--update-timeout-s", type=float, help="abort an update silent this long (600)")
-    p.add_argument("--request-wait-timeout-s", type=float,
-                   help="how long a request waits for an update, and an update for requests "
-                        "in flight (300)")
-    p.add_argument("--group-timeout-s", type=float,
-                   help="a Ludic-style trainer group: joining it and each collective (120)")
-    p.add_argument("--max-body-bytes", type=int, help="control-plane body limit (16 MiB)")
-    p.add_argument("--log-level", help="ours and uvicorn's (info)")
+def _our_parser(*, for_help: bool = False) -> argparse.ArgumentParser:
+    """Our flags (parsed here; the rest goes to vLLM's parser). ``for_help``: also the vLLM
+    flags a user of this command meets first, with the defaults this command gives them."""
+    d = PolicyServerConfig()
+    p = argparse.ArgumentParser(
+        prog="weightsync serve-policy", add_help=False,
+        description="Serve a causal LM with vLLM's OpenAI-compatible server plus weightsync's "
+        "weight-sync control plane. Prints one 'ready' line when it accepts connections.",
+    )
+    ours = p.add_argument_group("weightsync's arguments")
+    ours.add_argument("--host", metavar="ADDR", help=f"bind address (default {d.host})")
+    ours.add_argument("--port", type=int, help=f"HTTP port (default {d.port})")
+    ours.add_argument("--api-key", metavar="TOKEN",
+                      help="token every weight/communicator route requires (Authorization: "
+                           "Bearer TOKEN); the OpenAI routes stay open (default: "
+                           "$WEIGHTSYNC_API_KEY, else no token)")
+    ours.add_argument("--update-timeout-s", type=float, metavar="SECONDS",
+                      help=f"abort an update that gets no call for this long (default "
+                           f"{d.update_timeout_s:g} s)")
+    ours.add_argument("--request-wait-timeout-s", type=float, metavar="SECONDS",
+                      help="how long a request waits for an update to finish, and an update "
+                           f"for the requests in flight (default {d.request_wait_timeout_s:g} s)")
+    ours.add_argument("--group-timeout-s", type=float, metavar="SECONDS",
+                      help="a Ludic/TRL-style trainer group: joining it and each collective "
+                           f"(default {d.group_timeout_s:g} s)")
+    ours.add_argument("--max-body-bytes", type=int, metavar="BYTES",
+                      help=f"largest control-route request body (default {d.max_body_bytes} "
+                           f"bytes = {d.max_body_bytes >> 20} MiB; 413 past it)")
+    ours.add_argument("--log-level", metavar="LEVEL",
+                      help=f"weightsync's and uvicorn's log level: debug, info, warning, error "
+                           f"(default {d.log_level})")
+    if for_help:
+        vllm = p.add_argument_group(
+            "vLLM's arguments (passed to vLLM's own parser; every other one too: see `vllm "
+            "serve --help`)")
+        vllm.add_argument("--model", metavar="DIR",
+                          help="the model directory (or hub id) of a causal LM, e.g. one "
+                               "written by `weightsync make-model --kind policy DIR` (required)")
+        vllm.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                          help="longest prompt + completion, in tokens; at most the model's "
+                               "max_position_embeddings (default: that value)")
+        vllm.add_argument("--served-model-name", metavar="NAME",
+                          help="the name clients put in 'model' (default: the --model value)")
+        vllm.add_argument("--dtype", help="float32, bfloat16, float16 or auto (default on CPU: "
+                                          "float32; on GPU: auto, the checkpoint's dtype)")
+        vllm.add_argument("--kv-cache-memory-bytes", type=int, metavar="BYTES",
+                          help=f"KV cache size (default on CPU: {CPU_KV_CACHE_BYTES} bytes = "
+                               f"{CPU_KV_CACHE_BYTES >> 20} MiB; on GPU: vLLM's, from "
+                               f"--gpu-memory-utilization)")
+        vllm.add_argument("--enforce-eager", action="store_true",
+                          help="no CUDA graphs / torch.compile (default on CPU: on)")
+        vllm.add_argument("--chat-template", metavar="FILE",
+                          help="Jinja chat template for /v1/chat/completions (default: the "
+                               "tokenizer's)")
+        vllm.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                          help="GPUs per engine (default 1)")
+        vllm.add_argument("--seed", type=int, help="sampling seed (default: vLLM's, 0)")
+    p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     return p
 
 
@@ -87,13 +131,11 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
     from weightsync._runtime.vllm_compat import openai_server_parts
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    ours = _our_parser()
     if "-h" in argv or "--help" in argv:
-        ours.print_help()
-        print("\nEvery other argument is vLLM's (see `vllm serve --help`), e.g. --model DIR "
-              "--dtype float32 --max-model-len 2048 --tensor-parallel-size 2.")
+        _our_parser(for_help=True).print_help()
         raise SystemExit(0)
-    ns, rest = ours.parse_known_args(argv)
+    ns, rest = _our_parser().parse_known_args(argv)
+    del ns.help
     parts = openai_server_parts()
     vparser = parts.make_arg_parser(parts.FlexibleArgumentParser(prog="weightsync serve-policy"))
     args = vparser.parse_args(rest)
@@ -236,14 +278,28 @@ async def serve(
     parts = openai_server_parts()
     engine_args = AsyncEngineArgs.from_cli_args(args)
     async with parts.build_async_engine_client_from_engine_args(engine_args) as engine:
-        server = await build_server(cfg, args, engine)
         try:
-            log.info("policy server for %s on http://%s:%d (version %d)", args.model, cfg.host,
-                     cfg.port, server.control.version)
-            await serve_app(server.asgi, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            lifespan="on", ready=ready, stop=stop)
+            server = await build_server(cfg, args, engine)
+            try:
+                await serve_app(server.asgi, host=cfg.host, port=cfg.port,
+                                log_level=cfg.log_level, lifespan="on", ready=ready, stop=stop,
+                                announce=_ready_line(cfg, engine, server.control.version))
+            finally:
+                await server.control.shutdown()
         finally:
-            await server.control.shutdown()
+            # before vLLM's own exit shutdown (which kills the engine core at once, so it
+            # never unlinks its shared-memory queues): a grace to tear its workers down
+            engine.shutdown(timeout=ENGINE_STOP_GRACE_S)
+
+
+def _ready_line(cfg: PolicyServerConfig, engine: Any, version: int) -> str:
+    return ready_line(
+        "policy server", url=f"http://{cfg.host}:{cfg.port}",
+        model=str(engine.model_config.served_model_name), version=version,
+        api_key=cfg.api_key, update_timeout_s=cfg.update_timeout_s,
+        wait_timeout_s=cfg.request_wait_timeout_s,
+        serves="OpenAI API /v1/completions, /v1/chat/completions, /v1/models",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
-from weightsync.servers._serving import run_main, serve_app
+from weightsync.servers._serving import ENGINE_STOP_GRACE_S, ready_line, run_main, serve_app
 
 log = logging.getLogger("weightsync.servers.reward")
 
@@ -214,14 +214,18 @@ async def serve(
     Signals are the caller's business (``main`` maps SIGINT/SIGTERM to ``stop``)."""
     server = await build_server(cfg)
     try:
-        log.info("reward server for %s on http://%s:%d (%d labels, version %d)",
-                 server.scorer.model_name, cfg.host, cfg.port, server.scorer.num_labels,
-                 server.control.version)
+        announce = ready_line(
+            "reward server", url=f"http://{cfg.host}:{cfg.port}",
+            model=str(server.scorer.model_name), version=server.control.version,
+            api_key=cfg.api_key, update_timeout_s=cfg.update_timeout_s,
+            wait_timeout_s=cfg.score_wait_timeout_s,
+            serves=f"POST /score ({server.scorer.num_labels} label(s))",
+        )
         await serve_app(server.app(), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                        lifespan="off", ready=ready, stop=stop)
+                        lifespan="off", ready=ready, stop=stop, announce=announce)
     finally:
         await server.control.shutdown()
-        server.engine.shutdown()
+        server.engine.shutdown(timeout=ENGINE_STOP_GRACE_S)
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,42 +234,78 @@ async def serve(
 
 
 def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
+    d = RewardServerConfig()
     p = argparse.ArgumentParser(
         prog="weightsync serve-reward",
-        description="Serve a reward model on vLLM with weight-sync endpoints.",
+        description="Serve a reward model (*ForSequenceClassification) on vLLM with POST /score "
+        "and the weight-sync control plane. Prints one 'ready' line when it accepts "
+        "connections. Flags override --config; unset ones keep the defaults below.",
     )
-    p.add_argument("--config", help="YAML with RewardServerConfig fields (flags override it)")
-    p.add_argument("--model", help="model directory or hub id (*ForSequenceClassification)")
-    p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="HTTP port (default 8001)")
-    p.add_argument("--served-model-name")
-    p.add_argument("--api-key", help="token required by every weight/communicator endpoint "
-                                     "(default: $WEIGHTSYNC_API_KEY)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--kv-cache-memory-bytes", type=int)
-    p.add_argument("--gpu-memory-utilization", type=float)
-    p.add_argument("--tensor-parallel-size", type=int)
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--config", metavar="YAML",
+                   help="YAML with RewardServerConfig fields, e.g. the shipped "
+                        "weightsync/configs/reward_server.yaml (default: none)")
+    p.add_argument("--model", metavar="DIR",
+                   help="model directory or hub id of a *ForSequenceClassification, e.g. one "
+                        "written by `weightsync make-model --kind reward DIR` (required)")
+    p.add_argument("--host", metavar="ADDR", help=f"bind address (default {d.host})")
+    p.add_argument("--port", type=int, help=f"HTTP port (default {d.port})")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the name /score answers with (default: the --model value)")
+    p.add_argument("--api-key", metavar="TOKEN",
+                   help="token every weight/communicator route requires (Authorization: Bearer "
+                        "TOKEN); /score and /health stay open (default: $WEIGHTSYNC_API_KEY, "
+                        "else no token)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help=f"where the engine runs; auto: cuda when available (default {d.device})")
+    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16 (default auto: float32 "
+                                   "on CPU, the checkpoint's dtype on GPU)")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                   help="longest scored sequence, in tokens; at most the model's "
+                        "max_position_embeddings (default: that value)")
+    p.add_argument("--max-num-seqs", type=int, metavar="N",
+                   help="sequences the engine batches at once (default: vLLM's)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, metavar="BYTES",
+                   help="KV cache size (default on CPU: 268435456 bytes = 256 MiB; on GPU: "
+                        "from --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
+                   help=f"GPU only: share of GPU memory the engine may take, 0-1 (default "
+                        f"{d.gpu_memory_utilization:g}, leaving room for a policy server)")
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                   help=f"GPUs per engine (default {d.tensor_parallel_size})")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="no CUDA graphs / torch.compile (default: on for CPU, off for GPU)")
     p.add_argument("--pooling-type", help="LAST | MEAN | CLS (default: the model's)")
     p.add_argument("--tok-pooling-type",
                    help="ALL | STEP: the token pooler behind pooling_type 'step'/'all' "
                         "(default ALL; STEP lets vLLM select the step-tag positions, and turns "
                         "off prefix caching and chunked prefill)")
-    p.add_argument("--step-tag-id", type=int,
-                   help="default step tag (token id) of pooling_type 'step' requests")
+    p.add_argument("--step-tag-id", type=int, metavar="TOKEN_ID",
+                   help="default step tag (token id) of pooling_type 'step' requests "
+                        "(default: none, each request names its own)")
     p.add_argument("--returned-token-ids", type=lambda s: [int(x) for x in s.split(",")],
-                   help="with --tok-pooling-type STEP: comma-separated head columns to return")
-    p.add_argument("--load-mode", choices=["auto", "direct", "reload"])
-    p.add_argument("--score-wait-timeout-s", type=float)
-    p.add_argument("--update-timeout-s", type=float)
-    p.add_argument("--group-timeout-s", type=float,
-                   help="a Ludic-style trainer group: joining it and each collective (120)")
-    p.add_argument("--max-body-bytes", type=int, help="request body limit (16 MiB)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--log-level")
+                   metavar="ID,ID,...",
+                   help="with --tok-pooling-type STEP: comma-separated head columns to return "
+                        "(default: all)")
+    p.add_argument("--load-mode", choices=["auto", "direct", "reload"],
+                   help="how workers load new weights: direct (the model's load_weights), "
+                        "reload (vLLM's layer-wise reload), auto (reload on CPU or a quantized "
+                        f"model, direct otherwise) (default {d.load_mode})")
+    p.add_argument("--score-wait-timeout-s", type=float, metavar="SECONDS",
+                   help="how long a score request waits for an update to finish, and an "
+                        f"update for the scores in flight (default {d.score_wait_timeout_s:g} s)")
+    p.add_argument("--update-timeout-s", type=float, metavar="SECONDS",
+                   help=f"abort an update that gets no call for this long (default "
+                        f"{d.update_timeout_s:g} s)")
+    p.add_argument("--group-timeout-s", type=float, metavar="SECONDS",
+                   help="a Ludic-style trainer group: joining it and each collective (default "
+                        f"{d.group_timeout_s:g} s)")
+    p.add_argument("--max-body-bytes", type=int, metavar="BYTES",
+                   help=f"largest request body (default {d.max_body_bytes} bytes = "
+                        f"{d.max_body_bytes >> 20} MiB; 413 past it)")
+    p.add_argument("--seed", type=int, help=f"engine seed (default {d.seed})")
+    p.add_argument("--log-level", metavar="LEVEL",
+                   help=f"weightsync's and uvicorn's log level: debug, info, warning, error "
+                        f"(default {d.log_level})")
     ns = p.parse_args(argv)
 
     data: dict[str, Any] = {}

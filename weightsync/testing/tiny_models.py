@@ -7,7 +7,12 @@ the reward server) load:
 * ``config.json`` + ``model.safetensors`` (float32 unless told otherwise), ``pad_token_id`` set;
 * a byte-level BPE tokenizer trained with the ``tokenizers`` library on a small built-in corpus,
   wrapped in ``PreTrainedTokenizerFast`` and saved with ``save_pretrained``; its special tokens
-  are pad, eos, bos and ``STEP_TOKEN`` (``<|step|>``, a one-token step tag for step pooling).
+  are pad, eos, bos and ``STEP_TOKEN`` (``<|step|>``, a one-token step tag for step pooling);
+  it carries ``CHAT_TEMPLATE`` (``role: content`` lines, then ``assistant:``), so vLLM's
+  ``/v1/chat/completions`` and ``tokenizer.apply_chat_template`` work on every tiny model.
+
+``weightsync make-model --kind policy|reward DIR`` (``weightsync.testing.make_model``) is the
+command-line face of the two builders.
 
 Shapes are chosen for what vLLM's CPU backend accepts: the attention head size
 (``hidden_size // num_heads``) must be 32, 64, 80 or larger (16 fails), so the defaults are
@@ -30,6 +35,11 @@ EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|bos|>"
 STEP_TOKEN = "<|step|>"  # one token: the step tag of process-reward (step pooling) scoring
 SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, STEP_TOKEN)
+#: the tokenizer's chat template: one ``role: content`` line per message, then ``assistant:``
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 _SUBJECTS = (
     "the model", "a policy", "the reward", "this answer", "my response", "the assistant",
@@ -70,11 +80,26 @@ def corpus(n: int = 600, *, seed: int = 0) -> list[str]:
     return out
 
 
+def quiet_deepspeed_probe() -> None:
+    """Tell DeepSpeed it runs on CPU when torch sees no CUDA device, before transformers is
+    imported: transformers imports DeepSpeed when it is installed, and DeepSpeed's accelerator
+    probe otherwise logs "Setting accelerator to CPU ..." as a warning (the same choice, made
+    silently). A ``DS_ACCELERATOR`` the user set is left alone."""
+    if "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def build_tokenizer(vocab_size: int = 512) -> Any:
-    """-> a ``PreTrainedTokenizerFast`` (byte-level BPE, pad/eos/bos special tokens).
+    """-> a ``PreTrainedTokenizerFast`` (byte-level BPE, pad/eos/bos special tokens, the chat
+    template ``CHAT_TEMPLATE``).
 
     Deterministic and independent of the model seed: models built with different seeds share
     one tokenizer, so weights of one can be synced into an engine serving another."""
+    quiet_deepspeed_probe()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -93,7 +118,7 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(corpus(seed=0) * 4, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD_TOKEN,
         eos_token=EOS_TOKEN,
@@ -101,6 +126,8 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
         model_max_length=2048,
         padding_side="right",
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def _config(
@@ -183,6 +210,7 @@ def build_tiny_reward_model(
     ``head_std``: re-draw the score head from N(0, head_std) (default: HF's init, std 0.02),
     useful when tests want scores far apart.
     """
+    quiet_deepspeed_probe()
     import torch
     from transformers import LlamaForSequenceClassification, Qwen2ForSequenceClassification
 
@@ -219,6 +247,7 @@ def build_tiny_causal_lm(
     tie_word_embeddings: bool = False,
 ) -> str:
     """Write a ``{Qwen2,Llama}ForCausalLM`` with random float32 weights (generative path)."""
+    quiet_deepspeed_probe()
     import torch
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
