@@ -24,6 +24,7 @@ from weightsync.errors import (
     ChecksumMismatchError,
     CommunicatorReplacedError,
     EngineDiedError,
+    EngineUnreachableError,
     UpdateIncompleteError,
     UpdateRefusedError,
     WeightMismatchError,
@@ -61,7 +62,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockingSyncSession", "BroadcastConfig", "BroadcastWeightUpdateRequest",
     "ChecksumMismatchError", "CommunicatorReplacedError", "CudaIpcWeightUpdateRequest", "EmptyWeightSyncInfo",
-    "EndpointState", "EndpointStatus", "EngineDiedError", "ExtractorConfig", "HeadExtractorConfig",
+    "EndpointState", "EndpointStatus", "EngineDiedError", "EngineUnreachableError",
+    "ExtractorConfig", "HeadExtractorConfig",
     "InferenceEngineClient", "IpcBufferHandle", "IpcConfig", "LoaderConfig",
     "PackedCudaIpcWeightUpdateRequest", "PackedIpcConfig", "StrategyConfig", "SyncSession",
     "SyncStats", "TensorMeta", "TorchDistributedWeightSyncInfo", "TrainingMode",

@@ -15,6 +15,7 @@ every fan-out follows). Pure Python; no heavy imports.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,13 +27,17 @@ class WeightSyncError(RuntimeError):
 class WeightMismatchError(WeightSyncError, ValueError):
     """Update metadata does not match the target model. Raised before any byte moves.
 
-    ``offenders`` lists one human-readable line per offending parameter.
+    ``offenders`` lists one human-readable line per offending parameter. The message says what
+    to do: tensors sent in another dtype than the target's (``"<name>: dtype <sent> but target
+    has <served>"``) are summed up in one line per dtype pair that names the fix,
+    ``push(..., dtype="<served>")``; every other offender gets a line of its own.
     """
 
     def __init__(self, offenders: Sequence[str], *, target: str = "target model") -> None:
         self.offenders = list(offenders)
-        shown = self.offenders[:20]
-        more = len(self.offenders) - len(shown)
+        summary = _summarize_offenders(self.offenders)
+        shown = summary[:20]
+        more = len(summary) - len(shown)
         lines = "\n  ".join(shown) + (f"\n  ... and {more} more" if more > 0 else "")
         super().__init__(
             f"{len(self.offenders)} parameter(s) do not match the {target}; nothing was "
@@ -42,6 +47,39 @@ class WeightMismatchError(WeightSyncError, ValueError):
 
     def __reduce__(self):  # keep offenders and message intact through pickle (Ray, multiprocessing)
         return (_rebuild_mismatch, (type(self), self.offenders, self.target))
+
+
+_DTYPE_OFFENDER = re.compile(r"^(?P<name>.+): dtype (?P<sent>\S+) but target has (?P<served>\S+)$")
+
+
+def _summarize_offenders(offenders: Sequence[str]) -> list[str]:
+    """The message's lines: each dtype pair once (with the fix), the rest as they are."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    lines: list[str | tuple[str, str]] = []
+    for line in offenders:
+        m = _DTYPE_OFFENDER.match(line)
+        if m is None:
+            lines.append(line)
+            continue
+        key = (m["sent"], m["served"])
+        if key not in groups:
+            groups[key] = []
+            lines.append(key)
+        groups[key].append(m["name"])
+    out = []
+    for item in lines:
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        (sent, served), names = item, groups[item]
+        fix = f"send {served}: push(..., dtype=\"{served}\") casts on the way"
+        if len(names) == 1:
+            out.append(f"{names[0]}: dtype {sent} but target has {served}; {fix}")
+        else:
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            out.append(f"{len(names)} tensors ({shown}) are {sent} but the target holds "
+                       f"{served}; {fix}")
+    return out
 
 
 def _rebuild_mismatch(cls: type, offenders: list[str], target: str) -> WeightMismatchError:
@@ -77,6 +115,12 @@ class EngineDiedError(WeightSyncError):
     death causes on the other engines (e.g. their collective failing)."""
 
 
+class EngineUnreachableError(WeightSyncError, ConnectionError):
+    """Nothing answers at an engine's address and nothing ever did in this session (connection
+    refused from the first call): a wrong URL or port, or a server not started (yet). Unlike
+    ``EngineDiedError``, no engine was lost; the message says what to check."""
+
+
 class UpdateRefusedError(WeightSyncError):
     """The engine refused a control call for its current state (an older version, a chunk
     without its start, a closed endpoint, ...); the data plane did not move (HTTP 409)."""
@@ -107,7 +151,8 @@ ERROR_TYPES: dict[str, type[BaseException]] = {
     cls.__name__: cls
     for cls in (
         WeightSyncError, WeightMismatchError, WeightSyncTimeout, UpdateIncompleteError,
-        EngineDiedError, UpdateRefusedError, CommunicatorReplacedError, ChecksumMismatchError,
+        EngineDiedError, EngineUnreachableError, UpdateRefusedError, CommunicatorReplacedError,
+        ChecksumMismatchError,
         CollectiveError, CollectiveTimeout, EngineSilentError, ValueError, TypeError,
     )
 }
@@ -125,6 +170,7 @@ _HTTP_STATUS: dict[type[BaseException], int] = {
     WeightSyncTimeout: 504,
     TimeoutError: 504,
     EngineDiedError: 502,
+    EngineUnreachableError: 502,
     UpdateRefusedError: 409,
     WeightSyncError: 409,
 }
@@ -224,16 +270,16 @@ _TYPE_BY_STATUS = {
 #: engine that stayed silent after another failed (stuck, or slow); last the collectives that
 #: broke because of someone else
 _RANK: tuple[type[BaseException], ...] = (
-    WeightMismatchError, EngineDiedError, ChecksumMismatchError, CollectiveError,
-    EngineSilentError, TimeoutError,
+    WeightMismatchError, EngineDiedError, EngineUnreachableError, ChecksumMismatchError,
+    CollectiveError, EngineSilentError, TimeoutError,
 )
-_RANK_OF = {WeightMismatchError: 0, EngineDiedError: 1, ChecksumMismatchError: 2,
-            TimeoutError: 3, EngineSilentError: 5, CollectiveError: 6}
+_RANK_OF = {WeightMismatchError: 0, EngineDiedError: 1, EngineUnreachableError: 1,
+            ChecksumMismatchError: 2, TimeoutError: 3, EngineSilentError: 5, CollectiveError: 6}
 _OTHER_RANK = 4
 
 
 def telling_rank(e: BaseException) -> int:
-    """0 a ``WeightMismatchError``, 1 a dead engine, 2 corrupted bytes, 3 a timeout, 4 anything
+    """0 a ``WeightMismatchError``, 1 a dead or unreachable engine, 2 corrupted bytes, 3 a timeout, 4 anything
     else, 5 an engine silent after another failed, 6 a broken collective."""
     cls = next((c for c in _RANK if isinstance(e, c)), None)
     return _RANK_OF[cls] if cls is not None else _OTHER_RANK

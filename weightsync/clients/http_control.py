@@ -18,9 +18,10 @@ Lives in the sending process. The endpoint protocol maps onto the server's route
 default) and is repeated on every call of that update, as the server requires. The
 ``communicator_id`` the server handed out travels with every update call, so a server whose
 receivers another sender took answers 409 (``CommunicatorReplacedError``) instead of driving
-the wrong data plane. Error answers are rebuilt by the codec (``error_from_http``); a
-connection that breaks mid-call is an ``EngineDiedError``, no answer in time a
-``WeightSyncTimeout``. Not ordered: HTTP requests may overtake each other, so a sender keeps one
+the wrong data plane. Error answers are rebuilt by the codec (``error_from_http``); an
+address where nothing answered yet refusing the connection is an ``EngineUnreachableError``
+(no engine there: a wrong URL, a server not started), a connection that breaks once the server
+had answered an ``EngineDiedError``, no answer in time a ``WeightSyncTimeout``. Not ordered: HTTP requests may overtake each other, so a sender keeps one
 chunk in flight. With ``api_key`` every call sends ``Authorization: Bearer <key>``.
 """
 
@@ -30,7 +31,12 @@ from collections.abc import Awaitable
 from typing import Any
 
 from weightsync._runtime.http import LoopClients, error_from_response
-from weightsync.errors import EngineDiedError, WeightSyncError, WeightSyncTimeout
+from weightsync.errors import (
+    EngineDiedError,
+    EngineUnreachableError,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -62,6 +68,7 @@ class HttpChannel:
         self.timeout_s = float(timeout_s)
         self.communicator_id: int | None = None
         self._training_mode: str | None = None
+        self._answered = False  # whether the server ever answered this channel
         self._http = LoopClients(
             timeout_s=self.timeout_s,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
@@ -131,10 +138,19 @@ class HttpChannel:
             raise WeightSyncTimeout(
                 f"{where}: no answer within {timeout_s:g}s ({type(e).__name__})"
             ) from None
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
+        except httpx.ConnectError as e:
+            if not self._answered:
+                raise EngineUnreachableError(
+                    f"no engine at {self.base_url}: nothing answers there ({e}); check the URL "
+                    f"and port, or start a server there (weightsync serve-policy / "
+                    f"serve-reward --model DIR --port PORT) and wait for its ready line"
+                ) from None
+            raise EngineDiedError(f"{where}: {type(e).__name__}: {e}") from None
+        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
             raise EngineDiedError(f"{where}: {type(e).__name__}: {e}") from None
         except httpx.HTTPError as e:
             raise WeightSyncError(f"{where}: {type(e).__name__}: {e}") from None
+        self._answered = True
         if r.status_code < 400:
             return r.json()
         raise error_from_response(where, r)

@@ -9,9 +9,10 @@ steps in which the policy served by ``weightsync serve-policy`` samples groups o
 the reward server scores them, ``make_grpo_with_rm`` assigns credit, the trainer takes a few
 policy-gradient steps on its copy and pushes it back. Both servers start at once, as
 subprocesses. A progress bar per step, a summary table, a PNG of mean reward and sync time per
-step (``--plot``; skipped with a note without matplotlib), ``--json PATH`` for the record
-(``{"steps": [{"step", "mean_reward", "sync_seconds", "policy_version", "rm_version", ...}],
-...}``).
+step and the JSON record (``{"steps": [{"step", "mean_reward", "sync_seconds",
+"policy_version", "rm_version", ...}], ...}``), both written to ``--out DIR`` (default
+``results/``, which git ignores) unless ``--plot PATH`` / ``--json PATH`` say where (the PNG is
+skipped with a note without matplotlib, or with ``--no-plot``).
 
 ``--mode head_only`` / ``full`` (``head-only`` too): one train -> sync -> score cycle of the
 reward model alone (``weightsync.demo.run``): train its head (or all of it) on synthetic
@@ -40,7 +41,9 @@ from weightsync.demo.config import (
 from weightsync.demo.report import Progress, format_table
 from weightsync.demo.run import DemoResult, run_demo, strategy_label
 
-DEFAULT_PLOT = "weightsync-demo.png"
+DEFAULT_OUT = "results"  # relative to the current directory; the repository's .gitignore has it
+PLOT_NAME = "weightsync-demo.png"
+RECORD_NAME = "weightsync-demo.json"
 
 # --------------------------------------------------------------------------------------------
 # command line
@@ -57,26 +60,42 @@ def build_parser() -> argparse.ArgumentParser:
             "--mode head_only | full: one train -> sync -> score cycle of the reward model."
         ),
     )
-    p.add_argument("--config", help="demo YAML (default: the shipped demo preset, weightsync/configs/demo.yaml)")
+    d = load_demo_config()
+    p.add_argument("--config", metavar="YAML",
+                   help="demo YAML (default: the shipped demo preset, weightsync/configs/demo.yaml)")
     p.add_argument(
         "--strategy",
-        help="broadcast (gloo, default) | packed_cuda_ipc | cuda_ipc | broadcast_nccl | a "
-        "strategy YAML | any registered strategy type",
+        help="broadcast (gloo) | packed_cuda_ipc | cuda_ipc | broadcast_nccl | a strategy YAML | "
+        f"any registered strategy type (default: the preset's, {strategy_label(d.strategy)})",
     )
     p.add_argument("--mode", type=_mode, metavar="{rlhf,head_only,full}",
-                   help="rlhf (default): the RLHF loop; head_only / full: one reward-model cycle")
-    p.add_argument("--family", choices=("qwen2", "llama"), help="tiny reward model family")
-    p.add_argument("--steps", type=int, help="rlhf: RL steps (rlhf.steps); head_only: "
-                                             "train.steps; full: train.full_steps")
-    p.add_argument("--seed", type=int, help="seed for models and data")
-    p.add_argument("--num-eval", type=int, help="head_only / full: held-out pairs")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="trainer device")
-    p.add_argument("--json", dest="json_path", help="write the result record to this path")
-    p.add_argument("--plot", help=f"rlhf: write the PNG here (default {DEFAULT_PLOT}; needs "
-                                  "matplotlib, the 'demo' extra)")
-    p.add_argument("--no-plot", action="store_true", help="rlhf: no PNG")
-    p.add_argument("--workdir", help="keep model, logs and caches here (default: a temp dir, removed)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines, only the summary")
+                   help="rlhf: the RLHF loop; head_only / full: one reward-model cycle (default "
+                        f"{d.mode})")
+    p.add_argument("--family", choices=("qwen2", "llama"),
+                   help=f"tiny reward model family (default {d.model.family})")
+    p.add_argument("--steps", type=int,
+                   help=f"rlhf: RL steps (default {d.rlhf.steps}); head_only: optimizer steps "
+                        f"(default {d.train.steps}); full: optimizer steps (default "
+                        f"{d.train.full_steps})")
+    p.add_argument("--seed", type=int, help=f"seed for models and data (default {d.model.seed})")
+    p.add_argument("--num-eval", type=int,
+                   help=f"head_only / full: held-out preference pairs (default {d.data.num_eval})")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help=f"trainer device (default {d.train.device})")
+    p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                   help=f"folder for the PNG ({PLOT_NAME}) and the JSON record ({RECORD_NAME}), "
+                        f"created if missing (default ./{DEFAULT_OUT}, which git ignores)")
+    p.add_argument("--json", dest="json_path", metavar="PATH",
+                   help=f"write the result record here instead (default DIR/{RECORD_NAME})")
+    p.add_argument("--plot", metavar="PATH",
+                   help=f"rlhf: write the PNG here instead (default DIR/{PLOT_NAME}; needs "
+                        "matplotlib, the 'demo' extra)")
+    p.add_argument("--no-plot", action="store_true", help="rlhf: no PNG (default: a PNG)")
+    p.add_argument("--workdir", metavar="DIR",
+                   help="keep models, server logs and vLLM caches here (default: a temp dir, "
+                        "removed at the end)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines, only the summary (default: progress lines)")
     return p
 
 
@@ -180,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
 
         result = RLHFResult(strategy=strategy_label(cfg.strategy),
                             strategy_config=dict(cfg.strategy))
-        plot = None if args.no_plot else (args.plot or DEFAULT_PLOT)
+        plot = None if args.no_plot else (args.plot or os.path.join(args.out, PLOT_NAME))
+        if plot:
+            os.makedirs(os.path.dirname(plot) or ".", exist_ok=True)
 
         def run() -> None:
             run_rlhf(cfg, progress=progress, workdir=args.workdir, result=result, plot_path=plot)
@@ -216,9 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(table())
         code = 0 if result.passed else 1
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(result.to_dict(), f, indent=2)
-        print(f"\nwrote {args.json_path}")
+    json_path = args.json_path or os.path.join(args.out, RECORD_NAME)
+    os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump(result.to_dict(), f, indent=2)
+    print(f"\nwrote {json_path}")
     return code
 

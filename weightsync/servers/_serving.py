@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 #: shared-memory queues before it is killed (vLLM's default, ``shutdown_timeout`` 0, kills it at
 #: once: the segments leak and Python's resource tracker warns about them at exit)
 ENGINE_STOP_GRACE_S = 10.0
+_POKE_EVERY_S = 0.25
 
 #: the control plane's routes, as the ready line lists them
 CONTROL_SUMMARY = "/init_communicator, /update_param_batch, /close_communicator"
@@ -91,6 +92,29 @@ async def serve_app(
                 task.cancel()
     if not http.started:
         raise OSError(f"could not serve on {host}:{port} (port in use?)")
+
+
+async def stop_engine(engine: Any, grace_s: float = ENGINE_STOP_GRACE_S) -> None:
+    """Shut vLLM's ``AsyncLLM`` down so that its engine core exits by itself: SIGTERM, up to
+    ``grace_s`` for it to stop its workers and unlink its shared-memory queues, then a kill.
+
+    vLLM's own exit path (``shutdown_timeout`` 0) kills the engine core at once, which leaks
+    its queues (``resource_tracker: There appear to be N leaked shared_memory objects``). And an
+    idle engine core that has served requests may sit in a blocking wait on its input queue
+    that the SIGTERM does not interrupt, so its handler runs only when the next input arrives:
+    while the shutdown waits (in a thread), a cheap utility call every ``_POKE_EVERY_S`` gives
+    it that input. vLLM's output handler (a task on this loop) is cancelled first: it would
+    otherwise log the engine core's exit as an ``EngineDeadError`` traceback. Callers: both
+    servers' ``serve``, on their loop, after uvicorn stopped."""
+    handler = getattr(engine, "output_handler", None)
+    if isinstance(handler, asyncio.Task):
+        handler.cancel()
+    done = asyncio.ensure_future(asyncio.to_thread(engine.shutdown, timeout=grace_s))
+    while not done.done():
+        with contextlib.suppress(Exception):  # a stopping engine may answer nothing
+            await asyncio.wait_for(engine.reset_prefix_cache(), _POKE_EVERY_S)
+        await asyncio.wait([done], timeout=_POKE_EVERY_S)
+    await done
 
 
 async def _announce(http: Any, line: str) -> None:

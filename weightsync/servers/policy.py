@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
-from weightsync.servers._serving import ENGINE_STOP_GRACE_S, ready_line, run_main, serve_app
+from weightsync.servers._serving import ready_line, run_main, serve_app, stop_engine
 
 log = logging.getLogger("weightsync.servers.policy")
 
@@ -287,9 +287,7 @@ async def serve(
             finally:
                 await server.control.shutdown()
         finally:
-            # before vLLM's own exit shutdown (which kills the engine core at once, so it
-            # never unlinks its shared-memory queues): a grace to tear its workers down
-            engine.shutdown(timeout=ENGINE_STOP_GRACE_S)
+            await stop_engine(engine)  # before vLLM's own shutdown, which would kill it at once
 
 
 def _ready_line(cfg: PolicyServerConfig, engine: Any, version: int) -> str:

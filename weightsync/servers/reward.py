@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
-from weightsync.servers._serving import ENGINE_STOP_GRACE_S, ready_line, run_main, serve_app
+from weightsync.servers._serving import ready_line, run_main, serve_app, stop_engine
 
 log = logging.getLogger("weightsync.servers.reward")
 
@@ -225,7 +225,7 @@ async def serve(
                         lifespan="off", ready=ready, stop=stop, announce=announce)
     finally:
         await server.control.shutdown()
-        server.engine.shutdown(timeout=ENGINE_STOP_GRACE_S)
+        await stop_engine(server.engine)
 
 
 # --------------------------------------------------------------------------------------------
