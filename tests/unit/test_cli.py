@@ -68,7 +68,8 @@ def test_strategy_all_and_lists_parse():
 
 def test_unknown_command_lists_commands(capsys):
     err = _error(capsys, ["benchmark"])
-    assert "unknown command 'benchmark'; valid commands: bench, demo, serve-reward, serve-policy" in err
+    assert ("unknown command 'benchmark'; valid commands: bench, demo, serve-reward, "
+            "serve-policy, make-model") in err
 
 
 def test_no_command_prints_help(capsys):
@@ -103,3 +104,46 @@ def test_console_script_reports_bad_shape():
     )
     assert proc.returncode == 2
     assert "unknown shape 'nope'; valid shapes: tiny" in proc.stderr
+
+
+def _parsers():
+    from weightsync.demo.cli import build_parser as demo_parser
+    from weightsync.servers.policy import _our_parser
+    from weightsync.servers.reward import build_parser as reward_parser
+    from weightsync.testing.make_model import build_parser as make_model_parser
+
+    return {"bench": bench_cli.build_parser(), "demo": demo_parser(),
+            "serve-policy": _our_parser(for_help=True), "serve-reward": reward_parser(),
+            "make-model": make_model_parser()}
+
+
+@pytest.mark.parametrize("command", ["bench", "demo", "serve-policy", "serve-reward",
+                                     "make-model"])
+def test_every_flag_has_help_with_its_default(command):
+    """``--help`` of each command: every flag explained, with its default (or 'required');
+    a flag that takes a duration, a size or a length says its unit."""
+    parser = _parsers()[command]
+    flags = [a for a in parser._actions if a.option_strings and "-h" not in a.option_strings]
+    assert len(flags) >= 5
+    for a in flags:
+        text = a.help or ""
+        assert "default" in text or "required" in text, (command, a.option_strings, text)
+        name = a.option_strings[-1]
+        unit = next((u for suffix, u in (("-s", " s"), ("-bytes", "bytes"), ("-mb", "MB"),
+                                         ("-len", "tokens")) if name.endswith(suffix)), None)
+        if unit:
+            assert unit in text, (command, name, text)
+    if command == "serve-policy":
+        assert any("--model" in a.option_strings for a in flags)  # vLLM's, listed with ours
+
+
+def test_serve_policy_help_lists_model_and_vllm_defaults(capsys):
+    from weightsync.servers.policy import parse_args
+
+    with pytest.raises(SystemExit) as ei:
+        parse_args(["--help"])
+    assert ei.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert "--model DIR" in out and "weightsync make-model --kind policy" in out
+    assert "--update-timeout-s SECONDS" in out and "(default 600 s)" in out
+    assert "default on CPU: float32" in out

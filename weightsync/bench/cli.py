@@ -25,29 +25,40 @@ def build_parser(prog: str = "weightsync bench") -> argparse.ArgumentParser:
         prog=prog,
         description="Move a model of a named shape through each weight-transfer strategy between "
         "two real processes; check bit-exactness; compare with references measured in the same "
-        "run.",
+        "run. Prints a table (sizes and rates in units that fit the shape), then a one-line "
+        "verdict naming the fastest strategy.",
     )
-    p.add_argument("--shape", default="qwen2-0.5b",
-                   help=f"model shape: {', '.join(shape_names())} (default qwen2-0.5b)")
+    d = BenchConfig()
+    p.add_argument("--shape", default=d.shape,
+                   help=f"model shape: {', '.join(shape_names())} (default {d.shape})")
     p.add_argument("--strategy", default="all",
                    help=f"'all' ({', '.join(DEFAULT_STRATEGIES)}; naive skipped above "
                         f"{NAIVE_MAX_TENSORS} tensors) or comma-separated names (any registered "
-                        f"strategy, or 'naive')")
+                        f"strategy, or 'naive') (default all)")
     p.add_argument("--backend", default=None,
                    help="broadcast backend: gloo or nccl (default: gloo on cpu, nccl on cuda)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16, float32 or float16")
-    p.add_argument("--bucket-mb", type=float, default=256.0,
-                   help="bucket (chunk) size in MB for extractor and transfer buffers (256)")
-    p.add_argument("--max-inflight", type=int, default=2,
-                   help="chunks in flight per sync (2; 1 = one chunk at a time)")
-    p.add_argument("--repeats", type=int, default=3, help="timed syncs per strategy (3)")
-    p.add_argument("--timeout-s", type=float, default=300.0, help="per-call timeout (300)")
+    p.add_argument("--device", default=d.device, help=f"cpu or cuda (default {d.device})")
+    p.add_argument("--dtype", default=d.dtype,
+                   help=f"bfloat16, float32 or float16: the model's dtype (default {d.dtype})")
+    p.add_argument("--bucket-mb", type=float, default=d.bucket_mb, metavar="MB",
+                   help=f"bucket (chunk) size in MB for extractor and transfer buffers "
+                        f"(default {d.bucket_mb:g} MB)")
+    p.add_argument("--max-inflight", type=int, default=d.max_inflight, metavar="N",
+                   help=f"chunks in flight per sync; 1 = one chunk at a time (default "
+                        f"{d.max_inflight})")
+    p.add_argument("--repeats", type=int, default=d.repeats, metavar="N",
+                   help=f"timed syncs per strategy, after one warm-up; the table shows their "
+                        f"median (default {d.repeats})")
+    p.add_argument("--timeout-s", type=float, default=d.timeout_s, metavar="SECONDS",
+                   help=f"per-call timeout (default {d.timeout_s:g} s)")
     p.add_argument("--integrity", action="store_true",
                    help="also time every row with checksum: true, staged: true and both "
-                        "(syncs alternate; columns: their cost against the plain syncs)")
-    p.add_argument("--json", dest="json_path", default=None, help="write records to this path")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+                        "(syncs alternate; columns: their cost against the plain syncs) "
+                        "(default off)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                   help="also write the records to this JSON file (default: none)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr (default: progress lines)")
     return p
 
 

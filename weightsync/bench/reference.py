@@ -21,7 +21,8 @@ from typing import Any
 class MemcpyProbe:
     """Holds two flat buffers of ``min(nbytes, cap_bytes)`` and times one ``copy_`` between
     them (host memcpy on CPU, device copy on CUDA). The bench calls ``once()`` right before each
-    timed sync, so the reference and the strategy see the same machine load."""
+    timed sync, so the reference samples the machine's load over the whole run; ``gbps()`` is
+    the median of every sample."""
 
     def __init__(self, nbytes: int, device: str = "cpu", cap_bytes: int = 2 << 30) -> None:
         import torch
@@ -32,21 +33,32 @@ class MemcpyProbe:
         self.src.fill_(7)
         self.dst = torch.empty_like(self.src)
         self.dst.fill_(0)
+        self.samples: list[float] = []
         self.once()  # warm-up: pages touched, caches and threads up
+        self.samples.clear()
 
     def once(self) -> float:
-        """Seconds for one copy of ``self.nbytes`` (small buffers: the mean of enough back-to-back
-        copies to move 256 MiB, so timer and thread wake-up noise do not dominate)."""
-        k = max(1, -(-(256 << 20) // max(self.nbytes, 1)))
-        _sync(self.device)
-        t0 = time.perf_counter()
-        for _ in range(k):
-            self.dst.copy_(self.src)
-        _sync(self.device)
-        return (time.perf_counter() - t0) / k
+        """Seconds for one copy of ``self.nbytes``. Buffers under 64 MiB: the median over 5
+        batches of back-to-back copies, each moving at least 51 MiB (timer and thread wake-up
+        noise would dominate one small copy; the median drops a batch a busy moment slowed);
+        larger ones: one copy. Every call's result is kept in ``samples``."""
+        runs = 5 if self.nbytes < (64 << 20) else 1
+        k = max(1, -(-(256 << 20) // (runs * max(self.nbytes, 1))))
+        batches = []
+        for _ in range(runs):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                self.dst.copy_(self.src)
+            _sync(self.device)
+            batches.append((time.perf_counter() - t0) / k)
+        seconds = statistics.median(batches)
+        self.samples.append(seconds)
+        return seconds
 
-    def gbps(self, seconds: list[float]) -> float:
-        return self.nbytes / statistics.median(seconds) / 1e9
+    def gbps(self, seconds: list[float] | None = None) -> float:
+        """GB/s of the median of ``seconds`` (default: every ``once`` so far)."""
+        return self.nbytes / statistics.median(self.samples if seconds is None else seconds) / 1e9
 
     def close(self) -> None:
         self.src = self.dst = None  # type: ignore[assignment]

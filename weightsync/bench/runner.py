@@ -124,10 +124,16 @@ def uses_shared_weights(name: str, cfg: BenchConfig) -> bool:
 
 
 def backend_label(name: str, cfg: BenchConfig) -> str:
+    """The JSON ``backend``: the broadcast backend, or ``cuda_ipc`` / ``shm`` for IPC rows."""
     strategy, _ = strategy_config(name, cfg)
     if strategy["type"] == "broadcast":
         return strategy["backend"]
     return "cuda_ipc" if cfg.device.startswith("cuda") else "shm"
+
+
+#: what actually carries the bytes of a row, by its ``backend`` (the table's ``transport``)
+TRANSPORTS = {"gloo": "gloo broadcast", "nccl": "NCCL broadcast", "cuda_ipc": "CUDA IPC",
+              "shm": "shared memory"}
 
 
 def receiver_placement(name: str, cfg: BenchConfig) -> tuple[str, dict[str, str]]:
@@ -167,8 +173,11 @@ async def bench_strategy(
     from weightsync.testing.digest import compare_digests, module_digest
 
     strategy_cfg, extractor_cfg = strategy_config(name, cfg)
+    units = Units.for_bytes(_shape_bytes(cfg))
+    backend = backend_label(name, cfg)
     rec: dict[str, Any] = {
-        "strategy": name, "backend": backend_label(name, cfg), "device": cfg.device,
+        "strategy": name, "backend": backend, "transport": TRANSPORTS[backend],
+        "device": cfg.device,
         "shape": cfg.shape, "dtype": cfg.dtype, "bucket_mb": cfg.bucket_mb,
         "max_inflight": strategy_cfg["max_inflight_chunks"],
         "shared_weights": uses_shared_weights(name, cfg), "bit_exact": False, "error": None,
@@ -213,8 +222,8 @@ async def bench_strategy(
                 label = "" if variant == PLAIN else f" [{variant}]"
                 log(f"{name}: sync {i + 1}/{cfg.repeats + 1}{label}"
                     f"{' (warm-up)' if i == 0 else ''} "
-                    f"{stats.total_bytes / 1e9:.3f} GB in {dt:.3f} s "
-                    f"({stats.total_bytes / dt / 1e9:.2f} GB/s, {stats.num_chunks} chunks)")
+                    f"{units.size(stats.total_bytes)} in {units.time(dt)} "
+                    f"({units.rate(stats.total_bytes / dt / 1e9)}, {stats.num_chunks} chunks)")
         plain = statistics.median(times[PLAIN])
         rec.update(
             bytes=stats.total_bytes, num_tensors=stats.num_tensors, num_chunks=stats.num_chunks,
@@ -232,7 +241,7 @@ async def bench_strategy(
         if hasattr(sender, "shared_tensors"):  # IPC senders count tensors sent without a copy
             rec["shared_tensors"] = sender.shared_tensors // version
         if probe is not None:
-            rec["memcpy_gbps"] = probe.gbps(ref_times)
+            rec["memcpy_gbps"] = probe.gbps(ref_times)  # this row's samples alone
         log(f"{name}: checking digests")
         if cfg.device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -279,15 +288,15 @@ async def _quietly(aw: Any) -> None:
 
 async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
     from weightsync.bench.reference import MemcpyProbe, raw_broadcast_gbps
-    from weightsync.bench.shapes import build_module, shape_numel, shape_specs
+    from weightsync.bench.shapes import build_module, shape_specs
 
     log = _logger(cfg.quiet)
     validate_config(cfg)
-    import torch
 
     n_tensors = len(shape_specs(cfg.shape))
-    nbytes = shape_numel(cfg.shape) * torch.empty((), dtype=_dtype(cfg.dtype)).element_size()
-    log(f"shape {cfg.shape}: {n_tensors} tensors, {nbytes / 1e9:.3f} GB ({cfg.dtype}) on "
+    nbytes = _shape_bytes(cfg)
+    units = Units.for_bytes(nbytes)
+    log(f"shape {cfg.shape}: {n_tensors} tensors, {units.size(nbytes)} ({cfg.dtype}) on "
         f"{cfg.device}; bucket {cfg.bucket_mb:g} MB; {cfg.repeats} repeats")
     log("building sender model")
     module = build_module(shape=cfg.shape, dtype=cfg.dtype, seed=0, device=cfg.device)
@@ -318,7 +327,7 @@ async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
                     nbytes, cfg.resolved_backend(), cfg.device, cfg.repeats,
                     peer_device=peer, timeout_s=min(cfg.timeout_s, 120.0),
                 )
-                log(f"raw broadcast: {raw_bcast:.2f} GB/s")
+                log(f"raw broadcast: {units.rate(raw_bcast)}")
             except Exception as e:
                 log(f"raw broadcast reference failed: {type(e).__name__}: {e}")
                 raw_bcast = float("nan")
@@ -336,19 +345,28 @@ async def run_bench_async(cfg: BenchConfig) -> list[dict[str, Any]]:
         rec = await bench_strategy(name, source, cfg, log, probe)
         on_gpu_bcast = is_bcast and cfg.device.startswith("cuda")
         rec["reference"] = f"raw {cfg.resolved_backend()} broadcast" if on_gpu_bcast else copy_name
-        rec["reference_gbps"] = raw_bcast if on_gpu_bcast else rec.get("memcpy_gbps")
         rec["reference_bytes"] = nbytes if on_gpu_bcast else probe.nbytes
+        if on_gpu_bcast:
+            rec["reference_gbps"] = raw_bcast
         if is_bcast:
             rec["raw_broadcast_gbps"] = raw_bcast
-        gbps, ref = rec.get("gbps"), rec["reference_gbps"]
-        rec["ratio"] = gbps / ref if gbps and ref and ref == ref else None
         rec.setdefault("bytes", nbytes)
         rec.setdefault("seconds", None)
         rec.setdefault("gbps", None)
         if rec.get("gbps"):
-            log(f"{name}: {rec['gbps']:.2f} GB/s, {copy_name} {rec.get('memcpy_gbps', 0):.2f} "
-                f"GB/s, ratio {rec['ratio']:.2f}, bit_exact {rec['bit_exact']}")
+            log(f"{name}: {units.rate(rec['gbps'])} ({units.time(rec['seconds'])} per sync), "
+                f"bit_exact {rec['bit_exact']}")
         records.append(rec)
+    # one copy reference for every row: the median of the samples taken before each timed
+    # sync of the whole run (a row's own few samples swing with the load of that moment)
+    copy_ref = probe.gbps() if probe.samples else None
+    log(f"{copy_name} reference: {units.rate(copy_ref)} (median of {len(probe.samples)} "
+        f"samples, each the median of several copies)" if copy_ref else
+        f"{copy_name} reference: no samples")
+    for rec in records:
+        rec.setdefault("reference_gbps", copy_ref)
+        gbps, ref = rec.get("gbps"), rec["reference_gbps"]
+        rec["ratio"] = gbps / ref if gbps and ref and ref == ref else None
     probe.close()
     if shared is not None:
         shared.close()
@@ -412,10 +430,51 @@ def copy_row_names() -> list[str]:
     return [f"{n}{COPY_SUFFIX}" for n in IPC_STRATEGIES if n in STRATEGIES.names()]
 
 
-def _dtype(name: str) -> Any:
+def _shape_bytes(cfg: BenchConfig) -> int:
+    """Bytes of the model of ``cfg.shape`` in ``cfg.dtype``."""
+    import torch
+
+    from weightsync.bench.shapes import shape_numel
     from weightsync.types import str_to_dtype
 
-    return str_to_dtype(name)
+    return shape_numel(cfg.shape) * torch.empty((), dtype=str_to_dtype(cfg.dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class Units:
+    """The units that fit a model of a given size, so no figure reads 0.000 (a 214 KB model
+    in KB, MB/s and ms; a 1 GB one in GB, GB/s and s). Rates are given in GB/s."""
+
+    size_unit: str
+    size_div: float
+    rate_unit: str
+    rate_mul: float  # from GB/s
+    time_unit: str
+    time_mul: float  # from seconds
+
+    @classmethod
+    def for_bytes(cls, nbytes: float) -> Units:
+        if nbytes < 1e6:
+            return cls("KB", 1e3, "MB/s", 1e3, "ms", 1e3)
+        if nbytes < 1e8:
+            return cls("MB", 1e6, "MB/s", 1e3, "ms", 1e3)
+        return cls("GB", 1e9, "GB/s", 1.0, "s", 1.0)
+
+    def size(self, nbytes: float) -> str:
+        return f"{readable(nbytes / self.size_div)} {self.size_unit}"
+
+    def rate(self, gbps: float | None) -> str:
+        return "-" if gbps is None or gbps != gbps else f"{readable(gbps * self.rate_mul)} {self.rate_unit}"
+
+    def time(self, seconds: float) -> str:
+        return f"{readable(seconds * self.time_mul)} {self.time_unit}"
+
+
+def readable(v: float) -> str:
+    """3 significant digits without exponents: 81,100 / 214 / 34.9 / 6.14 / 0.00043."""
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}" if abs(v) >= 1e-4 or v == 0 else f"{v:.1e}"
 
 
 def _logger(quiet: bool) -> Any:
@@ -432,22 +491,40 @@ def _logger(quiet: bool) -> Any:
 # table
 # --------------------------------------------------------------------------------------------
 
-_COLUMNS = [
-    ("strategy", "strategy", "{}"), ("backend", "backend", "{}"), ("device", "device", "{}"),
-    ("bytes", "bytes", "{:,}"), ("num_tensors", "tensors", "{}"), ("num_chunks", "chunks", "{}"),
-    ("seconds", "seconds", "{:.3f}"), ("gbps", "GB/s", "{:.2f}"),
-    ("reference", "reference", "{}"), ("reference_gbps", "ref GB/s", "{:.2f}"),
-    ("ratio", "ratio", "{:.2f}"), ("raw_broadcast_gbps", "raw bcast GB/s", "{:.2f}"),
-    ("first_seconds", "first s", "{:.3f}"), ("shared_weights", "shared", "{}"),
-    ("bit_exact", "bit_exact", "{}"),
-]
+def _columns(u: Units) -> list[tuple[str, str, Any]]:
+    """(record key, header, formatter) of the table, in the units ``u``."""
+    def num(mul: float = 1.0) -> Any:
+        return lambda v: readable(v * mul)
+
+    return [
+        ("strategy", "strategy", str), ("transport", "transport", str), ("device", "device", str),
+        ("bytes", u.size_unit, num(1 / u.size_div)),
+        ("num_tensors", "tensors", str), ("num_chunks", "chunks", str),
+        ("seconds", f"{u.time_unit}/sync", num(u.time_mul)),
+        ("gbps", u.rate_unit, num(u.rate_mul)),
+        ("reference", "reference", str), ("reference_gbps", f"ref {u.rate_unit}",
+                                          num(u.rate_mul)),
+        ("ratio", "ratio", "{:.2g}".format),
+        ("raw_broadcast_gbps", f"raw bcast {u.rate_unit}", num(u.rate_mul)),
+        ("first_seconds", f"first {u.time_unit}", num(u.time_mul)),
+        ("shared_weights", "shared", str), ("bit_exact", "bit_exact", str),
+    ]
+
+
 #: shown when the records have them (``--integrity``), before ``bit_exact``
-_INTEGRITY_COLUMNS = [("checksum_cost", "checksum cost", "{:+.1%}"),
-                      ("staged_cost", "staged cost", "{:+.1%}")]
+_INTEGRITY_COLUMNS = [("checksum_cost", "checksum cost", "{:+.1%}".format),
+                      ("staged_cost", "staged cost", "{:+.1%}".format)]
+
+SHM_NOTE = ("on CPU the cuda_ipc and packed_cuda_ipc rows move the tensors through POSIX shared "
+            "memory (/dev/shm), not CUDA IPC (that needs a GPU); 'shared': the sender's weights "
+            "already live in shared memory (share_cpu_weights), so it sends handles, no copy")
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
-    columns = list(_COLUMNS)
+    """The records as a table in units that fit the model's size, then the failed rows' errors,
+    a note when IPC rows ran over shared memory, and the verdict (``verdict``)."""
+    units = Units.for_bytes(max((r.get("bytes") or 0 for r in records), default=0))
+    columns = _columns(units)
     if any("checksum_cost" in r for r in records):
         columns[-1:-1] = _INTEGRITY_COLUMNS
     rows = [[h for _, h, _ in columns]]
@@ -455,7 +532,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
         row = []
         for key, _, fmt in columns:
             v = r.get(key)
-            row.append("-" if v is None or v != v else fmt.format(v))
+            row.append("-" if v is None or v != v else fmt(v))
         if r.get("error"):
             row[-1] = "ERROR"
         rows.append(row)
@@ -464,4 +541,28 @@ def format_table(records: list[dict[str, Any]]) -> str:
                        enumerate(zip(row, widths, strict=True))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     errors = [f"{r['strategy']}: {r['error']}" for r in records if r.get("error")]
-    return "\n".join(lines + ([""] + errors if errors else []))
+    notes = [SHM_NOTE] if any(r.get("backend") == "shm" for r in records) else []
+    return "\n".join(lines + ([""] + errors if errors else []) + [""] + notes
+                     + [verdict(records)])
+
+
+def verdict(records: list[dict[str, Any]]) -> str:
+    """One line: which strategy moved the model fastest (median per sync), by how much over
+    the next best and over the slowest, and which rows failed or were not bit-exact."""
+    good = sorted((r for r in records if r.get("seconds") and r.get("bit_exact")
+                   and not r.get("error")), key=lambda r: r["seconds"])
+    bad = [r["strategy"] for r in records if r not in good]
+    failed = f"; failed or not bit-exact: {', '.join(bad)}" if bad else ""
+    if not good:
+        return "verdict: no strategy completed bit-exact" + failed
+    units = Units.for_bytes(good[0].get("bytes") or 0)
+    best = good[0]
+    line = (f"verdict: {best['strategy']} ({best.get('transport', best.get('backend'))}) is "
+            f"fastest, {units.time(best['seconds'])} per sync of {units.size(best['bytes'])}")
+    if len(good) > 1:
+        line += (f", {good[1]['seconds'] / best['seconds']:.2f}x faster than the next best "
+                 f"({good[1]['strategy']}), {good[-1]['seconds'] / best['seconds']:.1f}x faster "
+                 f"than the slowest ({good[-1]['strategy']})")
+    if best.get("ratio"):
+        line += f"; {best['ratio']:.2g}x the {best['reference']} reference"
+    return line + (failed or "; every row bit-exact")

@@ -233,7 +233,9 @@ async def serve(
 # --------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """``weightsync serve-reward``'s flags: one per ``RewardServerConfig`` field (plus
+    ``--config``), each help text with its default and unit."""
     d = RewardServerConfig()
     p = argparse.ArgumentParser(
         prog="weightsync serve-reward",
@@ -306,6 +308,11 @@ def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
     p.add_argument("--log-level", metavar="LEVEL",
                    help=f"weightsync's and uvicorn's log level: debug, info, warning, error "
                         f"(default {d.log_level})")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
+    p = build_parser()
     ns = p.parse_args(argv)
 
     data: dict[str, Any] = {}

@@ -34,12 +34,16 @@ def test_bench_cli_every_strategy_bit_exact(tmp_path, capsys):
         assert len(r["seconds_all"]) == 2 and r["version"] == 3  # warm-up + 2 timed syncs
     by = {r["strategy"]: r for r in records}
     assert by["broadcast"]["backend"] == "gloo" and by["broadcast"]["raw_broadcast_gbps"] > 0
-    assert by["cuda_ipc"]["backend"] == "shm"
+    assert by["cuda_ipc"]["backend"] == "shm" and by["cuda_ipc"]["transport"] == "shared memory"
+    # one copy reference for every row (the median of the whole run's samples)
+    assert len({r["reference_gbps"] for r in records}) == 1
     assert by["naive"]["num_chunks"] == 27  # one request per tensor
     assert by["packed_cuda_ipc"]["num_chunks"] < 27  # bucketed
     table = captured.out.splitlines()
-    assert table[0].split()[0] == "strategy"
+    assert table[0].split()[:4] == ["strategy", "transport", "device", "KB"]  # 214 KB: not GB
     assert sum(line.rstrip().endswith("True") for line in table) == len(DEFAULT_STRATEGIES)
+    best = min(records, key=lambda r: r["seconds"])["strategy"]
+    assert table[-1].startswith(f"verdict: {best} (") and "every row bit-exact" in table[-1]
     assert "sync 1/3 (warm-up)" in captured.err  # progress on stderr
 
 

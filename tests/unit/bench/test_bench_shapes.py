@@ -77,17 +77,48 @@ def test_compare_digests_finds_changed_missing_and_extra():
 
 def test_table_shows_rows_and_errors():
     recs = [
-        {"strategy": "packed_cuda_ipc", "backend": "shm", "device": "cpu", "bytes": 1000,
-         "num_tensors": 3, "num_chunks": 1, "seconds": 0.5, "gbps": 2e-6, "reference": "memcpy",
-         "reference_gbps": 4e-6, "ratio": 0.5, "bit_exact": True},
-        {"strategy": "broadcast", "backend": "gloo", "device": "cpu", "bytes": 1000,
-         "bit_exact": False, "error": "WeightSyncTimeout: boom", "raw_broadcast_gbps": float("nan")},
+        {"strategy": "packed_cuda_ipc", "backend": "shm", "transport": "shared memory",
+         "device": "cpu", "bytes": 1000, "num_tensors": 3, "num_chunks": 1, "seconds": 0.5,
+         "gbps": 2e-6, "reference": "memcpy", "reference_gbps": 4e-6, "ratio": 0.5,
+         "bit_exact": True},
+        {"strategy": "broadcast", "backend": "gloo", "transport": "gloo broadcast",
+         "device": "cpu", "bytes": 1000, "bit_exact": False, "error": "WeightSyncTimeout: boom",
+         "raw_broadcast_gbps": float("nan")},
     ]
     out = format_table(recs).splitlines()
-    assert out[0].split()[:4] == ["strategy", "backend", "device", "bytes"]
-    assert "packed_cuda_ipc" in out[2] and "0.50" in out[2] and out[2].endswith("True")
+    # a 1 KB model: sizes in KB, rates in MB/s, times in ms (no 0.000 GB)
+    assert out[0].split()[:8] == ["strategy", "transport", "device", "KB", "tensors", "chunks",
+                                  "ms/sync", "MB/s"]
+    row = out[2].split()
+    assert row[:4] == ["packed_cuda_ipc", "shared", "memory", "cpu"]
+    assert row[4:9] == ["1", "3", "1", "500", "0.002"] and out[2].endswith("True")
     assert out[3].endswith("ERROR")
-    assert out[-1] == "broadcast: WeightSyncTimeout: boom"
+    assert "broadcast: WeightSyncTimeout: boom" in out
+    assert any(line.startswith("on CPU the cuda_ipc and packed_cuda_ipc rows move the tensors "
+                               "through POSIX shared memory") for line in out)
+    assert out[-1] == ("verdict: packed_cuda_ipc (shared memory) is fastest, 500 ms per sync of "
+                       "1 KB; 0.5x the memcpy reference; failed or not bit-exact: broadcast")
+
+
+def test_units_fit_the_model_and_the_verdict_names_the_winner():
+    from weightsync.bench.runner import Units, readable, verdict
+
+    assert Units.for_bytes(214_144).size(214_144) == "214 KB"
+    assert Units.for_bytes(50e6).rate(0.0349) == "34.9 MB/s"
+    big = Units.for_bytes(988e6)
+    assert (big.size(988e6), big.rate(2.5), big.time(0.4)) == ("0.988 GB", "2.5 GB/s", "0.4 s")
+    assert [readable(v) for v in (82869.2, 214.0, 6.14, 0.00043, 4.2e-5)] == [
+        "82,869", "214", "6.14", "0.00043", "4.2e-05"]
+    rows = [{"strategy": s, "transport": t, "bytes": 214_144, "seconds": sec, "bit_exact": True,
+             "reference": "memcpy", "ratio": None}
+            for s, t, sec in (("broadcast", "gloo broadcast", 0.006),
+                              ("packed_cuda_ipc", "shared memory", 0.002),
+                              ("naive", "gloo broadcast", 0.04))]
+    assert verdict(rows) == (
+        "verdict: packed_cuda_ipc (shared memory) is fastest, 2 ms per sync of 214 KB, 3.00x "
+        "faster than the next best (broadcast), 20.0x faster than the slowest (naive); every "
+        "row bit-exact")
+    assert verdict([]) == "verdict: no strategy completed bit-exact"
 
 
 def test_validate_config_names_the_field():
