@@ -30,7 +30,7 @@ class Kind:
 
 
 _KINDS = {
-    "policy": Kind("a causal LM (*ForCausalLM, tied embeddings)",
+    "policy": Kind("a causal LM (*ForCausalLM)",
                    "weightsync serve-policy --model {dir} --max-model-len {max_len}"),
     "reward": Kind("a reward model (*ForSequenceClassification, {num_labels} label(s))",
                    "weightsync serve-reward --model {dir} --max-model-len {max_len}"),
@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                  num_layers=args.num_layers, max_position_embeddings=args.max_position_embeddings)
     try:
         if args.kind == "policy":
-            path = tiny_models.build_tiny_causal_lm(args.dir, tie_word_embeddings=True, **shape)
+            # untied: with tied embeddings a random model's greedy answer repeats the prompt's
+            # last token whatever its weights, so a push would change nothing one can see
+            path = tiny_models.build_tiny_causal_lm(args.dir, **shape)
         else:
             path = tiny_models.build_tiny_reward_model(args.dir, num_labels=args.num_labels,
                                                        **shape)
