@@ -13,7 +13,8 @@ Ray, processes):
   ``<name>`` starting with the module's name (``test_engine_faults.py``: ``engine.py``), or, the
   few files in ``WHOLE_PACKAGE``, the package as a whole.
 - ``tests/integration/examples/`` tests ``examples/`` (the runnable examples, outside the
-  package); its files are named ``test_examples*.py``.
+  package); its files are named ``test_examples*.py``. ``tests/integration/docs/`` tests
+  ``docs/`` and the README (their command lines, the quickstart); ``test_docs*.py``.
 - A helper module (``_name.py``) sits next to the tests that use it, or at the tier root when
   tests of several folders share it (``tests/integration/_sharded_sync.py``; pytest's
   ``pythonpath`` puts ``tests/integration`` on ``sys.path``). ``conftest.py`` lives only in
@@ -39,7 +40,7 @@ WHOLE_PACKAGE = {
     "test_wheel.py": "the wheel built from the checkout",
 }
 # tier subfolders that mirror a folder outside weightsync/ -> the names their files start with
-OUTSIDE_PACKAGE = {"examples": ("examples",)}
+OUTSIDE_PACKAGE = {"examples": ("examples",), "docs": ("docs",)}
 
 
 def _bare(name: str) -> str:

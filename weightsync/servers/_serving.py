@@ -27,6 +27,9 @@ from typing import Any, NoReturn
 ENGINE_STOP_GRACE_S = 10.0
 _POKE_EVERY_S = 0.25
 
+#: vLLM's loggers that report the engine core's exit as a failure; quiet once a stop began
+ENGINE_DEATH_LOGGERS = ("vllm.v1.engine.async_llm",)
+
 #: the control plane's routes, as the ready line lists them
 CONTROL_SUMMARY = "/init_communicator, /update_param_batch, /close_communicator"
 
@@ -127,15 +130,24 @@ async def _announce(http: Any, line: str) -> None:
 
 def run_main(serve: Callable[[asyncio.Event], Awaitable[None]], *, what: str, log_level: str,
              log: logging.Logger) -> NoReturn:
-    """Run ``serve(stop)`` with SIGINT / SIGTERM setting ``stop``; then leave the process with
-    code 0, or 1 after logging the failure (``what`` names the server)."""
+    """Run ``serve(stop)`` with SIGINT / SIGTERM setting ``stop`` (and quieting
+    ``ENGINE_DEATH_LOGGERS``); then leave the process with code 0, or 1 after logging the
+    failure (``what`` names the server)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
 
     async def _run() -> None:
         stop = asyncio.Event()
+
+        def stopping() -> None:
+            # Ctrl-C in a terminal reaches vLLM's engine core too, which then exits by itself:
+            # expected now, not an error worth vLLM's EngineDeadError traceback
+            for name in ENGINE_DEATH_LOGGERS:
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stopping)
         await serve(stop)
 
     code = 0
