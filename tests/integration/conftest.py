@@ -15,7 +15,8 @@ to what you read; close your clients (a new client's ``init_communicator`` takes
 receivers from an older one, which then re-joins on its next sync).
 
 ``policy_server`` starts ``python -m weightsync.servers.policy`` (vLLM's OpenAI server plus our
-control plane) on a tiny tied-embedding Llama causal LM, fp32, with a chat template, on a free
+control plane) on a tiny tied-embedding Llama causal LM, fp32, with the chat template every tiny
+model carries (``weightsync.testing.tiny_models.CHAT_TEMPLATE``), on a free
 port with an API key, and yields a ``PolicyServerHandle``: ``url``, ``port``, ``api_key``,
 ``model_dir``, ``headers`` (the token), ``push(weights, version=None)`` (our dialect, through
 the front door ``ws.connect(...).push``), ``restore()`` (push the base weights back). The
@@ -164,12 +165,6 @@ def reward_server_launcher():
 # the policy server
 # --------------------------------------------------------------------------------------------
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
 @dataclass
 class PolicyServerHandle(ServerHandle):
     @property
@@ -207,13 +202,9 @@ async def push_over_http(url: str, api_key: str, weights: Any, *, version: int |
 
 def start_policy_server(model_dir: str, log_path: str, *, api_key: str | None = API_KEY,
                         extra: list[str] | None = None) -> PolicyServerHandle:
-    template = os.path.join(os.path.dirname(log_path), "chat_template.jinja")
-    with open(template, "w") as f:
-        f.write(CHAT_TEMPLATE)
     server = start_server(
         PolicyServerProcess, model_dir, log_path, api_key=api_key,
-        args=[*SMALL_SERVER, "--seed", "0", "--chat-template", template,
-              "--served-model-name", "tiny-policy", *(extra or [])],
+        args=[*SMALL_SERVER, "--seed", "0", "--served-model-name", "tiny-policy", *(extra or [])],
         cpu_cores=POLICY_CORES,
     )
     # vLLM compiles a kernel (inductor) at the first request that asks for logprobs; on a loaded

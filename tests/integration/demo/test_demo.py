@@ -14,10 +14,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run_demo(args: list[str], tmp_path, timeout: int = 300) -> tuple[int, str, dict]:
@@ -123,12 +126,25 @@ def test_demo_sigterm_takes_the_servers_down(tmp_path):
 
 
 def test_demo_rlhf_reward_rises_and_both_versions_advance(tmp_path):
-    """The main job as the README runs it (``weightsync demo``, the default config): the mean
-    reward rises over the steps, the reward server's version rises once (the trained reward
-    model), the policy server's once per step, the servers sample and score with exactly the
-    pushed weights, and the PNG (or the note saying why not) is there."""
-    plot = tmp_path / "plot.png"
-    code, output, r = _run_demo(["--plot", str(plot)], tmp_path, timeout=900)
+    """The main job as the README runs it (``weightsync demo``, no arguments, in a clean clone
+    of the repository): the mean reward rises over the steps, the reward server's version rises
+    once (the trained reward model), the policy server's once per step, the servers sample and
+    score with exactly the pushed weights; the record and the PNG (or the note saying why not)
+    land in ``results/``, which git ignores: the clone stays clean."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("the repository is not a git checkout here: no clone to check")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "weightsync.cli", "demo"], cwd=clone,
+                          capture_output=True, text=True, timeout=900)
+    code, output = proc.returncode, proc.stdout + proc.stderr
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone,
+                            capture_output=True, text=True, check=True).stdout
+    assert status == "", f"the demo left files in the clone:\n{status}"
+    record = clone / "results" / "weightsync-demo.json"
+    assert "wrote results/weightsync-demo.json" in output
+    r = json.loads(record.read_text())
+    plot = clone / "results" / "weightsync-demo.png"
     assert code == 0, output[-5000:]
     assert r["mode"] == "rlhf" and r["passed"] is True, r["failures"]
     steps = r["steps"]
