@@ -109,3 +109,42 @@ def test_three_labels_step_pooling_by_vllm(server3):
         per_token = model.score(model.model(**enc).last_hidden_state)[0]
     at_tags = per_token[enc.input_ids[0] == tok.convert_tokens_to_ids(STEP_TOKEN)]
     assert (torch.tensor(steps) - at_tags).abs().max() <= 1e-4
+
+
+def test_ready_line_then_sigterm_to_the_main_process_stops_without_leaks(server3):
+    """Last in this module (it stops the module's server). The server said once, in a line of
+    its own, where it is and what it needs; ``kill PID`` (SIGTERM to the main process alone,
+    as a process manager sends it) stops it and vLLM's engine processes, which release their
+    shared memory: no resource-tracker leak warning, no traceback."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    log = Path(server3.process.log_path)
+    ready = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("weightsync reward server ready")]
+    assert ready == [
+        f"weightsync reward server ready on {server3.url}: model {server3.model_dir} (weight "
+        f"version 0); POST /score (3 label(s)); control plane /init_communicator, "
+        f"/update_param_batch, /close_communicator, token required (--api-key); update timeout "
+        f"600 s, request/update wait 60 s"]
+    pid = server3.process.pid
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # the main process left (reaped here)
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the server outlived SIGTERM:\n" + log.read_text()[-3000:])
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)  # the rest of its group: vLLM's engine core and worker
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("vLLM's processes outlived the server:\n" + log.read_text()[-3000:])
+    after = log.read_text(errors="replace").split(ready[0], 1)[1]
+    assert "leaked" not in after and "resource_tracker" not in after, after[-3000:]
+    assert "Traceback" not in after, after[-3000:]
