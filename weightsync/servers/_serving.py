@@ -34,6 +34,33 @@ ENGINE_DEATH_LOGGERS = ("vllm.v1.engine.async_llm",)
 CONTROL_SUMMARY = "/init_communicator, /update_param_batch, /close_communicator"
 
 
+def add_server_arguments(parser: Any, defaults: Any, *, open_routes: str) -> None:
+    """The flags both servers take, each with its default and unit: ``--host``, ``--port``,
+    ``--api-key``, ``--update-timeout-s``, ``--group-timeout-s``, ``--max-body-bytes``,
+    ``--log-level`` (``defaults``: the server's config with its defaults; ``open_routes``: what
+    stays open without the token)."""
+    d = defaults
+    parser.add_argument("--host", metavar="ADDR", help=f"bind address (default {d.host})")
+    parser.add_argument("--port", type=int, help=f"HTTP port (default {d.port})")
+    parser.add_argument("--api-key", metavar="TOKEN",
+                        help="token every weight/communicator route requires (Authorization: "
+                             f"Bearer TOKEN); {open_routes} stay open (default: "
+                             "$WEIGHTSYNC_API_KEY, else no token)")
+    parser.add_argument("--update-timeout-s", type=float, metavar="SECONDS",
+                        help=f"abort an update that gets no call for this long (default "
+                             f"{d.update_timeout_s:g} s)")
+    parser.add_argument("--group-timeout-s", type=float, metavar="SECONDS",
+                        help="a Ludic/TRL-style trainer group: joining it and each collective "
+                             f"(default {d.group_timeout_s:g} s)")
+    parser.add_argument("--max-body-bytes", type=int, metavar="BYTES",
+                        help=f"largest request body read (the control routes; /score too) "
+                             f"(default {d.max_body_bytes} bytes = {d.max_body_bytes >> 20} MiB; "
+                             f"413 past it)")
+    parser.add_argument("--log-level", metavar="LEVEL",
+                        help="weightsync's and uvicorn's log level: debug, info, warning, "
+                             f"error (default {d.log_level})")
+
+
 def ready_line(
     what: str,
     *,

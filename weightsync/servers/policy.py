@@ -37,7 +37,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
-from weightsync.servers._serving import ready_line, run_main, serve_app, stop_engine
+from weightsync.servers._serving import (
+    add_server_arguments,
+    ready_line,
+    run_main,
+    serve_app,
+    stop_engine,
+)
 
 log = logging.getLogger("weightsync.servers.policy")
 
@@ -68,27 +74,10 @@ def _our_parser(*, for_help: bool = False) -> argparse.ArgumentParser:
         "weight-sync control plane. Prints one 'ready' line when it accepts connections.",
     )
     ours = p.add_argument_group("weightsync's arguments")
-    ours.add_argument("--host", metavar="ADDR", help=f"bind address (default {d.host})")
-    ours.add_argument("--port", type=int, help=f"HTTP port (default {d.port})")
-    ours.add_argument("--api-key", metavar="TOKEN",
-                      help="token every weight/communicator route requires (Authorization: "
-                           "Bearer TOKEN); the OpenAI routes stay open (default: "
-                           "$WEIGHTSYNC_API_KEY, else no token)")
-    ours.add_argument("--update-timeout-s", type=float, metavar="SECONDS",
-                      help=f"abort an update that gets no call for this long (default "
-                           f"{d.update_timeout_s:g} s)")
+    add_server_arguments(ours, d, open_routes="the OpenAI routes")
     ours.add_argument("--request-wait-timeout-s", type=float, metavar="SECONDS",
                       help="how long a request waits for an update to finish, and an update "
                            f"for the requests in flight (default {d.request_wait_timeout_s:g} s)")
-    ours.add_argument("--group-timeout-s", type=float, metavar="SECONDS",
-                      help="a Ludic/TRL-style trainer group: joining it and each collective "
-                           f"(default {d.group_timeout_s:g} s)")
-    ours.add_argument("--max-body-bytes", type=int, metavar="BYTES",
-                      help=f"largest control-route request body (default {d.max_body_bytes} "
-                           f"bytes = {d.max_body_bytes >> 20} MiB; 413 past it)")
-    ours.add_argument("--log-level", metavar="LEVEL",
-                      help=f"weightsync's and uvicorn's log level: debug, info, warning, error "
-                           f"(default {d.log_level})")
     if for_help:
         vllm = p.add_argument_group(
             "vLLM's arguments (passed to vLLM's own parser; every other one too: see `vllm "

@@ -30,7 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
-from weightsync.servers._serving import ready_line, run_main, serve_app, stop_engine
+from weightsync.servers._serving import (
+    add_server_arguments,
+    ready_line,
+    run_main,
+    serve_app,
+    stop_engine,
+)
 
 log = logging.getLogger("weightsync.servers.reward")
 
@@ -249,14 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR",
                    help="model directory or hub id of a *ForSequenceClassification, e.g. one "
                         "written by `weightsync make-model --kind reward DIR` (required)")
-    p.add_argument("--host", metavar="ADDR", help=f"bind address (default {d.host})")
-    p.add_argument("--port", type=int, help=f"HTTP port (default {d.port})")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the name /score answers with (default: the --model value)")
-    p.add_argument("--api-key", metavar="TOKEN",
-                   help="token every weight/communicator route requires (Authorization: Bearer "
-                        "TOKEN); /score and /health stay open (default: $WEIGHTSYNC_API_KEY, "
-                        "else no token)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help=f"where the engine runs; auto: cuda when available (default {d.device})")
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16 (default auto: float32 "
@@ -295,19 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score-wait-timeout-s", type=float, metavar="SECONDS",
                    help="how long a score request waits for an update to finish, and an "
                         f"update for the scores in flight (default {d.score_wait_timeout_s:g} s)")
-    p.add_argument("--update-timeout-s", type=float, metavar="SECONDS",
-                   help=f"abort an update that gets no call for this long (default "
-                        f"{d.update_timeout_s:g} s)")
-    p.add_argument("--group-timeout-s", type=float, metavar="SECONDS",
-                   help="a Ludic-style trainer group: joining it and each collective (default "
-                        f"{d.group_timeout_s:g} s)")
-    p.add_argument("--max-body-bytes", type=int, metavar="BYTES",
-                   help=f"largest request body (default {d.max_body_bytes} bytes = "
-                        f"{d.max_body_bytes >> 20} MiB; 413 past it)")
     p.add_argument("--seed", type=int, help=f"engine seed (default {d.seed})")
-    p.add_argument("--log-level", metavar="LEVEL",
-                   help=f"weightsync's and uvicorn's log level: debug, info, warning, error "
-                        f"(default {d.log_level})")
+    add_server_arguments(p, d, open_routes="/score and /health")
     return p
 
 
