@@ -53,7 +53,7 @@ def add_server_arguments(parser: Any, defaults: Any, *, open_routes: str) -> Non
                         help="a Ludic/TRL-style trainer group: joining it and each collective "
                              f"(default {d.group_timeout_s:g} s)")
     parser.add_argument("--max-body-bytes", type=int, metavar="BYTES",
-                        help=f"largest request body read (the control routes; /score too) "
+                        help=f"largest request body weightsync's own routes read "
                              f"(default {d.max_body_bytes} bytes = {d.max_body_bytes >> 20} MiB; "
                              f"413 past it)")
     parser.add_argument("--log-level", metavar="LEVEL",
