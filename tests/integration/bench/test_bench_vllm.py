@@ -1,6 +1,6 @@
 """``benchmarks/bench_vllm_sync.py`` on CPU, end to end: a real vLLM CPU engine with dummy
-weights of the ``tiny`` shape, every CPU row (gloo broadcast, shared-memory IPC, the
-per-parameter ways), each checked against the trainer by on-device checksums and prompt
+weights of the ``tiny`` shape, every CPU row (the front door's pushes, gloo broadcast,
+shared-memory IPC, the per-parameter ways), each checked against the trainer by on-device checksums and prompt
 logprobs against transformers; then, on a model with tied embeddings, the check is shown to
 pass after a sync and to fail when the engine's weights are not the trainer's."""
 
@@ -30,8 +30,13 @@ def test_cli_runs_every_cpu_row_and_verifies_it(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["row"]: r for r in result["rows"]}
-    assert set(rows) == {"broadcast", "cuda_ipc", "packed_cuda_ipc", "cuda_ipc_1chunk",
-                         "cuda_ipc_load_weights", "per_param", "ludic"}  # native: GPU-only
+    assert set(rows) == {"push_broadcast", "push_cuda_ipc", "broadcast", "cuda_ipc",
+                         "packed_cuda_ipc", "cuda_ipc_1chunk", "cuda_ipc_load_weights",
+                         "per_param", "ludic"}  # native: GPU-only
+    # the headline rows go through the front door and say what it adds to the path it drives
+    for push in ("push_broadcast", "push_cuda_ipc"):
+        assert rows[push]["note"] == "ws.connect(...).push(model)"
+        assert rows[push]["x_internal"] > 0
     for r in rows.values():
         assert r["verified"] and r["bit_exact"] and r["logprobs"]["ok"], r
         assert r["check"]["compared"] > 0 and not r["check"]["mismatched"]
