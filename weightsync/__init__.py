@@ -31,6 +31,10 @@ from weightsync.errors import (
     WeightSyncError,
     WeightSyncTimeout,
 )
+from weightsync.extractors.deepspeed import DeepSpeedWeightExtractor
+from weightsync.extractors.fsdp import FSDPWeightExtractor
+from weightsync.extractors.hf import HFHeadWeightExtractor, HFWeightExtractor
+from weightsync.extractors.lora import LoraMergeWeightExtractor
 from weightsync.interfaces import (
     InferenceEngineClient,
     WeightExtractor,
@@ -39,7 +43,24 @@ from weightsync.interfaces import (
     WeightTransferSender,
     WeightTransferStrategy,
 )
+from weightsync.loaders.torch_module import TorchModuleWeightLoader
+from weightsync.loaders.vllm import VLLMWeightLoader
 from weightsync.registry import register_extractor, register_loader, register_strategy
+from weightsync.strategies.broadcast import (
+    BroadcastTransferReceiver,
+    BroadcastTransferSender,
+    BroadcastTransferStrategy,
+)
+from weightsync.strategies.cuda_ipc import (
+    CudaIpcTransferReceiver,
+    CudaIpcTransferSender,
+    CudaIpcTransferStrategy,
+)
+from weightsync.strategies.packed_cuda_ipc import (
+    PackedCudaIpcTransferReceiver,
+    PackedCudaIpcTransferSender,
+    PackedCudaIpcTransferStrategy,
+)
 from weightsync.types import (
     BroadcastWeightUpdateRequest,
     CudaIpcWeightUpdateRequest,
@@ -60,7 +81,13 @@ from weightsync.types import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockingSyncSession", "BroadcastConfig", "BroadcastWeightUpdateRequest",
+    "BlockingSyncSession", "BroadcastConfig", "BroadcastTransferReceiver",
+    "BroadcastTransferSender", "BroadcastTransferStrategy", "BroadcastWeightUpdateRequest",
+    "CudaIpcTransferReceiver", "CudaIpcTransferSender", "CudaIpcTransferStrategy",
+    "DeepSpeedWeightExtractor", "FSDPWeightExtractor", "HFHeadWeightExtractor",
+    "HFWeightExtractor", "LoraMergeWeightExtractor", "PackedCudaIpcTransferReceiver",
+    "PackedCudaIpcTransferSender", "PackedCudaIpcTransferStrategy", "TorchModuleWeightLoader",
+    "VLLMWeightLoader",
     "ChecksumMismatchError", "CommunicatorReplacedError", "CudaIpcWeightUpdateRequest", "EmptyWeightSyncInfo",
     "EndpointState", "EndpointStatus", "EngineDiedError", "EngineUnreachableError",
     "ExtractorConfig", "HeadExtractorConfig",

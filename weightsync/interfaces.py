@@ -16,14 +16,30 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightsync.errors import WeightMismatchError
-from weightsync.pipeline import SendPipeline, SingleCallClient, make_chunks, peek_single
+from weightsync.pipeline import (
+    SendPipeline,
+    SingleCallClient,
+    aiter_chunks,
+    batch_by_threshold,
+    group_by_module,
+    peek_single,
+)
 from weightsync.types import (
     SyncStats,
     TensorMeta,
@@ -47,6 +63,49 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------------
 
 
+class DesignFlag:
+    """A flag of the interface design that shares its name with one of its helper methods
+    (``_group_by_module``, ``_batch_by_threshold``). The design sets the flag in ``__init__``
+    (``self._group_by_module = True``) and also calls the helper by that name; a plain
+    attribute would make the helper unreachable. So the name is this descriptor: assigning sets
+    the flag, reading gives the helper bound to the extractor, which is callable as the design's
+    helper and true or false as the flag. Subclasses written to the design work unchanged."""
+
+    def __init__(self, helper: str, default: Callable[[Any], bool]) -> None:
+        self.helper = helper
+        self.default = default
+        self.key = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = f"_ws_flag{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        flag = obj.__dict__.get(self.key)
+        return FlagHelper(getattr(obj, self.helper), self.default(obj) if flag is None else flag)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.key] = bool(value)
+
+
+class FlagHelper:
+    """What reading a ``DesignFlag`` gives: the helper (call it) and the flag (test it)."""
+
+    def __init__(self, helper: Callable[..., Any], flag: bool) -> None:
+        self._helper = helper
+        self._flag = flag
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._helper(*args, **kwargs)
+
+    def __bool__(self) -> bool:
+        return self._flag
+
+    def __repr__(self) -> str:
+        return f"<flag {self._flag} / helper {getattr(self._helper, '__name__', '?')}>"
+
+
 class WeightExtractor(abc.ABC):
     """Turns a training model into a stream of ``WeightChunk``s under engine names.
 
@@ -54,12 +113,29 @@ class WeightExtractor(abc.ABC):
     ``extract_weights`` to the end in lockstep (the raw iterator runs collectives); only the
     sending rank (``is_sender``) keeps tensors, the others yield nothing. The whole model is never
     materialised twice: chunks are yielded as soon as a bucket of ``bucket_size_mb`` fills.
+
+    The interface design's base class, as it writes it: subclasses implement
+    ``_extract_raw_weights(model, generator_dtype)`` in one of two forms, ``async def`` returning
+    a ``dict`` of name -> tensor (the design's) or a generator of ``(name, tensor)`` pairs (ours:
+    one parameter at a time, so a sharded model is never whole twice); the flags
+    ``_group_by_module`` and ``_batch_by_threshold`` (set them in ``__init__``, or override
+    ``_should_group_by_module()`` / ``_should_batch_by_threshold()``) decide how
+    ``extract_weights`` cuts the tensors into chunks, with the design's helpers
+    ``_group_by_module(params)`` and ``_batch_by_threshold(chunks, threshold_gb)`` (each name is a
+    flag and a helper at once: ``DesignFlag``). Defaults: grouping follows the config's
+    ``group_by_module`` (True), batching is on with the config's threshold
+    (``weight_transfer_threshold_cuda_ipc_GB``, SkyRL's key, else ``bucket_size_mb``); with both
+    off every tensor is a chunk.
     """
 
     #: True when ``_extract_raw_weights`` yields the model's own tensors (not gathered or
     #: computed copies); chunks of such tensors that were not cast are marked ``borrowed``.
     #: A subclass that sometimes makes copies reports them with ``_fresh(tensor)``.
     yields_model_tensors: bool = False
+
+    _group_by_module = DesignFlag(
+        "_params_by_module", lambda self: bool(_cfg_value(self.cfg, "group_by_module", True)))
+    _batch_by_threshold = DesignFlag("_chunks_by_threshold", lambda self: True)
 
     def __init__(self, cfg: Any = None) -> None:
         from weightsync.config import ExtractorConfig
@@ -69,38 +145,100 @@ class WeightExtractor(abc.ABC):
 
     # -- subclasses implement -----------------------------------------------------------------
     @abc.abstractmethod
-    def _extract_raw_weights(
-        self, model: Any, generator_dtype: torch.dtype | None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(engine_name, full_tensor)`` one parameter at a time (collectives inside)."""
+    def _extract_raw_weights(self, model: Any, generator_dtype: torch.dtype | None) -> Any:
+        """The model's full tensors under engine names: a generator of ``(name, tensor)``
+        (collectives inside, one parameter at a time) or, as the interface design writes it,
+        ``async def`` returning ``{name: tensor}``."""
 
     def metadata(self, model: Any, generator_dtype: torch.dtype | None = None) -> list[TensorMeta]:
         """Cheap, non-collective list of what ``extract_weights`` will yield (for validation).
 
-        The default walks ``_extract_raw_weights``; sharded extractors override it to read
-        global shapes without gathering.
-        """
+        The default walks a generator ``_extract_raw_weights``; sharded extractors override it
+        to read global shapes without gathering, and an extractor whose
+        ``_extract_raw_weights`` is ``async`` must override it (the default would have to
+        gather everything)."""
+        raw = self._extract_raw_weights(model, generator_dtype)
+        if inspect.iscoroutine(raw) or inspect.isasyncgen(raw):
+            with contextlib.suppress(Exception):
+                raw.close()  # type: ignore[union-attr]
+            raise TypeError(
+                f"{type(self).__name__}: its _extract_raw_weights is async, so metadata() cannot "
+                f"list the tensors without extracting them; override metadata()")
         return [
             TensorMeta(n, dtype_to_str(self._cast(t, generator_dtype).dtype), list(t.shape))
-            for n, t in self._extract_raw_weights(model, generator_dtype)
+            for n, t in raw
         ]
 
     @property
     def is_sender(self) -> bool:
-        return bool(getattr(self.cfg, "is_sender", True))
+        return bool(_cfg_value(self.cfg, "is_sender", True))
+
+    # -- the design's hooks and helpers ------------------------------------------------------
+    def _should_group_by_module(self) -> bool:
+        """Keep each module's parameters in one chunk (default: the ``_group_by_module`` flag)."""
+        return bool(self._group_by_module)
+
+    def _should_batch_by_threshold(self) -> bool:
+        """Put several groups in one chunk up to the threshold (default: the
+        ``_batch_by_threshold`` flag)."""
+        return bool(self._batch_by_threshold)
+
+    def _params_by_module(self, params: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+        """The design's ``_group_by_module(params)``: module name -> its parameter names, in
+        order (``a.b.weight``, ``a.b.bias`` -> ``a.b``)."""
+        out: dict[str, list[str]] = {}
+        for module, items in group_by_module(params.items()):
+            out.setdefault(module, []).extend(n for n, _ in items)
+        return out
+
+    def _chunks_by_threshold(
+        self, chunks: Iterable[WeightChunk], threshold_gb: float
+    ) -> Iterator[list[WeightChunk]]:
+        """The design's ``_batch_by_threshold(chunks, threshold_gb)``: consecutive chunks in
+        lists of at most ``threshold_gb`` GB (a chunk larger than that is a list of its own)."""
+        limit = float(threshold_gb) * (1 << 30)
+        batch: list[WeightChunk] = []
+        size = 0
+        for chunk in chunks:
+            n = int(chunk.total_size_bytes or 0)
+            if batch and size + n > limit:
+                yield batch
+                batch, size = [], 0
+            batch.append(chunk)
+            size += n
+        if batch:
+            yield batch
+
+    def threshold_bytes(self) -> int:
+        """The batching threshold: SkyRL's ``weight_transfer_threshold_cuda_ipc_GB`` (at the top
+        of the config or under ``generator``) when set, else ``bucket_size_mb``."""
+        gb = _cfg_value(self.cfg, "weight_transfer_threshold_cuda_ipc_GB", None)
+        if gb is None:
+            gb = _cfg_value(_cfg_value(self.cfg, "generator", None),
+                            "weight_transfer_threshold_cuda_ipc_GB", None)
+        if gb is not None:
+            return int(float(gb) * (1 << 30))
+        return int(float(_cfg_value(self.cfg, "bucket_size_mb", 1024)) * (1 << 20))
 
     # -- shared machinery ----------------------------------------------------------------------
     async def extract_weights(
         self, model: Any, generator_dtype: torch.dtype | None = None
     ) -> AsyncIterator[WeightChunk]:
-        """Chunks of at most ``bucket_size_mb`` (``weightsync.pipeline.make_chunks``), yielded as
-        soon as a bucket fills; only the sending rank gets them."""
-        raw = self._cast_stream(self._extract_raw_weights(model, generator_dtype), generator_dtype)
-        for chunk in make_chunks(
-            raw,
-            bucket_size_mb=float(getattr(self.cfg, "bucket_size_mb", 1024)),
-            by_module=bool(getattr(self.cfg, "group_by_module", True)),
-        ):
+        """Chunks cut as the hooks say (by default: whole modules, batched up to
+        ``bucket_size_mb``; ``weightsync.pipeline``), yielded as soon as one is full; only the
+        sending rank gets them."""
+        raw = await self._raw_pairs(model, generator_dtype)
+        named = self._cast_stream(raw, generator_dtype)
+        if self._should_group_by_module():
+            groups: Iterable[Any] = group_by_module(named)
+        else:
+            groups = ((n, [(n, t)]) for n, t in named)
+        if self._should_batch_by_threshold():
+            chunks: Iterable[WeightChunk] = batch_by_threshold(groups, self.threshold_bytes())
+        else:
+            chunks = (WeightChunk([n for n, _ in items], [t for _, t in items], module_name=m)
+                      for m, items in groups)
+        async for chunk in aiter_chunks(chunks):
             fresh = self._fresh_ids
             ids = [id(t) for t in chunk.tensors]
             chunk.borrowed = self.yields_model_tensors and not any(i in fresh for i in ids)
@@ -109,6 +247,18 @@ class WeightExtractor(abc.ABC):
                 yield chunk
             await asyncio.sleep(0)
         self._fresh_ids.clear()
+
+    async def _raw_pairs(self, model: Any, generator_dtype: Any) -> Any:
+        """``_extract_raw_weights``'s output as ``(name, tensor)`` pairs, whichever form it has
+        (a generator, an async generator, or a coroutine returning a dict)."""
+        raw = self._extract_raw_weights(model, generator_dtype)
+        if inspect.iscoroutine(raw):
+            raw = await raw
+        if isinstance(raw, Mapping):
+            return list(raw.items())
+        if inspect.isasyncgen(raw):
+            return [pair async for pair in raw]
+        return raw
 
     def _fresh(self, t: torch.Tensor) -> torch.Tensor:
         """Mark ``t`` as a copy made for this sync (its chunk is not ``borrowed``)."""
@@ -132,6 +282,19 @@ class WeightExtractor(abc.ABC):
                 fresh.discard(id(t))
                 fresh.add(id(out))
             yield name, out
+
+
+def _cfg_value(cfg: Any, key: str, default: Any) -> Any:
+    """``cfg.key`` of a dataclass, mapping or OmegaConf node (``default`` when absent)."""
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    try:
+        value = getattr(cfg, key)
+    except Exception:  # noqa: BLE001 - an OmegaConf node in struct mode raises its own error
+        return default
+    return default if value is None else value
 
 
 # --------------------------------------------------------------------------------------------

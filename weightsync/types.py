@@ -67,16 +67,24 @@ def dtype_itemsize(name: str) -> int:
 class WeightChunk:
     """A batch of named tensors shipped as one unit (e.g. one module's q/k/v, or one bucket).
 
-    ``names[i]`` is the engine-side name of ``tensors[i]``. ``packed`` tells a sender that the
-    tensors were already laid out contiguously by the producer (a hint; senders may ignore it).
-    ``borrowed``: every tensor is memory that exists anyway (the model's own parameters, not a
-    gathered or cast copy), so a sender may hold several such chunks at once at no memory cost
-    (``cuda_ipc`` then sends them as one request).
+    The fields and their order are the interface design's: ``names[i]`` is the engine-side name
+    of ``tensors[i]``; ``dtypes`` (``torch.dtype`` s) and ``shapes`` (tuples) describe them;
+    ``module_name`` labels the group; ``total_size_bytes`` is the bytes of all tensors;
+    ``packed`` tells a sender that the producer laid the tensors out contiguously (a hint;
+    senders may ignore it). What is omitted (None) is derived from the tensors; what is given
+    must agree with them, else a ``ValueError`` names the parameter. ``borrowed`` (ours): every
+    tensor is memory that exists anyway (the model's own parameters, not a gathered or cast
+    copy), so a sender may hold several such chunks at once at no memory cost (``cuda_ipc``
+    then sends them as one request). ``dtype_names`` / ``shape_lists`` are the plain forms that
+    requests carry.
     """
 
     names: list[str]
     tensors: list[torch.Tensor]
+    dtypes: list[torch.dtype] | None = None
+    shapes: list[tuple[int, ...]] | None = None
     module_name: str | None = None
+    total_size_bytes: int | None = None
     packed: bool = False
     borrowed: bool = False
 
@@ -88,24 +96,53 @@ class WeightChunk:
         if len(set(self.names)) != len(self.names):
             dup = sorted({n for n in self.names if self.names.count(n) > 1})
             raise ValueError(f"WeightChunk names repeated: {dup}")
+        dtypes = [t.dtype for t in self.tensors]
+        shapes = [tuple(t.shape) for t in self.tensors]
+        if self.dtypes is None:
+            self.dtypes = dtypes
+        else:
+            self.dtypes = [_as_torch_dtype(d) for d in self.dtypes]
+            self._agree("dtypes", self.dtypes, dtypes)
+        if self.shapes is None:
+            self.shapes = shapes
+        else:
+            self.shapes = [tuple(s) for s in self.shapes]
+            self._agree("shapes", self.shapes, shapes)
+        total = sum(t.numel() * t.element_size() for t in self.tensors)
+        if self.total_size_bytes is None:
+            self.total_size_bytes = total
+        elif self.total_size_bytes != total:
+            raise ValueError(f"WeightChunk: total_size_bytes={self.total_size_bytes} but the "
+                             f"tensors hold {total} bytes")
+
+    def _agree(self, field_name: str, given: list[Any], actual: list[Any]) -> None:
+        if len(given) != len(actual):
+            raise ValueError(f"WeightChunk: {len(given)} {field_name} for {len(actual)} tensors")
+        bad = [f"{n}: {field_name[:-1]} {g} but the tensor has {a}"
+               for n, g, a in zip(self.names, given, actual, strict=True) if g != a]
+        if bad:
+            raise ValueError(f"WeightChunk: {field_name} disagree with the tensors: "
+                             f"{'; '.join(bad[:5])}")
 
     @property
-    def dtypes(self) -> list[str]:
-        return [dtype_to_str(t.dtype) for t in self.tensors]
+    def dtype_names(self) -> list[str]:
+        return [dtype_to_str(d) for d in self.dtypes]  # type: ignore[union-attr]
 
     @property
-    def shapes(self) -> list[list[int]]:
-        return [list(t.shape) for t in self.tensors]
-
-    @property
-    def total_size_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+    def shape_lists(self) -> list[list[int]]:
+        return [list(s) for s in self.shapes]  # type: ignore[union-attr]
 
     def metas(self) -> list[TensorMeta]:
-        return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtypes, self.shapes, strict=True)]
+        return [TensorMeta(n, d, s)
+                for n, d, s in zip(self.names, self.dtype_names, self.shape_lists, strict=True)]
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+def _as_torch_dtype(d: Any) -> Any:
+    """A dtype given to ``WeightChunk`` as a ``torch.dtype`` or its name (``"bfloat16"``)."""
+    return str_to_dtype(d) if isinstance(d, str) else d
 
 
 #: the largest tensor a request may describe: more dimensions or elements than any model has

@@ -90,7 +90,7 @@ class WireSender(WeightTransferSender):
         self.released = 0
 
     def create_request(self, chunk: WeightChunk) -> WeightUpdateRequest:
-        return WireRequest(names=chunk.names, dtypes=chunk.dtypes, shapes=chunk.shapes)
+        return WireRequest(names=chunk.names, dtypes=chunk.dtype_names, shapes=chunk.shape_lists)
 
     async def _transfer(self, chunk, request, inference_client) -> None:
         if request.chunk_index == self.fail_at:

@@ -43,7 +43,7 @@ class Recorder:
     def prepare(self, chunk: WeightChunk) -> WeightUpdateRequest:
         with self.lock:
             self.prepared.append(int(chunk.names[0][5:].split(".")[0]))
-        return WeightUpdateRequest(names=chunk.names, dtypes=chunk.dtypes, shapes=chunk.shapes)
+        return WeightUpdateRequest(names=chunk.names, dtypes=chunk.dtype_names, shapes=chunk.shape_lists)
 
     async def transfer(self, chunk: WeightChunk, request: WeightUpdateRequest) -> None:
         self.started.append(request.chunk_index)
@@ -166,7 +166,7 @@ def test_cancellation_while_preparing_releases_the_request_made_late():
 
     def prepare(chunk):
         gate.wait(5)
-        req = WeightUpdateRequest(names=chunk.names, dtypes=chunk.dtypes, shapes=chunk.shapes)
+        req = WeightUpdateRequest(names=chunk.names, dtypes=chunk.dtype_names, shapes=chunk.shape_lists)
         made.append(req)
         return req
 

@@ -288,8 +288,9 @@ def test_manifest_dtype_prefix_normalised():
 def test_weight_chunk_derived_fields():
     c = WeightChunk(["a", "b"], [torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int64)],
                     module_name="m")
-    assert c.dtypes == ["bfloat16", "int64"]
-    assert c.shapes == [[2, 3], [4]]
+    assert c.dtypes == [torch.bfloat16, torch.int64]  # the interface design's types
+    assert c.shapes == [(2, 3), (4,)]
+    assert (c.dtype_names, c.shape_lists) == (["bfloat16", "int64"], [[2, 3], [4]])
     assert c.total_size_bytes == 2 * 3 * 2 + 4 * 8
     assert len(c) == 2
     assert c.metas() == [TensorMeta("a", "bfloat16", [2, 3]), TensorMeta("b", "int64", [4])]
@@ -301,6 +302,25 @@ def test_weight_chunk_rejects_mismatch_and_duplicates():
         WeightChunk(["a", "b"], [torch.zeros(1)])
     with pytest.raises(ValueError, match=r"names repeated: \['a'\]"):
         WeightChunk(["a", "a"], [torch.zeros(1), torch.zeros(1)])
+
+
+def test_weight_chunk_takes_the_design_fields_in_order_and_checks_them():
+    a, b = torch.zeros(2, 3), torch.ones(4, dtype=torch.float16)
+    # the design's four required fields given positionally, then the optional ones
+    c = WeightChunk(["a", "b"], [a, b], [torch.float32, torch.float16], [(2, 3), (4,)],
+                    "layers.0", 32, False)
+    assert (c.module_name, c.total_size_bytes, c.packed) == ("layers.0", 32, False)
+    assert WeightChunk(["a"], [a], ["float32"]).dtypes == [torch.float32]  # a name is accepted
+    with pytest.raises(ValueError, match=r"dtypes disagree.*b: dtype torch.float32 but the tensor "
+                                         r"has torch.float16"):
+        WeightChunk(["a", "b"], [a, b], [torch.float32, torch.float32])
+    with pytest.raises(ValueError, match=r"shapes disagree.*a: shape \(3, 2\) but the tensor "
+                                         r"has \(2, 3\)"):
+        WeightChunk(["a", "b"], [a, b], None, [(3, 2), (4,)])
+    with pytest.raises(ValueError, match="1 shapes for 2 tensors"):
+        WeightChunk(["a", "b"], [a, b], shapes=[(2, 3)])
+    with pytest.raises(ValueError, match="total_size_bytes=10 but the tensors hold 32 bytes"):
+        WeightChunk(["a", "b"], [a, b], total_size_bytes=10)
 
 
 def test_request_total_size_bytes():

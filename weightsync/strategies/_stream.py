@@ -160,7 +160,7 @@ class StreamFeed:
                 expected = manifest[index : index + len(chunk)]
                 if [m.name for m in expected] != list(chunk.names) or any(
                         m.shape != s or m.dtype != d for m, s, d in
-                        zip(expected, chunk.shapes, chunk.dtypes, strict=True)):
+                        zip(expected, chunk.shape_lists, chunk.dtype_names, strict=True)):
                     raise ValueError(
                         f"streamed update: chunk {self.chunks} carries {list(chunk.names)[:3]}... "
                         f"where the manifest announced {[m.name for m in expected][:3]}... (entry "

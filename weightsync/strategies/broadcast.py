@@ -301,7 +301,7 @@ class BroadcastTransferSender(WeightTransferSender):
     # -- per chunk ---------------------------------------------------------------------------
     def create_request(self, chunk: WeightChunk) -> BroadcastWeightUpdateRequest:
         req = BroadcastWeightUpdateRequest(
-            names=list(chunk.names), dtypes=chunk.dtypes, shapes=chunk.shapes,
+            names=list(chunk.names), dtypes=chunk.dtype_names, shapes=chunk.shape_lists,
             src_rank=0, packed=self.packed, align_bytes=self.align_bytes,
         )
         slot = buf = layout = None

@@ -181,7 +181,7 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
         hundred handles, and the engines reuse what they decoded (their views included). The
         signature holds the allocation handles, so memory the trainer re-allocated is a new
         layout."""
-        dtypes, shapes = chunk.dtypes, chunk.shapes
+        dtypes, shapes = chunk.dtype_names, chunk.shape_lists
         if not zero_copy or getattr(self, "rank_group", None) is not None:
             return CudaIpcWeightUpdateRequest(names=list(chunk.names), dtypes=dtypes,
                                               shapes=shapes, handles=handles)

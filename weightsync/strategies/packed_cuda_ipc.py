@@ -74,7 +74,7 @@ class PackedCudaIpcTransferSender(EveryRankSender, WeightTransferSender):
     def create_request(self, chunk: WeightChunk) -> PackedCudaIpcWeightUpdateRequest:
         import torch
 
-        dtypes, shapes = chunk.dtypes, chunk.shapes  # computed once (per-tensor cost matters)
+        dtypes, shapes = chunk.dtype_names, chunk.shape_lists  # computed once (per-tensor cost matters)
         metas = [TensorMeta(*m) for m in zip(chunk.names, dtypes, shapes, strict=True)]
         n = len(metas)
         device = self._device_for(chunk)

@@ -192,7 +192,7 @@ def test_request_of_the_wrong_strategy_is_rejected(engines, models):
         bstrategy = build_strategy({"type": "broadcast"})
         chunk = chunks_of(models[0], 3)[0]
         req = bstrategy.get_request_type()(
-            names=chunk.names, dtypes=chunk.dtypes, shapes=chunk.shapes, update_id="u1",
+            names=chunk.names, dtypes=chunk.dtype_names, shapes=chunk.shape_lists, update_id="u1",
         )
         await client.start_weight_update({"type": "start", "update_id": "u1", "version": v + 1})
         with pytest.raises(ValueError, match="expects a 'cuda_ipc' request, got 'broadcast'"):

@@ -108,7 +108,7 @@ class _SlowSender(WeightTransferSender):
         self.delay = delay
 
     def create_request(self, chunk):
-        return WeightUpdateRequest(names=chunk.names, dtypes=chunk.dtypes, shapes=chunk.shapes)
+        return WeightUpdateRequest(names=chunk.names, dtypes=chunk.dtype_names, shapes=chunk.shape_lists)
 
     async def _transfer(self, chunk, request, client):
         await asyncio.sleep(self.delay)
