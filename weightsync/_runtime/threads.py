@@ -192,6 +192,14 @@ class LoopThread:
         return self._loop is not None
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._thread is not None and threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError(f"{self.name}: a blocking call from the loop's own thread would "
+                               f"wait for itself; await the coroutine form instead")
+        return self.submit(coro).result()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop without waiting (``run`` waits)."""
         with self._lock:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
@@ -200,7 +208,13 @@ class LoopThread:
                 )
                 self._thread.start()
             loop = self._loop
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` on this loop from another running loop (or on it, directly)."""
+        if self._loop is not None and asyncio.get_running_loop() is self._loop:
+            return await coro
+        return await asyncio.wrap_future(self.submit(coro))
 
     def close(self, timeout_s: float = 10.0) -> None:
         with self._lock:

@@ -305,6 +305,15 @@ def request_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+def classifier_activation(model_config: Any) -> Any:
+    """The activation vLLM's classification pooler applies with ``use_activation`` on (sigmoid
+    for one label, softmax for several, none for a regression head): a callable on a tensor
+    of head outputs, for scores pooled outside the engine."""
+    from vllm.model_executor.layers.pooler.activations import resolve_classifier_act_fn
+
+    return resolve_classifier_act_fn(model_config, static_num_labels=False)
+
+
 def shutdown_llm(llm: Any) -> None:
     """Stop an offline ``LLM``'s engine processes now (instead of at garbage collection)."""
     engine = getattr(llm, "llm_engine", None)

@@ -1,21 +1,22 @@
 """Trainer-side client of the reward server: scoring and weight sync.
 
 ``RewardModelClient`` is the structural protocol the scorer / publisher / RL loop code against;
-``VLLMRewardClient`` implements it for ``weightsync.servers.reward``. It lives in the training
-process (rank 0). Scoring is plain HTTP. Weight sync goes through the front door: a
+``VLLMRewardClient`` implements it for ``weightsync.servers.reward``, and the policy side's
+``ChatClient`` as well (``complete`` refuses: a pooling model does not generate). It lives in
+the training process (rank 0). Scoring is plain HTTP. Weight sync goes through the front door: a
 ``weightsync.connect`` session over the server's HTTP control plane with a strategy sender
 (default ``broadcast``: gloo for CPU tensors, NCCL for CUDA ones; any strategy config works,
-e.g. ``cuda_ipc`` when the server shares the host) built on the first sync and reused after.
-Each sync is one update with a manifest (``SyncSession.push_chunks``), so the server refuses bad
+e.g. ``cuda_ipc`` when the server shares the host). With ``enable_weight_updates=True`` the
+constructor waits for the server and builds that group, as the reference's client does. Each
+sync is one update with a manifest (``SyncSession.push_chunks``), so the server refuses bad
 names / shapes / dtypes / training modes before any byte moves.
 
 Sync and async, one rule for the whole reward package: a method keeps the flavour the design
 gives it and its twin carries a suffix. ``score``, ``score_batch``, ``get_model_version`` are
 async (``score_batch_sync`` is the blocking twin); ``sync_weights`` is blocking
-(``sync_weights_async`` is the coroutine); ``close`` is async (``close_sync``). The blocking
-forms run on one private event-loop thread, so the sender's state stays on one loop across
-calls. A client's weight-sync group lives on the loop of its first sync: use one flavour of
-``sync_weights`` per client (a sync from another live loop is refused with a clear error).
+(``sync_weights_async`` is the coroutine); ``close`` is async (``close_sync``). The weight-sync
+group lives on the client's private event-loop thread: every sync runs there, whichever flavour
+and whichever loop calls it (``sync_loop``, a ``LoopThread``).
 
 Tokenizer check (``tokenizer=``): the first contact with the server compares how the trainer's
 tokenizer and the server tokenize a few probe texts (the server's ``/tokenize`` when it has one,
@@ -28,22 +29,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterable, Coroutine, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from weightsync._runtime.http import LoopClients, error_from_response
 from weightsync._runtime.threads import LoopThread
 from weightsync.errors import CommunicatorReplacedError, WeightSyncError
 from weightsync.reward.selection import select_params
-from weightsync.reward.types import RewardModelTrainingMode, ScoringRequest, ScoringResponse
+from weightsync.reward.types import (
+    DEFAULT_MODEL_NAME,
+    RewardModelTrainingMode,
+    ScoringRequest,
+    ScoringResponse,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from weightsync.connect import SyncSession
     from weightsync.types import SyncStats, TensorMeta, WeightChunk
-
-T = TypeVar("T")
 
 #: Texts the tokenizer check tokenizes on both sides: words, digits, code, punctuation, accents.
 TOKENIZER_PROBES = (
@@ -60,21 +64,22 @@ class TokenizerMismatchError(ValueError):
 
 @runtime_checkable
 class RewardModelClient(Protocol):
-    """What RL code needs from a reward model service (implement it without subclassing)."""
+    """What RL code needs from a reward model service (implement it without subclassing):
+    the reward spec's protocol."""
 
-    async def score(self, request: ScoringRequest) -> tuple[ScoringResponse, dict]: ...
+    async def score(self, request: ScoringRequest) -> tuple[ScoringResponse, dict[str, Any]]: ...
 
     async def score_batch(
-        self, inputs: Sequence[str], *, normalize: bool | None = None
+        self, inputs: list[str], *, normalize: bool = True
     ) -> list[float] | list[list[float]]: ...
 
     def sync_weights(
         self,
         params: Mapping[str, torch.Tensor],
         *,
+        timeout_s: float = 600.0,
         version: int | None = None,
         training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL,
-        timeout_s: float = 600.0,
     ) -> str: ...
 
     async def get_model_version(self) -> int: ...
@@ -83,54 +88,58 @@ class RewardModelClient(Protocol):
 class VLLMRewardClient:
     """Client of one reward server at ``http://host:port``.
 
-    The design's arguments, with our defaults where its are unsafe or wrong here:
+    The reward plan's arguments, in its order, with its defaults except where noted:
 
-    - ``host="127.0.0.1"`` (design: ``"0.0.0.0"``, a bind address, not a destination; the
-      loopback default never reaches another machine by accident).
-    - ``port=8001``; ``connection_timeout_s=60``: how long the first call waits for the server.
-    - ``group_port=None`` (design: 51217): the trainer hosts the weight-sync group and tells the
-      server its port in the set-up request, so no well-known port is needed; None picks a free
-      one, which cannot collide with a colocated policy's group or another trainer.
+    - ``host="127.0.0.1"`` (the design's ``"0.0.0.0"`` is a bind address; as a destination it
+      means this machine, as the loopback does); ``port=8001``.
+    - ``group_port=None`` (design: 51217, ``DEFAULT_GROUP_PORT``): the trainer hosts the
+      weight-sync group and tells the server its port in the set-up request, so no well-known
+      port is needed; None picks a free one, which cannot collide with a colocated policy's
+      group or another trainer. Give 51217 to get the design's.
     - ``enable_weight_updates=False``: a scoring-only client; ``sync_weights`` is refused.
-    - ``device=None`` (design: 0): where the weights live, which picks the broadcast backend
-      (NCCL for CUDA, gloo for CPU). None follows the tensors of the first sync, so the same
-      code runs on a CPU machine; an int ``n`` means ``cuda:n``.
-    - ``model_name=None`` (design: ``"reward-model"``): sent with every score request when set
-      and checked by the server; None scores with whatever model the server serves.
+      True waits for the server (``connection_timeout_s``) and builds the weight-sync group now.
+    - ``device=0``: where the trainer's weights live, which picks the broadcast backend: an int
+      ``n`` is ``cuda:n`` on a machine with CUDA and the CPU (gloo) on one without; a string or
+      ``torch.device`` as given; None follows the tensors of the first sync.
+    - ``connection_timeout_s=60``: how long set-up (or the first call) waits for the server.
+    - ``model_name="reward-model"``: sent with every score request; every reward server
+      answers to it as well as to its served name.
 
     Ours, keyword-only: ``api_key`` (bearer token of the control plane), ``strategy`` (a
-    strategy config replacing the default), ``request_timeout_s``, ``max_batch_size`` (split
-    ``score_batch`` into concurrent requests of at most this many texts), ``head_name_patterns``
-    (what HEAD_ONLY keeps), ``bucket_size_mb`` (chunk bound of a sync), ``tokenizer`` (an HF
-    tokenizer or a path to one: checked against the server on first contact).
+    strategy config replacing the default), ``request_timeout_s`` (each HTTP call; 60 s, the
+    reference's ``/score`` timeout), ``max_batch_size`` (split ``score_batch`` into concurrent
+    requests of at most this many texts), ``head_name_patterns`` (what HEAD_ONLY keeps),
+    ``bucket_size_mb`` (chunk bound of a sync), ``tokenizer`` (an HF tokenizer or a path to one:
+    checked against the server on first contact).
     """
 
     DEFAULT_PORT = 8001
+    DEFAULT_GROUP_PORT = 51217
 
     def __init__(
         self,
         host: str = "127.0.0.1",
         port: int = DEFAULT_PORT,
         group_port: int | None = None,
-        connection_timeout_s: float = 60.0,
         enable_weight_updates: bool = False,
-        device: int | str | Any | None = None,
-        model_name: str | None = None,
+        device: int | str | Any | None = 0,
+        connection_timeout_s: float = 60.0,
+        model_name: str | None = DEFAULT_MODEL_NAME,
         *,
         api_key: str | None = None,
         strategy: Any = None,
-        request_timeout_s: float = 300.0,
+        request_timeout_s: float = 60.0,
         max_batch_size: int | None = None,
         head_name_patterns: Sequence[str] | None = None,
         bucket_size_mb: float | None = None,
         tokenizer: Any = None,
     ) -> None:
         self.host, self.port = host, int(port)
-        self.base_url = f"http://{host}:{self.port}"
+        self.server_url = f"http://{host}:{self.port}"
         self.group_port = group_port
         self.connection_timeout_s = connection_timeout_s
         self.enable_weight_updates = enable_weight_updates
-        self.device = f"cuda:{device}" if isinstance(device, int) else device
+        self.device = _device_name(device)
         self.model_name = model_name
         self.api_key = api_key
         self.request_timeout_s = request_timeout_s
@@ -144,11 +153,13 @@ class VLLMRewardClient:
             self.strategy_cfg = self._strategy_cfg(str(self.device or "cpu"))
         self.last_sync_stats: SyncStats | None = None
         self._http = LoopClients(timeout_s=request_timeout_s)
-        self._session: SyncSession | None = None  # the front door's session, opened at the 1st sync
-        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._session: SyncSession | None = None  # the front door's session (the group)
         self._server_up = False
-        self._twin = LoopThread("weightsync-reward-client")  # runs the blocking twins
+        #: the loop the weight-sync group lives on (every sync runs there; the blocking twins too)
+        self.sync_loop = LoopThread("weightsync-reward-client")
         self._sync_lock: asyncio.Lock | None = None
+        if enable_weight_updates:
+            self._init_communicator()
 
     # -- configuration ------------------------------------------------------------------------
     def _strategy_cfg(self, device: str) -> dict:
@@ -164,6 +175,22 @@ class VLLMRewardClient:
             cfg["bucket_size_mb"] = self._bucket_size_mb
         return cfg
 
+    def _init_communicator(self) -> None:
+        """Wait for the server and build the weight-sync group (the constructor, with weight
+        updates on). With ``device=None`` the group forms at the first sync instead, when the
+        tensors say which backend it needs."""
+
+        async def open_group() -> None:
+            await self.wait_for_server()
+            if self.strategy_cfg is not None:
+                await self._open_session()
+
+        try:
+            self.sync_loop.run(open_group())
+        except BaseException:
+            self.close_sync()
+            raise
+
     # -- HTTP ---------------------------------------------------------------------------------
     async def wait_for_server(self, timeout_s: float | None = None) -> None:
         """Poll ``/health`` until the server answers (at most ``connection_timeout_s``), then
@@ -174,7 +201,7 @@ class VLLMRewardClient:
         last = ""
         while True:
             try:
-                r = await self._http.get().get(self.base_url + "/health", timeout=5.0)
+                r = await self._http.get().get(self.server_url + "/health", timeout=5.0)
                 if r.status_code == 200 and r.json().get("type") == "reward_model":
                     break
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
@@ -182,7 +209,7 @@ class VLLMRewardClient:
                 last = f"{type(e).__name__}: {e}"
             if time.monotonic() > deadline:
                 raise WeightSyncError(
-                    f"reward server {self.base_url} not reachable within "
+                    f"reward server {self.server_url} not reachable within "
                     f"{self.connection_timeout_s:g}s ({last})"
                 )
             await asyncio.sleep(0.5)
@@ -203,104 +230,124 @@ class VLLMRewardClient:
         http = self._http.get()
         for text in TOKENIZER_PROBES:
             mine = list(tok(text)["input_ids"])
-            r = await http.post(self.base_url + "/tokenize", json={"prompt": text})
+            r = await http.post(self.server_url + "/tokenize", json={"prompt": text})
             if r.status_code == 200 and "tokens" in r.json():
                 theirs: list[int] | int = list(r.json()["tokens"])
                 same = theirs == mine
             else:  # no /tokenize: compare the count the score route reports for this text
                 resp, _ = await self._score_request(ScoringRequest(inputs=[text]))
-                theirs = resp.prompt_tokens
+                theirs = resp.usage.get("prompt_tokens", 0)
                 same = theirs == len(mine)
             if not same:
                 shown = theirs if isinstance(theirs, int) else f"{len(theirs)} tokens {theirs[:12]}"
                 raise TokenizerMismatchError(
-                    f"tokenizer check against reward server {self.base_url}: probe {text!r} is "
+                    f"tokenizer check against reward server {self.server_url}: probe {text!r} is "
                     f"{len(mine)} tokens {mine[:12]} for the trainer's tokenizer but {shown} on "
                     f"the server; give the trainer the reward model's tokenizer (or "
                     f"tokenizer=None to skip the check)"
                 )
 
     # -- scoring ------------------------------------------------------------------------------
-    async def score(self, request: ScoringRequest) -> tuple[ScoringResponse, dict]:
-        """One POST /score -> (response, info: latency_s, status, url, num_inputs)."""
+    async def score(self, request: ScoringRequest) -> tuple[ScoringResponse, dict[str, Any]]:
+        """One ``POST /score`` -> ``(ScoringResponse, info)``; ``info``: the reference's
+        ``raw_response`` (the body) and ``request`` (the payload sent), and ours: ``latency_s``,
+        ``status``, ``url``, ``num_inputs``."""
         await self._ensure_server()
         return await self._score_request(request)
 
-    async def _score_request(self, request: ScoringRequest) -> tuple[ScoringResponse, dict]:
+    async def _score_request(
+        self, request: ScoringRequest
+    ) -> tuple[ScoringResponse, dict[str, Any]]:
         if request.model is None and self.model_name is not None:
             request = dataclasses.replace(request, model=self.model_name)
+        payload = request.to_dict()
+        url = self.server_url + "/score"
         t0 = time.perf_counter()
-        r = await self._http.get().post(self.base_url + "/score", json=request.to_dict())
-        info = {"latency_s": time.perf_counter() - t0, "status": r.status_code,
-                "url": self.base_url + "/score", "num_inputs": len(request)}
+        r = await self._http.get().post(url, json=payload)
+        latency = time.perf_counter() - t0
         if r.status_code >= 400:
-            err = error_from_response(self.base_url + "/score", r)
+            err = error_from_response(url, r)
             if r.status_code == 503 and "in progress" in str(err):
                 raise WeightSyncError(str(err))  # waiting for an update, not torn: retryable
             raise err
-        return ScoringResponse.from_dict(r.json()), info
+        data = r.json()
+        info = {"raw_response": data, "request": payload, "latency_s": latency,
+                "status": r.status_code, "url": url, "num_inputs": len(request)}
+        return ScoringResponse.from_dict(data), info
 
     async def score_batch(
-        self, inputs: Sequence[str], *, normalize: bool | None = None
+        self, inputs: Sequence[str], *, normalize: bool = True
     ) -> list[float] | list[list[float]]:
-        """Scores in input order (floats for one label, lists otherwise). ``normalize``: apply
-        the model's activation (sigmoid for one label, softmax otherwise); None (default) keeps
-        the raw scores, what transformers computes (the request says ``normalize: false``).
-        With ``max_batch_size`` the texts go as concurrent sub-batches."""
+        """Scores in input order (floats for one label, lists otherwise). ``normalize`` (the
+        design's default True): apply the model's activation (sigmoid for one label, softmax
+        otherwise); False keeps the raw logits, what transformers computes. With
+        ``max_batch_size`` the texts go as concurrent sub-batches."""
         texts = list(inputs)
-        norm = False if normalize is None else normalize
-        ScoringRequest(texts, normalize=norm)  # validate before any request
+        ScoringRequest(self.model_name, texts, normalize=normalize)  # validate before sending
         size = self.max_batch_size or len(texts)
         parts = [texts[i:i + size] for i in range(0, len(texts), size)]
-        answers = await asyncio.gather(
-            *(self.score(ScoringRequest(p, normalize=norm)) for p in parts))
+        answers = await asyncio.gather(*(
+            self.score(ScoringRequest(self.model_name, p, normalize=normalize)) for p in parts))
         out: list[Any] = []
         for resp, _ in answers:
             out.extend(resp.scores)
         return out
 
     def score_batch_sync(
-        self, inputs: Sequence[str], *, normalize: bool | None = None
+        self, inputs: Sequence[str], *, normalize: bool = True
     ) -> list[float] | list[list[float]]:
         """Blocking twin of ``score_batch`` (e.g. for a synchronous credit-assignment step)."""
-        return self._run(self.score_batch(inputs, normalize=normalize))
+        return self.sync_loop.run(self.score_batch(inputs, normalize=normalize))
 
     async def get_model_version(self) -> int:
         """The weight version the server serves now (``/runtime_version``)."""
         await self._ensure_server()
-        r = await self._http.get().get(self.base_url + "/runtime_version")
+        r = await self._http.get().get(self.server_url + "/runtime_version")
         if r.status_code >= 400:
-            raise error_from_response(self.base_url + "/runtime_version", r)
+            raise error_from_response(self.server_url + "/runtime_version", r)
         return int(r.json()["version"])
+
+    async def complete(self, request: Any) -> tuple[Any, dict[str, Any]]:
+        """``ChatClient.complete``: refused. A reward server runs a pooling model, which scores
+        text but cannot generate; this method exists so code typed against ``ChatClient``
+        takes this client (for ``sync_weights``). Raises ``NotImplementedError`` naming what
+        to use instead."""
+        raise NotImplementedError(
+            f"reward server {self.server_url} serves a pooling (reward) model: it scores text "
+            f"(score / score_batch) but cannot generate; send completions to a policy server "
+            f"(weightsync.policy.VLLMChatClient)"
+        )
 
     # -- weight sync --------------------------------------------------------------------------
     def sync_weights(
         self,
         params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
+        timeout_s: float = 600.0,
         version: int | None = None,
         training_mode: RewardModelTrainingMode | str = RewardModelTrainingMode.FULL,
-        timeout_s: float = 600.0,
     ) -> str:
-        """Publish ``params`` as one update; returns the version the server now serves, as a
-        string (details in ``last_sync_stats``). Names are normalised to engine names (PEFT /
-        FSDP / DDP prefixes stripped), the training mode selects what is sent (HEAD_ONLY keeps
-        the head and warns about the rest) and checks it: bad input raises
-        ``WeightMismatchError`` before any byte moves and changes nothing."""
+        """Publish ``params`` as one update and block until the server serves it. Returns what
+        the reference returns: ``str(version)`` for a version, else ``"rm-<unix time>"`` (a
+        version of 0 or None lets the server count on); the version the server serves is in
+        ``last_sync_stats.versions``. Names are normalised to engine names (PEFT / FSDP / DDP
+        prefixes stripped), the training mode selects what is sent (HEAD_ONLY keeps the head
+        and warns about the rest) and checks it: bad input raises ``WeightMismatchError``
+        before any byte moves and changes nothing."""
         named, mode = self._selected(params, training_mode)  # errors here, not on the loop
-        return self._run(self._sync_named(named, mode, version, timeout_s))
+        return self.sync_loop.run(self._sync_named(named, mode, version, timeout_s))
 
     async def sync_weights_async(
         self,
         params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
+        timeout_s: float = 600.0,
         version: int | None = None,
         training_mode: RewardModelTrainingMode | str = RewardModelTrainingMode.FULL,
-        timeout_s: float = 600.0,
     ) -> str:
-        """Coroutine twin of ``sync_weights``."""
+        """Coroutine twin of ``sync_weights`` (runs on the client's loop, see the module)."""
         named, mode = self._selected(params, training_mode)
-        return await self._sync_named(named, mode, version, timeout_s)
+        return await self.sync_loop.run_async(self._sync_named(named, mode, version, timeout_s))
 
     def _selected(
         self, params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -325,9 +372,9 @@ class VLLMRewardClient:
             cfg = self.strategy_cfg or {}
             return make_chunks(named, bucket_size_mb=float(cfg.get("bucket_size_mb", 1024)))
 
-        stats = await self._send_update(chunks, manifest, mode, version, timeout_s,
-                                        first_tensor=named[0][1])
-        return _served(stats)
+        await self.send_update(chunks, manifest, mode, version, timeout_s,
+                               first_tensor=named[0][1])
+        return str(version) if version else f"rm-{int(time.time())}"
 
     def _check_enabled(self) -> None:
         if not self.enable_weight_updates:
@@ -336,32 +383,24 @@ class VLLMRewardClient:
                 "enable_weight_updates=True to sync weights"
             )
 
-    async def _send_update(
+    async def send_update(
         self,
         make_chunks: Any,
         manifest: list[TensorMeta],
-        mode: RewardModelTrainingMode,
+        mode: RewardModelTrainingMode | None,
         version: int | None,
         timeout_s: float,
         *,
         first_tensor: Any = None,
     ) -> SyncStats:
         """One update from ``make_chunks()`` (an iterable or async iterable of chunks, made
-        again for the one retry) under ``manifest``. Also the publisher's streaming path: the
-        chunks are produced as the sender consumes them, so at most a few buckets are alive."""
+        again for the one retry) under ``manifest``.
+        Also the publisher's and the two-plane adapters' path: the chunks are produced as the
+        sender consumes them, so at most a few buckets are alive. ``mode`` None: the server's
+        default (FULL). Run it on ``sync_loop``."""
         self._check_enabled()
         if self.strategy_cfg is None:  # device=None: follow the tensors
-            device = str(getattr(first_tensor, "device", "cpu"))
-            self.strategy_cfg = self._strategy_cfg(device)
-        loop = asyncio.get_running_loop()
-        if self._session_loop is not None and self._session_loop is not loop:
-            if not self._session_loop.is_closed():
-                raise WeightSyncError(
-                    "this client's weight-sync group lives on another running event loop; use "
-                    "one flavour per client (sync_weights, or sync_weights_async on one loop)"
-                )
-            self._session = self._session_loop = None  # its loop is gone (a finished
-            self._sync_lock = None  # asyncio.run): join again
+            self.strategy_cfg = self._strategy_cfg(str(getattr(first_tensor, "device", "cpu")))
         if self._sync_lock is None:
             self._sync_lock = asyncio.Lock()
         async with self._sync_lock:
@@ -377,41 +416,52 @@ class VLLMRewardClient:
         self.last_sync_stats = stats
         return stats
 
-    async def _sync(
-        self, chunks: Iterable[WeightChunk] | AsyncIterable[WeightChunk],
-        manifest: list[TensorMeta], mode: RewardModelTrainingMode, version: int | None,
-    ) -> SyncStats:
-        """One update through the front door's session (``weightsync.connect``): it builds the
-        group at the first sync, keeps it after a refusal and drops it after a transport
-        failure or a replaced communicator (the next sync joins again)."""
+    async def _open_session(self) -> SyncSession:
         if self._session is None:
             from weightsync.connect import connect
 
             assert self.strategy_cfg is not None
-            self._session = await connect([self.base_url], self.strategy_cfg,
-                                          api_key=self.api_key, is_sender=True)
-            self._session_loop = asyncio.get_running_loop()
-        return await self._session.push_chunks(
+            self._session = await connect([self.server_url], self.strategy_cfg,
+                                          api_key=self.api_key, is_sender=True,
+                                          device=self.device)
+        return self._session
+
+    async def _sync(
+        self, chunks: Iterable[WeightChunk] | AsyncIterable[WeightChunk],
+        manifest: list[TensorMeta], mode: RewardModelTrainingMode | None, version: int | None,
+    ) -> SyncStats:
+        """One update through the front door's session (``weightsync.connect``): it keeps the
+        group after a refusal and drops it after a transport failure or a replaced communicator
+        (the next sync joins again)."""
+        session = await self._open_session()
+        return await session.push_chunks(
             chunks, manifest, version=version, training_mode=mode,
-            head_name_patterns=self.head_name_patterns,
+            head_name_patterns=self.head_name_patterns, device=self.device,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
-    async def close(self) -> None:
-        """Tear down the weight-sync group on both sides and close HTTP connections."""
+    def close_communicator(self) -> None:
+        """Leave the weight-sync group (the server drops its receivers); a later sync joins a
+        new one."""
+        if self._session is not None:
+            self.sync_loop.run(self._close_session())
+
+    async def _close_session(self) -> None:
         session, self._session = self._session, None
         if session is not None:
             await session.close()  # best effort on the server's side: it may be gone already
+
+    async def close(self) -> None:
+        """Tear down the weight-sync group on both sides and close HTTP connections."""
+        if self._session is not None:
+            await self.sync_loop.run_async(self._close_session())
         await self._http.aclose()
 
     def close_sync(self) -> None:
         """Blocking twin of ``close``; also stops the private loop thread."""
-        if self._twin.started:
-            self._twin.run(self.close())
-            self._twin.close()
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._twin.run(coro)
+        if self.sync_loop.started:
+            self.sync_loop.run(self.close())
+            self.sync_loop.close()
 
     async def __aenter__(self) -> VLLMRewardClient:
         return self
@@ -420,7 +470,13 @@ class VLLMRewardClient:
         await self.close()
 
 
-def _served(stats: SyncStats) -> str:
-    """The version the server serves after ``stats``' update, as a string."""
-    served = [v for v in stats.versions if v is not None]
-    return str(served[0]) if served else ""
+def _device_name(device: Any) -> str | None:
+    """``device=`` as a device name: an int ``n`` is ``cuda:n`` where CUDA is available and the
+    CPU elsewhere (the reference's default 0 then runs on a CPU machine); None stays None."""
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        import torch
+
+        return f"cuda:{device}" if torch.cuda.is_available() else "cpu"
+    return str(device)

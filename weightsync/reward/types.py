@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -28,37 +28,37 @@ RewardModelTrainingMode = TrainingMode
 
 
 class PoolingType(StrEnum):
-    """How token states become scores, as vLLM's pooler names them.
+    """How token states become scores, spelled as the reward plan spells them (``"last"``).
 
     Sequence-level (one score per text): LAST (decoder reward models, the HF default for
     ``*ForSequenceClassification``), MEAN, CLS (encoder models). Token-level (a list per text):
     ALL (every token), STEP (the tokens equal to a step tag: process reward models scoring
-    each step). On the wire the reward design spells them in lower case (``"last"``).
+    each step). vLLM's pooler config spells the same names in upper case (``vllm_name``).
     """
 
-    LAST = "LAST"
-    MEAN = "MEAN"
-    CLS = "CLS"
-    ALL = "ALL"
-    STEP = "STEP"
+    LAST = "last"
+    MEAN = "mean"
+    CLS = "cls"
+    ALL = "all"
+    STEP = "step"
 
     @property
     def is_sequence_level(self) -> bool:
         return self in (PoolingType.LAST, PoolingType.MEAN, PoolingType.CLS)
 
     @property
-    def wire(self) -> str:
-        """The design's wire spelling: ``"last"``, ``"step"``, ..."""
-        return self.value.lower()
+    def vllm_name(self) -> str:
+        """vLLM's ``PoolerConfig`` spelling: ``"LAST"``, ``"STEP"``, ..."""
+        return self.value.upper()
 
     @classmethod
     def parse(cls, value: Any) -> PoolingType:
         if isinstance(value, cls):
             return value
-        if isinstance(value, str) and value.strip().upper() in cls.__members__:
-            return cls[value.strip().upper()]
+        if isinstance(value, str) and value.strip().lower() in cls._value2member_map_:
+            return cls(value.strip().lower())
         raise ValueError(
-            f"pooling_type must be one of {[m.wire for m in cls]} (any case), got {value!r}"
+            f"pooling_type must be one of {[m.value for m in cls]} (any case), got {value!r}"
         )
 
 
@@ -79,17 +79,26 @@ _REQUEST_FIELDS = ("input", "model", "normalize", "use_activation", "pooling_typ
                    "return_hidden_states", "n_labels", "step_tag", "step_tag_id")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScoringRequest:
     """Texts to score (``POST /score``). A single string gives a one-element response.
 
-    The reward design's fields, with its defaults: ``model``, ``inputs`` (wire: ``input``),
-    ``normalize=True`` (apply the model's activation: sigmoid for one label, softmax
-    otherwise; False returns the raw logits, what transformers computes), ``pooling_type``
-    (None: the server's configured sequence pooling; a different sequence pooling is refused,
-    vLLM fixes it when the engine starts), ``return_hidden_states=False`` (the reward server
-    refuses True: vLLM's classification pooler returns only the head's outputs), ``n_labels``
-    (None: any; else checked against the model's).
+    The reward plan's fields, order and defaults (``model, inputs, pooling_type="last",
+    normalize=True, n_labels=1``), plus the spec's ``return_hidden_states=False``:
+
+    - ``model``: the served name (or the design's ``"reward-model"``, which every reward server
+      answers to); None scores with whatever model the server serves. ``inputs`` (wire:
+      ``input``): required.
+    - ``pooling_type``: ``last`` / ``mean`` / ``cls`` per request (the server pools the head's
+      per-token outputs itself when the engine was started with another sequence pooling);
+      ``step`` / ``all`` for per-step / per-token scores; None: the server's own pooling (what
+      a wire request without the field gets).
+    - ``normalize``: apply the model's activation (sigmoid for one label, softmax otherwise);
+      False returns the raw logits, what transformers computes.
+    - ``n_labels``: how many labels the caller expects. 1 (the default) accepts any model, as
+      the reference server does; a value > 1 is checked against the model's.
+    - ``return_hidden_states``: accepted; the answer has no hidden states (``hidden_states`` is
+      None, as the reference's: vLLM's classification pooler returns only the head's outputs).
 
     Ours, for ``pooling_type="step"`` (process rewards: one score per step, at every position
     of a step-tag token): ``step_tag`` (the tag text; the server resolves it with its tokenizer
@@ -98,19 +107,29 @@ class ScoringRequest:
     (vLLM's name for ``normalize``); given both, they must agree.
     """
 
-    inputs: str | list[str]
-    normalize: bool = True
     model: str | None = None
-    pooling_type: PoolingType | str | None = None
+    inputs: str | list[str] | None = None
+    pooling_type: PoolingType | str | None = PoolingType.LAST
+    normalize: bool = True
+    n_labels: int | None = 1
     return_hidden_states: bool = False
-    n_labels: int | None = None
     step_tag: str | None = None
     step_tag_id: int | None = None
 
     def __post_init__(self) -> None:
-        self.validate()
+        self._validate()
 
-    def validate(self) -> None:
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _validate(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(
+                f"model: must be a string, got {type(self.model).__name__} (the texts go in "
+                f"inputs=: ScoringRequest(model, inputs) or ScoringRequest(inputs=[...]))"
+            )
+        if self.inputs is None:
+            raise ValueError("input: missing; give a string or a list of strings (inputs=)")
         if isinstance(self.inputs, str):
             pass
         elif isinstance(self.inputs, (list, tuple)):
@@ -122,7 +141,7 @@ class ScoringRequest:
                 raise ValueError(
                     f"input: items must be strings; items {bad[:10]} are {', '.join(kinds)}"
                 )
-            self.inputs = list(self.inputs)
+            self._set("inputs", list(self.inputs))
         else:
             raise ValueError(
                 f"input: must be a string or a list of strings, got {type(self.inputs).__name__}"
@@ -132,10 +151,8 @@ class ScoringRequest:
                 raise ValueError(
                     f"{name}: must be a boolean, got {type(getattr(self, name)).__name__}"
                 )
-        if self.model is not None and not isinstance(self.model, str):
-            raise ValueError(f"model: must be a string, got {type(self.model).__name__}")
         if self.pooling_type is not None:
-            self.pooling_type = PoolingType.parse(self.pooling_type)
+            self._set("pooling_type", PoolingType.parse(self.pooling_type))
         if self.n_labels is not None and (
             isinstance(self.n_labels, bool) or not isinstance(self.n_labels, int)
             or self.n_labels < 1
@@ -152,33 +169,42 @@ class ScoringRequest:
             self.pooling_type is not PoolingType.STEP
         ):
             given = "step_tag" if self.step_tag is not None else "step_tag_id"
-            raise ValueError(
-                f"{given}: only with pooling_type='step', got pooling_type="
-                f"{self.pooling_type.wire if self.pooling_type else None!r}"
-            )
+            pooling = self.pooling_type.value if self.pooling_type else None
+            raise ValueError(f"{given}: only with pooling_type='step', got pooling_type="
+                             f"{pooling!r}")
 
     @property
     def texts(self) -> list[str]:
-        return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
+        return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs or [])
 
     def __len__(self) -> int:
         return len(self.texts)
 
+    def checked_labels(self) -> int | None:
+        """The label count the server must check: None for the default 1 (any model)."""
+        return self.n_labels if self.n_labels is not None and self.n_labels > 1 else None
+
     def to_dict(self) -> dict[str, Any]:
+        """The wire body: the reference client's ``{model, input, pooling_type, normalize}``
+        plus the optional fields that differ from their defaults."""
         d: dict[str, Any] = {"input": self.inputs, "normalize": self.normalize}
         if self.model is not None:
             d["model"] = self.model
         if self.pooling_type is not None:
-            d["pooling_type"] = PoolingType.parse(self.pooling_type).wire
+            d["pooling_type"] = PoolingType.parse(self.pooling_type).value
         if self.return_hidden_states:
             d["return_hidden_states"] = True
-        for name in ("n_labels", "step_tag", "step_tag_id"):
+        if self.checked_labels() is not None:
+            d["n_labels"] = self.n_labels
+        for name in ("step_tag", "step_tag_id"):
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name)
         return d
 
     @classmethod
     def from_dict(cls, d: Any) -> ScoringRequest:
+        """A wire body; a field left out means the server's choice (``pooling_type``: its own
+        pooling) or the design's default."""
         if not isinstance(d, dict):
             raise ValueError(f"request body must be a JSON object, got {type(d).__name__}")
         unknown = sorted(set(d) - set(_REQUEST_FIELDS) - {"inputs"})
@@ -197,12 +223,12 @@ class ScoringRequest:
                 f"use_activation: must be a boolean, got {type(normalize).__name__}"
             )
         return cls(
-            inputs=d["input"] if "input" in d else d["inputs"],
-            normalize=normalize,
             model=d.get("model"),
+            inputs=d["input"] if "input" in d else d["inputs"],
             pooling_type=d.get("pooling_type"),
+            normalize=normalize,
+            n_labels=d.get("n_labels", 1),
             return_hidden_states=d.get("return_hidden_states", False),
-            n_labels=d.get("n_labels"),
             step_tag=d.get("step_tag"),
             step_tag_id=d.get("step_tag_id"),
         )
@@ -211,47 +237,72 @@ class ScoringRequest:
 Score = float | list[float]
 
 
-@dataclass
+@dataclass(frozen=True)
+class ScoringResult:
+    """One text's score (the reward plan's result item; wire: ``{"score", "index"}``)."""
+
+    score: Score
+    index: int = 0
+
+
+@dataclass(frozen=True)
 class ScoringResponse:
-    """Scores in input order.
+    """Scores in input order: the reward spec's ``ScoringResponse(scores, hidden_states=None,
+    metadata={})``, with the plan's views ``results`` (``ScoringResult`` items), ``model`` and
+    ``usage`` (both kept in ``metadata``, as the reference client fills it).
 
     Sequence pooling (``last``/``mean``/``cls``): a float per text for one label, a list of
     ``n_labels`` floats otherwise. Token pooling (``step``/``all``): per text a list with one
     entry per step (or token), each a float or a list of ``n_labels`` floats; a text without a
     step tag gets an empty list.
 
-    ``version`` is the weight version that produced every score in this response;
-    ``prompt_tokens`` is the real token count over all inputs; ``pooling_type`` how they were
-    pooled. Wire form (the design's, plus ``version`` and ``pooling_type``):
+    Ours: ``version``, the weight version that produced every score in this response (None when
+    the server did not say), and ``pooling_type``, how they were pooled. Wire form (the
+    reference server's, plus ``version``, ``pooling_type`` and ``hidden_states`` when asked):
     ``{"model", "data": [{"index", "score"}], "usage": {"prompt_tokens"}, "version",
     "pooling_type"}``.
     """
 
     scores: list[Any]
-    version: int
-    prompt_tokens: int = 0
-    model: str = ""
+    hidden_states: list[Any] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    version: int | None = None
     pooling_type: PoolingType | str = PoolingType.LAST
 
     def __post_init__(self) -> None:
-        self.pooling_type = PoolingType.parse(self.pooling_type)
+        pooling = PoolingType.parse(self.pooling_type)
+        object.__setattr__(self, "pooling_type", pooling)
         if not isinstance(self.scores, list):
             raise ValueError(f"scores: must be a list, got {type(self.scores).__name__}")
-        if self.pooling_type.is_sequence_level:
-            self.scores = _check_scores(self.scores, "scores")
+        if pooling.is_sequence_level:
+            scores = _check_scores(self.scores, "scores")
         else:
             bad = [i for i, s in enumerate(self.scores) if not isinstance(s, (list, tuple))]
             if bad:
                 raise ValueError(
-                    f"scores: pooling_type {self.pooling_type.wire!r} gives a list per text; "
+                    f"scores: pooling_type {pooling.value!r} gives a list per text; "
                     f"texts {bad[:10]} are not lists"
                 )
-            self.scores = [_check_scores(list(s), f"scores[{i}]")
-                           for i, s in enumerate(self.scores)]
-        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
-            raise ValueError(f"version: must be an int >= 0, got {self.version!r}")
-        if isinstance(self.prompt_tokens, bool) or not isinstance(self.prompt_tokens, int):
-            raise ValueError(f"prompt_tokens: must be an int, got {self.prompt_tokens!r}")
+            scores = [_check_scores(list(s), f"scores[{i}]") for i, s in enumerate(self.scores)]
+        object.__setattr__(self, "scores", scores)
+        if self.version is not None and (
+            isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0
+        ):
+            raise ValueError(f"version: must be an int >= 0 or None, got {self.version!r}")
+        if not isinstance(self.metadata, dict):
+            raise ValueError(f"metadata: must be a dict, got {type(self.metadata).__name__}")
+
+    @property
+    def results(self) -> list[ScoringResult]:
+        return [ScoringResult(s, i) for i, s in enumerate(self.scores)]
+
+    @property
+    def model(self) -> str | None:
+        return self.metadata.get("model")
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return dict(self.metadata.get("usage") or {})
 
     @property
     def n_labels(self) -> int:
@@ -264,33 +315,36 @@ class ScoringResponse:
         return len(self.scores)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "model": self.model,
             "data": [{"index": i, "score": s} for i, s in enumerate(self.scores)],
-            "usage": {"prompt_tokens": self.prompt_tokens},
+            "usage": self.usage,
             "version": self.version,
-            "pooling_type": PoolingType.parse(self.pooling_type).wire,
+            "pooling_type": PoolingType.parse(self.pooling_type).value,
         }
+        if self.hidden_states is not None:
+            d["hidden_states"] = self.hidden_states
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> ScoringResponse:
+        """A ``/score`` answer: ours, or the reference server's (no ``version``, no
+        ``pooling_type``)."""
         if not isinstance(d, dict):
             raise ValueError(f"response must be a JSON object, got {type(d).__name__}")
-        for key in ("data", "version"):
-            if key not in d:
-                raise ValueError(f"response: missing field {key!r}")
+        if "data" not in d:
+            raise ValueError("response: missing field 'data'")
         data = d["data"]
         if not isinstance(data, list) or not all(isinstance(x, dict) for x in data):
             raise ValueError("data: must be a list of {index, score} objects")
         items = sorted(data, key=lambda x: int(x.get("index", 0)))
         if [int(x.get("index", -1)) for x in items] != list(range(len(items))):
             raise ValueError("data: indices must be 0..n-1")
-        usage = d.get("usage") or {}
         return cls(
             scores=[x["score"] for x in items],
-            version=d["version"],
-            prompt_tokens=int(usage.get("prompt_tokens", 0)),
-            model=str(d.get("model") or ""),
+            hidden_states=d.get("hidden_states"),
+            metadata={"model": d.get("model"), "usage": d.get("usage")},
+            version=d.get("version"),
             pooling_type=d.get("pooling_type") or PoolingType.LAST,
         )
 

@@ -129,14 +129,14 @@ def _pooler_config(cfg: RewardServerConfig) -> Any:
     if cfg.pooling_type:
         kind = PoolingType.parse(cfg.pooling_type)
         if kind.is_sequence_level:
-            fields["seq_pooling_type"] = kind.value
+            fields["seq_pooling_type"] = kind.vllm_name
         elif tok is not None and tok is not kind:
-            raise ValueError(f"pooling_type {kind.value} and tok_pooling_type {tok.value} "
+            raise ValueError(f"pooling_type {kind.vllm_name} and tok_pooling_type {tok.vllm_name} "
                              "disagree; give one")
         else:
             tok = kind
     if tok is not None:
-        fields["tok_pooling_type"] = tok.value
+        fields["tok_pooling_type"] = tok.vllm_name
     if cfg.step_tag_id is not None:
         fields["step_tag_id"] = int(cfg.step_tag_id)
     if cfg.returned_token_ids:

@@ -12,18 +12,24 @@ does on vLLM:
 - ``normalize`` (default True, the design's): vLLM's ``use_activation``, the model's
   activation (sigmoid for one label, softmax for several, none for a ``regression`` head);
   False gives the raw logits. ``use_activation`` is accepted as its other name.
-- ``pooling_type``: vLLM fixes the sequence pooling (LAST / MEAN / CLS) when the engine starts,
-  so a request may name the configured one (or omit it) and is refused (400, naming the field)
-  otherwise. ``step`` and ``all`` run vLLM's token pooler (``token_classify``, per-token head
-  outputs) in the same engine: ``all`` returns a score per token, ``step`` one per occurrence of
-  the step tag (``step_tag`` text, resolved with the server's tokenizer, or ``step_tag_id``, or
-  the server's configured tag). On a server started with token pooling STEP vLLM selects the
-  tag positions itself (``PoolingParams.step_tag_id``); with the default ALL this module picks
-  them from the per-token output. Either way the score at a tag is the score of the text up to
-  and including the tag (causal attention), i.e. what a separate request per step prefix gives.
-- ``return_hidden_states``: False only; True is refused (400): vLLM's classification pooler
-  returns the head's outputs, a ``*ForSequenceClassification`` engine has no hidden-state task.
-- ``n_labels``: checked against the model's (400 on a difference).
+- ``pooling_type`` (per request, as the reference's client sends it): the engine's own
+  sequence pooling (``--pooling-type``, fixed by vLLM when the engine starts) runs vLLM's
+  ``classify``; another of ``last`` / ``mean`` / ``cls`` runs vLLM's token pooler
+  (``token_classify``, the head's raw output at every token) and pools those rows here (the
+  last, the mean, the first), then applies the model's activation when ``normalize`` is on:
+  the head is linear, so this is the score that engine pooling gives (tested against
+  transformers). Omitted: the engine's pooling. ``step`` and ``all`` run the token pooler too:
+  ``all`` returns a score per token, ``step`` one per occurrence of the step tag
+  (``step_tag`` text, resolved with the server's tokenizer, or ``step_tag_id``, or the
+  server's configured tag). On a server started with token pooling STEP vLLM selects the tag
+  positions itself (``PoolingParams.step_tag_id``) and only ``step`` and the engine's own
+  sequence pooling are available; with the default ALL this module picks them from the
+  per-token output. Either way the score at a tag is the score of the text up to and
+  including the tag (causal attention), i.e. what a separate request per step prefix gives.
+- ``return_hidden_states``: accepted, as the reference server does; the answer has no hidden
+  states (vLLM's classification pooler returns only the head's outputs).
+- ``n_labels``: 1 (the default) accepts any model; more is checked against the model's (400
+  on a difference).
 """
 
 # no ``from __future__ import annotations``: FastAPI reads the handlers' ``Request``
@@ -69,28 +75,46 @@ class PoolingSetup:
             step_tag_id=getattr(cfg, "step_tag_id", None),
         )
 
+    @property
+    def every_token(self) -> bool:
+        """The token pooler returns every position (not only a configured step tag's)."""
+        return self.token is PoolingType.ALL or self.step_tag_id is None
+
 
 @dataclass(frozen=True)
 class _Plan:
-    """What one request runs: vLLM's task, the pooling reported back, the step tag."""
+    """What one request runs: vLLM's task, the pooling reported back, the step tag, and
+    whether the rows of the token pooler are pooled here (a sequence pooling per request)."""
 
     task: str  # "classify" | "token_classify"
     pooling: PoolingType
     tag_id: int | None = None
+    pool_here: bool = False
 
 
 class RewardScorer:
-    """Scores texts with an ``AsyncLLM`` pooling engine (``classify`` / ``token_classify``)."""
+    """Scores texts with an ``AsyncLLM`` pooling engine (``classify`` / ``token_classify``).
+    ``activation``: the model's activation, applied to scores pooled here when the request
+    asks for it (default: vLLM's, from the engine's model config)."""
 
     def __init__(self, engine: Any, control: UpdateControl, *, model_name: str,
                  num_labels: int, pooling: PoolingSetup | None = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, activation: Any = None) -> None:
         self.engine = engine
         self.control = control
         self.model_name = model_name
         self.num_labels = num_labels
         self.pooling = pooling or PoolingSetup()
         self.tokenizer = tokenizer
+        self._activation = activation
+
+    @property
+    def activation(self) -> Any:
+        if self._activation is None:
+            from weightsync._runtime.vllm_compat import classifier_activation
+
+            self._activation = classifier_activation(self.engine.model_config)
+        return self._activation
 
     async def score(self, req: ScoringRequest) -> ScoringResponse:
         plan = self._plan(req)
@@ -103,8 +127,9 @@ class RewardScorer:
             )
         scores = [s for s, _ in outputs]
         tokens = sum(n for _, n in outputs)
-        return ScoringResponse(scores, version=version, prompt_tokens=tokens,
-                               model=self.model_name, pooling_type=plan.pooling)
+        return ScoringResponse(
+            scores, metadata={"model": self.model_name, "usage": {"prompt_tokens": tokens}},
+            version=version, pooling_type=plan.pooling)
 
     # -- checks: every refusal names the field -------------------------------------------------
     def _plan(self, req: ScoringRequest) -> _Plan:
@@ -112,30 +137,22 @@ class RewardScorer:
             raise ServiceError(404, f"model: {req.model!r} is not served here; this server "
                                     f"serves {self.model_name!r} (also answering to "
                                     f"{DEFAULT_MODEL_NAME!r})")
-        if req.return_hidden_states:
-            raise ServiceError(400, "return_hidden_states: not available on this server: vLLM's "
-                                    "classification pooler returns only the head's outputs; "
-                                    "send false or leave it out")
-        if req.n_labels is not None and req.n_labels != self.num_labels:
-            raise ServiceError(400, f"n_labels: the request expects {req.n_labels}, the served "
+        labels = req.checked_labels()
+        if labels is not None and labels != self.num_labels:
+            raise ServiceError(400, f"n_labels: the request expects {labels}, the served "
                                     f"model has {self.num_labels}")
         pooling = PoolingType.parse(req.pooling_type or self.pooling.sequence)
-        if pooling.is_sequence_level:
-            if pooling is not self.pooling.sequence:
-                raise ServiceError(
-                    400, f"pooling_type: {pooling.wire!r} is not this server's sequence pooling "
-                         f"({self.pooling.sequence.wire!r}); vLLM fixes it when the engine "
-                         f"starts: omit pooling_type, send {self.pooling.sequence.wire!r}, or "
-                         f"start a server with --pooling-type {pooling.value}")
+        if pooling is self.pooling.sequence:
             return _Plan("classify", pooling)
-        if pooling is PoolingType.ALL:
-            if self.pooling.token is PoolingType.STEP and self.pooling.step_tag_id is not None:
-                raise ServiceError(
-                    400, "pooling_type: 'all' is not available: this server's token pooler is "
-                         f"STEP with step_tag_id {self.pooling.step_tag_id} and keeps only those "
-                         "positions; use 'step', or a server with --tok-pooling-type ALL")
-            return _Plan("token_classify", pooling)
-        return _Plan("token_classify", pooling, self._tag_id(req))
+        if pooling is PoolingType.STEP:
+            return _Plan("token_classify", pooling, self._tag_id(req))
+        if not self.pooling.every_token:
+            raise ServiceError(
+                400, f"pooling_type: {pooling.value!r} is not available: this server's token "
+                     f"pooler is STEP with step_tag_id {self.pooling.step_tag_id} and keeps only "
+                     f"those positions; send {self.pooling.sequence.value!r} (its sequence "
+                     "pooling) or 'step', or use a server with --tok-pooling-type ALL")
+        return _Plan("token_classify", pooling, pool_here=pooling.is_sequence_level)
 
     def _tag_id(self, req: ScoringRequest) -> int:
         from_text = self._resolve_tag(req.step_tag) if req.step_tag is not None else None
@@ -172,7 +189,9 @@ class RewardScorer:
         native_step = plan.tag_id is not None and self.pooling.token is PoolingType.STEP
         if native_step:
             kwargs["step_tag_id"] = plan.tag_id  # vLLM's StepPool keeps only those positions
-        params = PoolingParams(task=plan.task, use_activation=normalize, **kwargs)
+        # rows pooled here get the activation after pooling, so the engine returns raw rows
+        params = PoolingParams(task=plan.task, use_activation=normalize and not plan.pool_here,
+                               **kwargs)
         final = None
         try:
             async for out in self.engine.encode(text, params, f"score-{uuid.uuid4().hex}"):
@@ -186,10 +205,14 @@ class RewardScorer:
         if plan.task == "classify":
             return self._row(data.reshape(-1)), len(token_ids)
         rows = data if data.dim() == 2 else data.reshape(-1, self.num_labels)
-        if plan.tag_id is not None and not native_step:
-            if rows.shape[0] != len(token_ids):  # pragma: no cover - vLLM's ALL contract
-                raise ServiceError(500, f"input[{index}]: the token pooler returned "
+        every_row = plan.pool_here or (plan.tag_id is not None and not native_step)
+        if every_row and rows.shape[0] != len(token_ids):  # pragma: no cover - vLLM's contract
+            raise ServiceError(500, f"input[{index}]: the token pooler returned "
                                         f"{rows.shape[0]} rows for {len(token_ids)} tokens")
+        if plan.pool_here:
+            pooled = _POOL[plan.pooling](rows.float())
+            return self._row(self.activation(pooled) if normalize else pooled), len(token_ids)
+        if plan.tag_id is not None and not native_step:
             rows = rows[[i for i, t in enumerate(token_ids) if t == plan.tag_id]]
         return [self._row(r) for r in rows], len(token_ids)
 
@@ -198,6 +221,14 @@ class RewardScorer:
         """One position's head outputs: a float for one column, else the list."""
         values = [float(x) for x in row.tolist()]
         return values[0] if len(values) == 1 else values
+
+
+#: a sequence pooling over the head's per-token rows ([tokens, labels] -> [labels])
+_POOL = {
+    PoolingType.LAST: lambda rows: rows[-1],
+    PoolingType.MEAN: lambda rows: rows.mean(dim=0),
+    PoolingType.CLS: lambda rows: rows[0],
+}
 
 
 def score_router(scorer: RewardScorer, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Any:
