@@ -1,4 +1,5 @@
-"""The policy side: the reference's chat client for a policy server (``weightsync serve-policy``).
+"""The policy side: the reference's chat client for a policy server (``weightsync serve-policy``)
+and its ``ChatClient`` protocol.
 
 Importing this package is light (no vLLM, no httpx, no torch); ``VLLMChatClient`` and its
 request / response types load on first attribute access.
@@ -13,6 +14,7 @@ _LAZY = {
     "VLLMChatClient": "weightsync.policy.client",
     "ChatCompletionRequest": "weightsync.policy.types",
     "ChatResponse": "weightsync.policy.types",
+    "ChatClient": "weightsync.policy.types",
 }
 
 
@@ -23,4 +25,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["ChatCompletionRequest", "ChatResponse", "VLLMChatClient"]
+__all__ = ["ChatClient", "ChatCompletionRequest", "ChatResponse", "VLLMChatClient"]

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightsync._runtime.http import LoopClients, error_from_response
+from weightsync._runtime.threads import LoopThread
 from weightsync.errors import WeightSyncError
 from weightsync.policy.types import ChatCompletionRequest, ChatResponse
 from weightsync.types import SyncStats
@@ -70,7 +71,8 @@ class VLLMChatClient:
         self.request_timeout_s = request_timeout_s
         self.last_sync_stats: SyncStats | None = None
         self._http = LoopClients(timeout_s=request_timeout_s)
-        self._loop: Any = None  # the LoopThread that owns the weight-sync session
+        #: the loop the weight-sync session lives on (every push runs there)
+        self.sync_loop = LoopThread("weightsync-chat-client")
         self._sync: Any = None
         self._wait_for_server()
         if enable_weight_updates:
@@ -106,19 +108,16 @@ class VLLMChatClient:
         return server_strategy(self.host, self.group_port)  # connect picks the backend
 
     def _connect(self) -> None:
-        from weightsync._runtime.threads import LoopThread
         from weightsync.connect import connect
 
         async def opened() -> Any:
             return await connect([self.server_url], strategy=self._strategy_cfg(),
                                  api_key=self.api_key, device=self.device)
 
-        self._loop = LoopThread("weightsync-chat-client")
         try:
-            self._sync = self._loop.run(opened())
+            self._sync = self.sync_loop.run(opened())
         except BaseException:
-            self._loop.close()
-            self._loop = None
+            self.sync_loop.close()
             raise
 
     # -- weights ------------------------------------------------------------------------------
@@ -140,9 +139,24 @@ class VLLMChatClient:
         async def push() -> SyncStats:
             return await asyncio.wait_for(self._sync.push(params, version=version), timeout_s)
 
-        stats = self._loop.run(push())
+        stats = self.sync_loop.run(push())
         self.last_sync_stats = stats
         return str(stats.versions[0])
+
+    async def send_update(self, make_chunks: Any, manifest: list[Any], mode: Any,
+                          version: int | None, timeout_s: float, *,
+                          first_tensor: Any = None) -> SyncStats:
+        """One update from chunks under engine names (``make_chunks()``: an iterable or async
+        iterable), on ``sync_loop``: what the two-plane adapters
+        (``weightsync.distributed.VllmControlPlane``) send through."""
+        if not self.enable_weight_updates or self._sync is None:
+            raise WeightSyncError("an update through an inference-only client; create it with "
+                                  "enable_weight_updates=True")
+        stats = await asyncio.wait_for(self._sync.push_chunks(
+            make_chunks(), manifest, version=version, training_mode=mode, device=self.device),
+            timeout_s)
+        self.last_sync_stats = stats
+        return stats
 
     async def get_policy_version(self) -> int:
         """The version the server serves now (``GET /runtime_version``)."""
@@ -162,12 +176,12 @@ class VLLMChatClient:
     def close_communicator(self) -> None:
         """Leave the weight-sync group (the server drops its receivers); a later
         ``sync_weights`` needs a new client."""
-        sync, loop, self._sync, self._loop = self._sync, self._loop, None, None
-        if loop is not None:
+        sync, self._sync = self._sync, None
+        if sync is not None:
             try:
-                loop.run(sync.close())
+                self.sync_loop.run(sync.close())
             finally:
-                loop.close()
+                self.sync_loop.close()
 
     # -- generation ---------------------------------------------------------------------------
     async def complete(self, request: ChatCompletionRequest) -> tuple[ChatResponse, dict[str, Any]]:

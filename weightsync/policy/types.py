@@ -1,9 +1,11 @@
-"""What ``VLLMChatClient.complete`` takes and returns (plain data, no heavy imports)."""
+"""What ``VLLMChatClient.complete`` takes and returns, and the ``ChatClient`` protocol (plain
+data, no heavy imports)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(kw_only=True)
@@ -47,3 +49,18 @@ class ChatResponse:
     prompt_token_ids: list[int] | None = None
     completion_logprobs: list[float] | None = None
     weight_version: int | None = None
+
+
+@runtime_checkable
+class ChatClient(Protocol):
+    """The reference's inference client (structural: implement it without subclassing):
+    ``complete`` is async and returns ``(ChatResponse, info)``; ``sync_weights`` blocks until
+    the server serves the pushed weights and returns the version as a string.
+    ``VLLMChatClient`` implements it, and so does ``VLLMRewardClient`` (whose ``complete``
+    refuses: a reward model does not generate)."""
+
+    async def complete(self, request: ChatCompletionRequest) -> tuple[ChatResponse, dict[str, Any]]: ...
+
+    def sync_weights(
+        self, params: Mapping[str, Any], *, timeout_s: float = 600.0, version: int | None = None,
+    ) -> str: ...

@@ -20,12 +20,15 @@ pairs), or the model itself (``torch.nn.Module``), which lets the publisher stre
    without backbone weights, unmerged LoRA tensors, a mode that contradicts the model (LORA
    without adapters, FULL with active adapters), names (and shapes) the engine does not know
    (when ``engine_metadata`` is given; the server checks its own manifest again at start).
-3. **Send** on the sending rank only, chunk by chunk as they are extracted: the whole model is
-   never collected in memory (at most a few buckets of ``bucket_size_mb`` are alive). With
-   ``comm=None`` through the control client's own strategy (``VLLMRewardClient``); with
-   ``comm`` (a ``WeightTransferStrategy`` config/instance or a wired ``WeightTransferSender``)
-   through that. A control client of another kind gets ``sync_weights(params, ...)`` with the
-   selected tensors. The training mode travels with the update.
+3. **Send** on the sending rank only, as the reward spec does it: announce the batch on the
+   control plane (``extra={"training_mode": ...}``), broadcast each tensor from ``src_rank``
+   through the tensor communicator, barrier, finalize (``weightsync.distributed``), chunk by
+   chunk as they are extracted: the whole model is never collected in memory (at most a few
+   buckets of ``bucket_size_mb`` are alive). The planes: a ``ControlPlane`` and a
+   ``TensorCommunicator`` as given; for a ``VLLMRewardClient`` (``comm=None``) the vLLM
+   adapters over it (its own strategy); for an ``InferenceEngineClient`` with ``comm`` (a
+   ``WeightTransferStrategy`` config/instance or a wired ``WeightTransferSender``) the same
+   adapters over that sender.
 
 Ranks: ``src_rank`` sends; other ranks take part only in the extraction collectives of a
 sharded model (and return None at once for an unsharded one). With ``rank0_only=True`` ranks
@@ -61,11 +64,12 @@ T = TypeVar("T")
 class RewardModelPublisher:
     """See the module docstring.
 
-    ``control``: the control-plane client: a ``VLLMRewardClient`` (streams through its
-    strategy), anything with a blocking ``sync_weights(params, *, version, training_mode,
-    timeout_s)``, or an ``InferenceEngineClient`` (then ``comm`` is required). ``comm``: None,
-    a strategy (config mapping / YAML path / instance), or a ``WeightTransferSender`` already
-    wired to the engines. ``head_name_patterns``: the head (default ``DEFAULT_HEAD_PATTERNS``:
+    ``control`` / ``comm``: the reward spec's ``ControlPlane`` and ``TensorCommunicator``
+    (e.g. ``VllmControlPlane(client)``, ``VllmTensorCommunicator(client)``); or a
+    ``VLLMRewardClient`` and None (its vLLM adapters are built); or an
+    ``InferenceEngineClient`` and a strategy (config mapping / YAML path / instance) or a
+    ``WeightTransferSender`` already wired to the engines. ``src_rank``: the rank that sends
+    (``comm.rank`` for the spec's planes). ``head_name_patterns``: the head (default ``DEFAULT_HEAD_PATTERNS``:
     ``score.``, ``classifier.``, ``v_head.``; the design's ``lm_head.`` is a causal LM's output
     layer, which a sequence-classification reward model does not have). ``engine_metadata``:
     what the engine accepts (``{name: TensorMeta}``, a list of ``TensorMeta``, or a checkpoint
@@ -102,8 +106,7 @@ class RewardModelPublisher:
         self.bucket_size_mb = bucket_size_mb
         self.timeout_s = timeout_s
         self.last_extractor: WeightExtractor | None = None
-        self._sender: Any = None
-        self._engine_client: Any = None
+        self._built: tuple[Any, Any] | None = None  # (control plane, tensor communicator)
         self._twin = LoopThread("weightsync-publisher")  # runs the blocking twins
 
     # -- ranks ---------------------------------------------------------------------------------
@@ -174,7 +177,7 @@ class RewardModelPublisher:
 
             return make_chunks(named, bucket_size_mb=self.bucket_size_mb)
 
-        return await self._send(chunks, metas, mode, version, named=named)
+        return await self._send(chunks, metas, mode, version)
 
     def metadata(
         self, state_dict: Any, training_mode: RewardModelTrainingMode | str
@@ -207,10 +210,8 @@ class RewardModelPublisher:
         metas = ext.metadata(model, self.dtype)  # identical on every rank, no collective
         # every rank raises the same error, before any gather
         check_update(metas, mode, self.head_name_patterns, self.expected)
-        first = next(iter(model.parameters()), None)
-
         async def send(stream: Any) -> SyncStats:
-            return await self._send(stream, metas, mode, version, first_tensor=first)
+            return await self._send(stream, metas, mode, version)
 
         return await send_extracted(ext, model, self.dtype, send)
 
@@ -241,91 +242,64 @@ class RewardModelPublisher:
     # -- transport ---------------------------------------------------------------------------
     async def _send(
         self, make_chunks: Any, metas: list[TensorMeta], mode: RewardModelTrainingMode,
-        version: int | None, *, named: list[tuple[str, torch.Tensor]] | None = None,
-        first_tensor: Any = None,
-    ) -> SyncStats:
-        """Stream ``make_chunks()`` to the engines (see step 3 of the module docstring)."""
-        if self.comm is not None:
-            return await self._stream(make_chunks(), metas, mode, version)
-        from weightsync.reward.client import VLLMRewardClient
-
-        if isinstance(self.control, VLLMRewardClient):
-            first = named[0][1] if named else first_tensor
-            return await self.control._send_update(make_chunks, metas, mode, version,
-                                                   self.timeout_s, first_tensor=first)
-        sync = getattr(self.control, "sync_weights", None)
-        if sync is None:
-            raise TypeError(
-                f"{type(self.control).__name__} has no sync_weights(); pass comm= (a strategy "
-                f"or sender) to publish through an InferenceEngineClient"
-            )
-        if named is None:  # a model, for a client that only takes whole state dicts
-            named = [(n, t) async for c in make_chunks()
-                     for n, t in zip(c.names, c.tensors, strict=True)]
-        return await asyncio.to_thread(sync, dict(named), version=version, training_mode=mode,
-                                       timeout_s=self.timeout_s)
-
-    async def _stream(
-        self, chunks: Any, metas: list[TensorMeta], mode: RewardModelTrainingMode,
         version: int | None,
     ) -> SyncStats:
-        client = self._client()
-        sender = await self._ensure_sender(client)
-        heads = self.head_name_patterns if mode is RewardModelTrainingMode.HEAD_ONLY else None
+        """The spec's sequence over the two planes (step 3 of the module docstring)."""
+        from weightsync.distributed.publisher import publish_stream
+
+        control, comm = self._planes()
+        metadata = [{"name": m.name, "dtype": m.dtype, "shape": list(m.shape)} for m in metas]
         return await asyncio.wait_for(
-            sender.send_chunks(chunks, client, version=version, manifest=metas,
-                               training_mode=mode, head_name_patterns=heads),
+            publish_stream(control, comm, self.src_rank, metadata, _aiter(make_chunks()),
+                           version, extra={"training_mode": mode.value}),
             self.timeout_s,
         )
 
-    def _client(self) -> InferenceEngineClient:
+    def _planes(self) -> tuple[Any, Any]:
+        """(control plane, tensor communicator) from what the publisher was given."""
+        if self._built is not None:
+            return self._built
+        control, comm = self.control, self.comm
+        if hasattr(control, "announce_update_batch") and hasattr(comm, "broadcast"):
+            self._built = (control, comm)
+            return self._built
+        from weightsync.distributed.adapters import VllmControlPlane, VllmTensorCommunicator
+
+        if comm is None and hasattr(control, "send_update") and hasattr(control, "sync_loop"):
+            backing: Any = control  # a VLLMRewardClient (or VLLMChatClient)
+        elif comm is not None:
+            backing = _StrategyBacking(self._engine_client(), comm, self.bucket_size_mb,
+                                       self.head_name_patterns, self._twin)
+        else:
+            raise TypeError(
+                f"{type(control).__name__} is not a control plane: pass a ControlPlane and a "
+                f"TensorCommunicator, a VLLMRewardClient, or an InferenceEngineClient with comm= "
+                f"(a strategy or a sender)")
+        self._built = (VllmControlPlane(backing, timeout_s=self.timeout_s),
+                       VllmTensorCommunicator(backing))
+        return self._built
+
+    def _engine_client(self) -> InferenceEngineClient:
         from weightsync.interfaces import InferenceEngineClient
 
         if isinstance(self.control, InferenceEngineClient):
             return self.control
-        if self._engine_client is None:
-            base_url = getattr(self.control, "base_url", None)
-            if base_url is None:
-                raise TypeError(
-                    f"comm= given but {type(self.control).__name__} is neither an "
-                    f"InferenceEngineClient nor a reward client with a base_url"
-                )
-            from weightsync.clients import FanOutClient
+        url = getattr(self.control, "server_url", None)
+        if url is None:
+            raise TypeError(
+                f"comm= given but {type(self.control).__name__} is neither an "
+                f"InferenceEngineClient nor a client with a server_url")
+        from weightsync.clients import FanOutClient
 
-            self._engine_client = FanOutClient(
-                [base_url], api_key=getattr(self.control, "api_key", None),
-                timeout_s=self.timeout_s,
-            )
-        return self._engine_client
-
-    async def _ensure_sender(self, client: InferenceEngineClient) -> Any:
-        from weightsync.interfaces import WeightTransferSender, WeightTransferStrategy
-
-        if isinstance(self.comm, WeightTransferSender):
-            return self.comm
-        if self._sender is None:
-            strategy = self.comm
-            if not isinstance(strategy, WeightTransferStrategy):
-                from weightsync.config import build_strategy
-
-                strategy = build_strategy(strategy)
-            info = await strategy.create_sync_info(strategy.cfg, client)
-            self._sender = await strategy.create_sender(strategy.cfg, client, info)
-        return self._sender
+        return FanOutClient([url], api_key=getattr(self.control, "api_key", None),
+                            timeout_s=self.timeout_s)
 
     async def close(self) -> None:
-        """Tear down what the publisher built (its sender and HTTP control client)."""
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            client = self._client()
-            try:
-                await client.close_weight_transfer()
-            except Exception:  # noqa: BLE001 - the engine may be gone already
-                pass
-            await sender.close()
-        if self._engine_client is not None:
-            await self._engine_client.aclose()
-            self._engine_client = None
+        """Tear down what the publisher built (a strategy sender and its control client)."""
+        built, self._built = self._built, None
+        backing = getattr(built[0], "client", None) if built else None
+        if isinstance(backing, _StrategyBacking):
+            await backing.close(owns_client=backing.client is not self.control)
 
     def close_sync(self) -> None:
         """Blocking twin of ``close``; also stops the private loop thread."""
@@ -337,27 +311,106 @@ class RewardModelPublisher:
         return self._twin.run(coro)
 
 
+class _StrategyBacking:
+    """What the vLLM adapters drive when the publisher was given an engine client and a
+    strategy (or a wired sender): ``send_update`` runs one update with that sender, on the
+    publisher's loop."""
+
+    def __init__(self, client: InferenceEngineClient, comm: Any, bucket_size_mb: float,
+                 head_name_patterns: list[str], sync_loop: LoopThread) -> None:
+        self.client = client
+        self.comm = comm
+        self.head_name_patterns = head_name_patterns
+        self.sync_loop = sync_loop
+        self.strategy_cfg = {"bucket_size_mb": bucket_size_mb}
+        self._sender: Any = None
+
+    async def send_update(self, make_chunks: Any, manifest: list[TensorMeta],
+                          mode: RewardModelTrainingMode | None, version: int | None,
+                          timeout_s: float, *, first_tensor: Any = None) -> SyncStats:
+        sender = await self._ensure_sender()
+        heads = self.head_name_patterns if mode is RewardModelTrainingMode.HEAD_ONLY else None
+        return await asyncio.wait_for(
+            sender.send_chunks(make_chunks(), self.client, version=version, manifest=manifest,
+                               training_mode=mode, head_name_patterns=heads),
+            timeout_s,
+        )
+
+    async def _ensure_sender(self) -> Any:
+        from weightsync.interfaces import WeightTransferSender, WeightTransferStrategy
+
+        if isinstance(self.comm, WeightTransferSender):
+            return self.comm
+        if self._sender is None:
+            strategy = self.comm
+            if not isinstance(strategy, WeightTransferStrategy):
+                from weightsync.config import build_strategy
+
+                strategy = build_strategy(strategy)
+            info = await strategy.create_sync_info(strategy.cfg, self.client)
+            self._sender = await strategy.create_sender(strategy.cfg, self.client, info)
+        return self._sender
+
+    async def close(self, *, owns_client: bool) -> None:
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            try:
+                await self.client.close_weight_transfer()
+            except Exception:  # noqa: BLE001 - the engine may be gone already
+                pass
+            await sender.close()
+        if owns_client:
+            await self.client.aclose()
+
 
 def create_reward_publisher(
     client: Any,
     head_name_patterns: Sequence[str] | None = None,
     rank0_only: bool = False,
     **kwargs: Any,
-) -> RewardModelPublisher:
-    """A publisher over ``client`` (e.g. ``VLLMRewardClient``) using the client's configured
-    strategy (``comm=None``), sending from rank 0. ``rank0_only=True``: other ranks do nothing
-    at all (unsharded models); otherwise they join the gathers of a sharded model. ``kwargs``
-    go to ``RewardModelPublisher`` (``engine_metadata``, ``dtype``, ``comm``, ``rank``...)."""
+) -> Any:
+    """The reward spec's factory: a ``RewardModelPublisher`` over ``VllmControlPlane(client)``
+    and ``VllmTensorCommunicator(client)`` (the client's own strategy), sending from
+    ``comm.rank``. ``rank0_only=True`` wraps it in ``Rank0OnlyPublisher``: ranks other than 0
+    return at once and never build it (unsharded models; a sharded one is refused on rank 0,
+    which cannot gather it alone); otherwise every rank builds one and the others join the
+    gathers of a sharded model. ``kwargs`` go to ``RewardModelPublisher`` (``engine_metadata``,
+    ``dtype``, ``rank``, ``bucket_size_mb``, ``timeout_s``)."""
     patterns = head_name_patterns
     if patterns is None:
         patterns = getattr(client, "head_name_patterns", None)
-    return RewardModelPublisher(client, kwargs.pop("comm", None), 0, patterns,
-                                rank0_only=rank0_only, **kwargs)
+
+    def _make() -> RewardModelPublisher:
+        from weightsync.distributed.adapters import VllmControlPlane, VllmTensorCommunicator
+
+        control = VllmControlPlane(client, timeout_s=kwargs.get("timeout_s", 600.0))
+        comm = VllmTensorCommunicator(client)
+        return RewardModelPublisher(control, comm, src_rank=comm.rank,
+                                    head_name_patterns=patterns, rank0_only=rank0_only,
+                                    **kwargs)
+
+    if rank0_only:
+        from weightsync.distributed.publisher import Rank0OnlyPublisher
+
+        return Rank0OnlyPublisher(_make, rank=kwargs.get("rank"))
+    if client is None:  # a rank that only joins the gathers of a sharded model
+        return RewardModelPublisher(None, None, 0, patterns, **kwargs)
+    return _make()
 
 
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+
+
+async def _aiter(chunks: Any) -> Any:
+    """An iterable or async iterable of chunks as an async iterator."""
+    if hasattr(chunks, "__aiter__"):
+        async for c in chunks:
+            yield c
+    else:
+        for c in chunks:
+            yield c
 
 
 def _is_module(x: Any) -> bool:

@@ -10,8 +10,10 @@ Score levels:
   the score goes to ``rollout.meta[score_key]``.
 - ``"step"`` (process reward): the score goes to ``step.meta[score_key]``. Two ways:
 
-  - ``step_tag=None`` (default): one text per step prefix, ``text_fn(rollout, steps[: i + 1])``
-    for the i-th step, scored by any sequence-level reward model.
+  - ``step_tag=None`` (default): one text per step, ``text_fn(rollout, steps[: i + 1])`` for
+    the i-th step, scored by any sequence-level reward model. The default ``text_fn`` there is
+    ``step_text``: the step's own ``f"{prev_obs}\n{action}"``, as the reward spec scores each
+    (state, action) pair; ``text_fn=rollout_text`` scores the whole prefix instead.
   - ``step_tag="<tag>"``: server-side step pooling, one text per rollout with the tag after
     every step (``text_fn(rollout, rollout.steps)``, default ``tagged_rollout_text``), sent with
     ``pooling_type="step"``; the server returns the score at each tag, i.e. the score of the
@@ -19,9 +21,9 @@ Score levels:
     token for the server's tokenizer and appear in the text exactly once per step (checked on
     both sides). Needs a client with ``score(ScoringRequest)`` (``VLLMRewardClient``).
 
-The default ``text_fn`` is ``rollout_text``: the non-empty ``prev_obs`` and ``action`` strings
-of the steps joined by newlines (with ``step_tag``: ``tagged_rollout_text``, the same with the
-tag after each step). Train the reward model on the same format, or pass your own ``text_fn``
+The default ``text_fn`` of sequence scoring is ``rollout_text``: the non-empty ``prev_obs`` and
+``action`` strings of the steps joined by newlines (with ``step_tag``: ``tagged_rollout_text``,
+the same with the tag after each step). Train the reward model on the same format, or pass your own ``text_fn``
 (e.g. a chat template).
 
 Batches of ``batch_size`` texts go to the client with at most ``max_concurrency`` in flight;
@@ -41,8 +43,9 @@ the score. A client with ``score(ScoringRequest)`` and ``get_model_version()`` (
 carries its version. Otherwise ``score_batch(texts)`` is used and, when the client has
 ``get_model_version``, the version is read before and after the run and recorded only if it did
 not change (else None and ``last_stats.version_changed``): scores are never attributed to the
-wrong weights. ``normalize`` (None: raw scores, what transformers computes; True: the model's
-activation) is passed to the client.
+wrong weights. ``normalize`` (False, the default: raw scores, what transformers computes; True:
+the model's activation, what the reference's client returns by default) is passed to the
+client; requests through ``score`` leave the pooling to the server (its configured one).
 """
 
 from __future__ import annotations
@@ -100,6 +103,13 @@ def rollout_text(rollout: Any, steps: Sequence[Any]) -> str:
     return "\n".join(parts)
 
 
+def step_text(rollout: Any, steps: Sequence[Any]) -> str:
+    """The default text of step scoring: the last given step as the reward spec writes a
+    (state, action) pair, ``f"{step.prev_obs}\n{step.action}"``."""
+    step = steps[-1]
+    return f"{step.prev_obs}\n{step.action}"
+
+
 def tagged_rollout_text(step_tag: str) -> TextFn:
     """The default text of server-side step pooling: each step as ``rollout_text`` writes it,
     followed by ``step_tag``, steps newline-joined (so the text up to step i's tag is the
@@ -125,7 +135,7 @@ class RewardModelScorer:
         text_fn: TextFn | None = None,
         aggregate: Aggregate = DEFAULT_AGGREGATE,
         vector_key: str | None = None,
-        normalize: bool | None = None,
+        normalize: bool = False,
         max_retries: int = 0,
         retry_backoff_s: float = 0.5,
         timeout_s: float | None = None,
@@ -153,8 +163,8 @@ class RewardModelScorer:
             raise ValueError(f"vector_key must differ from score_key ({score_key!r})")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
-        if normalize is not None and not isinstance(normalize, bool):
-            raise ValueError(f"normalize must be a bool or None, got {normalize!r}")
+        if not isinstance(normalize, bool):
+            raise ValueError(f"normalize must be a bool, got {normalize!r}")
         if step_tag is not None:
             if not isinstance(step_tag, str) or not step_tag:
                 raise ValueError(f"step_tag must be a non-empty string or None, got {step_tag!r}")
@@ -171,8 +181,10 @@ class RewardModelScorer:
         self.score_level = score_level
         self.batch_size = batch_size
         self.max_concurrency = max_concurrency
-        self.text_fn: TextFn = text_fn or (
-            tagged_rollout_text(step_tag) if step_tag is not None else rollout_text)
+        if text_fn is None:
+            text_fn = (tagged_rollout_text(step_tag) if step_tag is not None
+                       else step_text if score_level == "step" else rollout_text)
+        self.text_fn: TextFn = text_fn
         self.aggregate = aggregate
         self._reduce = resolve_aggregate(aggregate)
         self.vector_key = vector_key
@@ -354,12 +366,10 @@ class RewardModelScorer:
 
     async def _request(self, batch: list[str]) -> Any:
         if not self.use_score_api:
-            if self.normalize is None:
-                return await self.client.score_batch(batch)
             return await self.client.score_batch(batch, normalize=self.normalize)
         from weightsync.reward.types import PoolingType, ScoringRequest
 
-        kwargs: dict[str, Any] = {"normalize": bool(self.normalize)}  # None: raw scores
+        kwargs: dict[str, Any] = {"normalize": self.normalize, "pooling_type": None}
         if self.step_tag is not None:
             kwargs.update(pooling_type=PoolingType.STEP, step_tag=self.step_tag)
         result = await self.client.score(ScoringRequest(inputs=batch, **kwargs))

@@ -48,7 +48,7 @@ def test_presets_pair_assigner_loss_and_scorer_settings():
 
 def test_make_scorer_uses_the_settings():
     class Client:
-        async def score_batch(self, texts):
+        async def score_batch(self, texts, *, normalize=True):
             return [float(len(t)) for t in texts]
 
     scorer = make_grpo_with_rm(2, rm_score_key="r", batch_size=3).make_scorer(

@@ -1,12 +1,12 @@
 """What one reward-model update carries: name normalisation, training-mode selection and checks
-(``weightsync.reward.selection``), and the client's defaults. No server needed: every refusal
-here happens before any request."""
+(``weightsync.reward.selection``). No server needed: every refusal here happens before any
+request."""
 
 from __future__ import annotations
 
 import pytest
 
-from weightsync.errors import WeightMismatchError, WeightSyncError
+from weightsync.errors import WeightMismatchError
 from weightsync.reward.selection import TrainingModeWarning, select_params
 
 torch = pytest.importorskip("torch")
@@ -101,29 +101,3 @@ def test_dtype_cast_and_engine_metadata():
     del exp["model.norm.weight"]
     with pytest.raises(WeightMismatchError, match="model.norm.weight: not a parameter"):
         select_params(SD, "full", expected=exp)
-
-
-def test_client_defaults_and_local_refusals():
-    from weightsync.reward.client import RewardModelClient, VLLMRewardClient
-
-    c = VLLMRewardClient()
-    assert (c.host, c.port, c.group_port, c.connection_timeout_s, c.enable_weight_updates,
-            c.device, c.model_name) == ("127.0.0.1", 8001, None, 60.0, False, None, None)
-    assert c.base_url == "http://127.0.0.1:8001" and isinstance(c, RewardModelClient)
-    with pytest.raises(WeightSyncError, match="enable_weight_updates=True"):
-        c.sync_weights(SD)
-    assert VLLMRewardClient(device=0).strategy_cfg["backend"] == "nccl"  # an int is cuda:n
-    assert VLLMRewardClient(device="cpu", group_port=51217).strategy_cfg == {
-        "type": "broadcast", "backend": "gloo", "master_port": 51217, "master_addr": "127.0.0.1"}
-    assert VLLMRewardClient(host="10.0.0.7", device="cuda:1").strategy_cfg == {
-        "type": "broadcast", "backend": "nccl"}  # a remote server: the node's address, any port
-    # a strategy given any way the front door takes one: a name, a preset, a whole preset mapping
-    assert VLLMRewardClient(strategy="cuda_ipc", bucket_size_mb=8).strategy_cfg == {
-        "type": "cuda_ipc", "bucket_size_mb": 8}
-    assert VLLMRewardClient(strategy="broadcast_gloo").strategy_cfg["backend"] == "gloo"
-    assert VLLMRewardClient(strategy={"strategy": {"type": "packed_cuda_ipc"}}).strategy_cfg == {
-        "type": "packed_cuda_ipc"}
-    on = VLLMRewardClient(enable_weight_updates=True, port=9)  # nothing listens on port 9
-    with pytest.raises(WeightMismatchError, match="not a head parameter"):
-        on.sync_weights({"model.norm.weight": SD["model.norm.weight"]}, training_mode="head_only")
-    on.close_sync()

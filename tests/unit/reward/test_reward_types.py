@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from weightsync.reward.types import (
     RewardModelTrainingMode,
     ScoringRequest,
     ScoringResponse,
+    ScoringResult,
     flatten_scores,
     is_head_param,
     non_head_params,
@@ -28,9 +30,11 @@ def test_training_mode_is_str_enum_and_parses():
         RewardModelTrainingMode.parse(3)
 
 
-def test_pooling_type():
-    assert PoolingType.parse("last") is PoolingType.LAST
-    assert PoolingType.parse(" Step ") is PoolingType.STEP and PoolingType.STEP.wire == "step"
+def test_pooling_type_values_are_the_plans():
+    assert PoolingType("last") is PoolingType.LAST and PoolingType.LAST.value == "last"
+    assert [m.value for m in PoolingType] == ["last", "mean", "cls", "all", "step"]
+    assert PoolingType.LAST == "last"  # a str enum: compares with the plain spelling
+    assert PoolingType.parse(" Step ") is PoolingType.STEP and PoolingType.STEP.vllm_name == "STEP"
     assert PoolingType.LAST.is_sequence_level and not PoolingType.STEP.is_sequence_level
     with pytest.raises(ValueError, match="pooling_type"):
         PoolingType.parse("max")
@@ -59,6 +63,7 @@ def test_head_patterns():
         ({"input": "a", "pooling_type": "step", "step_tag_id": -1}, "step_tag_id"),
         ({"input": "a", "pooling_type": "step", "step_tag": ""}, "step_tag"),
         ({"input": "a", "model": 1}, "model"),
+        ({"input": None}, "input: missing"),
         ({"input": "a", "temperature": 1}, "unknown field"),
         ({}, "input: missing"),
         ([1, 2], "JSON object"),
@@ -70,45 +75,74 @@ def test_scoring_request_rejects_bad_input(body, field):
 
 
 def test_scoring_request_roundtrip():
-    r = ScoringRequest(["a", "b"], normalize=False, model="rm")
+    r = ScoringRequest("rm", ["a", "b"], normalize=False)  # the plan's order: model, inputs
     d = json.loads(json.dumps(r.to_dict()))
-    assert d == {"input": ["a", "b"], "normalize": False, "model": "rm"}
+    assert d == {"input": ["a", "b"], "normalize": False, "model": "rm", "pooling_type": "last"}
     back = ScoringRequest.from_dict(d)
     assert back == r and back.texts == ["a", "b"] and len(back) == 2
-    single = ScoringRequest("x")  # the design's default: the model's activation applied
-    assert single.texts == ["x"] and single.to_dict()["normalize"] is True
-    step = ScoringRequest(["a"], pooling_type="STEP", step_tag="<|step|>", n_labels=2)
+    single = ScoringRequest(inputs="x")  # the design's defaults: activation, last-token pooling
+    assert single.texts == ["x"] and single.to_dict() == {
+        "input": "x", "normalize": True, "pooling_type": "last"}
+    step = ScoringRequest(inputs=["a"], pooling_type="STEP", step_tag="<|step|>", n_labels=2)
     d = json.loads(json.dumps(step.to_dict()))
     assert d == {"input": ["a"], "normalize": True, "pooling_type": "step",
                  "step_tag": "<|step|>", "n_labels": 2}
     assert ScoringRequest.from_dict(d) == step and step.pooling_type is PoolingType.STEP
+    # a wire request without pooling_type asks for the server's own pooling
+    assert ScoringRequest.from_dict({"input": "a"}).pooling_type is None
+    with pytest.raises(ValueError, match="model: must be a string"):
+        ScoringRequest(["a"])  # texts where the plan puts the model: named, not guessed
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.normalize = True  # frozen, as the spec and plan declare it
 
 
-def test_scoring_request_speaks_the_designs_fields():
-    """What the reward design's client sends parses, with the design's defaults."""
+def test_scoring_request_has_the_references_fields_and_defaults():
+    """The plan's fields, order and defaults, plus the spec's ``return_hidden_states``."""
+    fields = [(f.name, f.default) for f in dataclasses.fields(ScoringRequest)]
+    assert fields[:6] == [("model", None), ("inputs", None), ("pooling_type", PoolingType.LAST),
+                          ("normalize", True), ("n_labels", 1), ("return_hidden_states", False)]
     spec = {"model": "reward-model", "input": ["a", "b"], "pooling_type": "last",
-            "normalize": True}
+            "normalize": True}  # what the reference client sends
     r = ScoringRequest.from_dict(spec)
-    assert (r.model, r.texts, r.pooling_type, r.normalize) == (
-        "reward-model", ["a", "b"], PoolingType.LAST, True)
-    assert ScoringRequest.from_dict({"input": "a"}).normalize is True  # the design's default
+    assert (r.model, r.texts, r.pooling_type, r.normalize, r.n_labels) == (
+        "reward-model", ["a", "b"], PoolingType.LAST, True, 1)
+    assert ScoringRequest.from_dict({"input": "a"}).normalize is True
     assert ScoringRequest.from_dict({"input": "a", "use_activation": False}).normalize is False
-    assert ScoringRequest.from_dict({"input": "a", "return_hidden_states": False})
+    assert ScoringRequest.from_dict({"input": "a", "return_hidden_states": True}).return_hidden_states
+    assert ScoringRequest(inputs="a").checked_labels() is None  # 1: any model, as the reference
+    assert ScoringRequest(inputs="a", n_labels=3).checked_labels() == 3
+
+
+def test_scoring_response_as_the_spec_builds_it():
+    """A fake client in a test builds ``ScoringResponse(scores=[...])``; the plan reads
+    ``results``, ``model`` and ``usage``."""
+    r = ScoringResponse(scores=[0.5, 0.25])
+    assert (r.hidden_states, r.metadata, r.version) == (None, {}, None)
+    assert r.results == [ScoringResult(0.5, 0), ScoringResult(0.25, 1)]
+    spec = ScoringResponse(scores=[0.85], hidden_states=None,
+                           metadata={"model": "rm", "usage": {"prompt_tokens": 3}})
+    assert (spec.model, spec.usage) == ("rm", {"prompt_tokens": 3})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.scores = []
 
 
 def test_scoring_response_roundtrip_one_and_many_labels():
-    r1 = ScoringResponse([0.5, -1], version=3, prompt_tokens=7, model="m")
+    r1 = ScoringResponse([0.5, -1], version=3, metadata={"model": "m",
+                                                         "usage": {"prompt_tokens": 7}})
     d = json.loads(json.dumps(r1.to_dict()))
     assert d["data"] == [{"index": 0, "score": 0.5}, {"index": 1, "score": -1.0}]
-    assert d["usage"] == {"prompt_tokens": 7} and d["version"] == 3
+    assert d["usage"] == {"prompt_tokens": 7} and d["version"] == 3 and d["model"] == "m"
     assert ScoringResponse.from_dict(d) == r1 and r1.n_labels == 1
     r3 = ScoringResponse([[1, 2, 3], [4, 5, 6]], version=0)
     back = ScoringResponse.from_dict(json.loads(json.dumps(r3.to_dict())))
     assert back.scores == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]] and back.n_labels == 3
     assert flatten_scores(back.scores, label=2) == [3.0, 6.0]
+    # the reference server's answer: no version, no pooling_type
     spec_answer = {"model": "m", "data": [{"score": 0.85, "index": 0}],
-                   "usage": {"prompt_tokens": 3}, "version": 1}  # no pooling_type: sequence
-    assert ScoringResponse.from_dict(spec_answer).pooling_type is PoolingType.LAST
+                   "usage": {"prompt_tokens": 3}}
+    got = ScoringResponse.from_dict(spec_answer)
+    assert got.pooling_type is PoolingType.LAST and got.version is None
+    assert got.metadata == {"model": "m", "usage": {"prompt_tokens": 3}}
 
 
 def test_scoring_response_step_scores():
@@ -116,7 +150,7 @@ def test_scoring_response_step_scores():
     d = json.loads(json.dumps(r.to_dict()))
     assert d["pooling_type"] == "step" and d["data"][1] == {"index": 1, "score": []}
     back = ScoringResponse.from_dict(d)
-    assert back == r and back.n_labels == 1
+    assert back.scores == r.scores and back.version == 2 and back.n_labels == 1
     r3 = ScoringResponse([[[1, 2, 3]], [[4, 5, 6], [7, 8, 9]]], version=0, pooling_type="step")
     assert r3.n_labels == 3 and r3.scores[1][1] == [7.0, 8.0, 9.0]
     with pytest.raises(ValueError, match="a list per text"):
@@ -141,8 +175,8 @@ def test_scoring_response_validation(kwargs, msg):
 
 
 def test_scoring_response_from_dict_errors():
-    with pytest.raises(ValueError, match="missing field 'version'"):
-        ScoringResponse.from_dict({"data": []})
+    with pytest.raises(ValueError, match="missing field 'data'"):
+        ScoringResponse.from_dict({"version": 0})
     with pytest.raises(ValueError, match="indices"):
         ScoringResponse.from_dict({"data": [{"index": 1, "score": 0.0}], "version": 0})
 

@@ -75,7 +75,7 @@ class Flaky:
         self.inner, self.fail_calls, self.calls = inner, fail_calls, 0
         self.exc = exc or ConnectionError("503 Service Unavailable: weights are being updated")
 
-    async def score_batch(self, texts):
+    async def score_batch(self, texts, *, normalize=True):
         self.calls += 1
         if self.calls in self.fail_calls:
             raise self.exc
@@ -157,19 +157,28 @@ def test_sequence_scores_equal_single_text_forward_and_land_in_rollout_meta(mode
     assert not stats.mixed_versions
 
 
-def test_step_level_scores_every_step_prefix(client1):
-    rollouts = _multi_step(5)  # 1, 2, 3, 1, 2 steps: 9 prefixes
+def test_step_level_scores_each_state_action_pair(client1):
+    """The spec's per-step text: each step's own ``f"{prev_obs}\n{action}"``."""
+    rollouts = _multi_step(5)  # 1, 2, 3, 1, 2 steps: 9 steps
     scorer = RewardModelScorer(client1, score_level="step", batch_size=4)
     _run(scorer.score(rollouts))
     assert scorer.last_stats.num_texts == 9
     for r in rollouts:
         assert "rm_score" not in r.meta
+        for s in r.steps:
+            text = f"{s.prev_obs}\n{s.action}"
+            assert s.meta["rm_score"] == pytest.approx(client1.one(text), abs=1e-5)
+            assert s.meta["rm_score_version"] == 4
+    assert r.steps[0].meta["rm_score"] != r.steps[1].meta["rm_score"]
+
+
+def test_step_level_scores_every_prefix_with_rollout_text(client1):
+    rollouts = _multi_step(5)
+    _run(RewardModelScorer(client1, score_level="step", text_fn=rollout_text).score(rollouts))
+    for r in rollouts:
         for i, s in enumerate(r.steps):
             prefix = rollout_text(r, r.steps[: i + 1])
             assert s.meta["rm_score"] == pytest.approx(client1.one(prefix), abs=1e-5)
-            assert s.meta["rm_score_version"] == 4
-    # a longer prefix is another text: the scores of one rollout's steps differ
-    assert r.steps[0].meta["rm_score"] != r.steps[1].meta["rm_score"]
 
 
 @pytest.mark.slow
@@ -202,7 +211,7 @@ def test_batches_in_flight_are_bounded_and_order_is_kept(client1):
         def __init__(self):
             self.calls = self.in_flight = self.max_in_flight = 0
 
-        async def score_batch(self, texts):
+        async def score_batch(self, texts, *, normalize=True):
             self.calls += 1
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -254,7 +263,9 @@ def test_normalize_is_passed_to_the_client(client1):
     client1.kwargs.clear()
     _run(RewardModelScorer(client1, normalize=False).score(_rollouts(1)))
     _run(RewardModelScorer(client1).score(_rollouts(1)))
-    assert client1.kwargs == [{"normalize": False}, {}]  # None: the client's own default
+    _run(RewardModelScorer(client1, normalize=True).score(_rollouts(1)))
+    # raw scores by default; normalize=True asks for the activated ones (the reference's)
+    assert client1.kwargs == [{"normalize": False}, {"normalize": False}, {"normalize": True}]
 
 
 # -- versions ----------------------------------------------------------------------------------------
@@ -267,11 +278,11 @@ class VersionedClient:
     def __init__(self, inner: HFForwardClient) -> None:
         self.inner, self.version = inner, 7
 
-    async def score_batch(self, texts):
+    async def score_batch(self, texts, *, normalize=True):
         from weightsync.reward.types import ScoringResponse
 
         scores = await self.inner.score_batch(texts)
-        resp = ScoringResponse(scores=scores, version=self.version, prompt_tokens=1)
+        resp = ScoringResponse(scores=scores, version=self.version)
         self.version += 1
         return resp
 
@@ -288,7 +299,7 @@ def test_version_that_moves_mid_run_is_not_attributed(model_dirs):
     client = HFForwardClient(model_dirs[1], version=1)
     inner = client.score_batch
 
-    async def bump_then_score(texts):
+    async def bump_then_score(texts, *, normalize=True):
         client.version += 1  # the reward model was updated while we scored
         return await inner(texts)
 
@@ -302,7 +313,7 @@ def test_version_that_moves_mid_run_is_not_attributed(model_dirs):
 
 def test_client_without_version_or_with_a_failing_lookup_records_none(client1):
     class Bare:
-        async def score_batch(self, texts):
+        async def score_batch(self, texts, *, normalize=True):
             return await client1.score_batch(texts)
 
     class NoVersion(Bare):
@@ -328,9 +339,9 @@ class ProtocolClient:
 
         self.requests.append(request)
         scores = await self.inner.score_batch(request.texts)
-        return ScoringResponse(scores=scores, version=self.version, prompt_tokens=1), {}
+        return ScoringResponse(scores=scores, version=self.version), {}
 
-    async def score_batch(self, texts):
+    async def score_batch(self, texts, *, normalize=True):
         raise AssertionError("the scorer should use score() for a RewardModelClient")
 
     async def get_model_version(self):
@@ -393,7 +404,7 @@ def test_retry_recovers_from_a_transient_failure(client1):
 
 def test_timeout():
     class Slow:
-        async def score_batch(self, texts):
+        async def score_batch(self, texts, *, normalize=True):
             await asyncio.sleep(5)
 
     with pytest.raises(ScoringError, match=r"batch 0 .* against client Slow .* timed out"):
@@ -413,7 +424,7 @@ def test_timeout():
 )
 def test_unusable_scores_refused(returned, match):
     class Bad:
-        async def score_batch(self, texts):
+        async def score_batch(self, texts, *, normalize=True):
             return returned
 
     rollouts = _rollouts(2)
@@ -432,7 +443,7 @@ def test_unusable_scores_refused(returned, match):
         ({"vector_key": "rm_score"}, "vector_key must differ from score_key"),
         ({"timeout_s": 0}, "timeout_s must be > 0"),
         ({"aggregate": "median"}, "aggregate: unknown name 'median'"),
-        ({"normalize": "yes"}, "normalize must be a bool or None"),
+        ({"normalize": "yes"}, "normalize must be a bool"),
     ],
 )
 def test_bad_arguments(client1, kwargs, match):
