@@ -36,7 +36,9 @@ Serving: ``check_serving()`` passes in IDLE and RECEIVING (between chunks of a l
 weights may be partly new: a server that serves concurrently holds requests during an update,
 as the reward server's gate does) and raises in FINISHING and TORN (``UpdateIncompleteError``)
 and CLOSED: the engine never serves a silent mix of old and new weights; it serves again once a
-complete update lands. Versions are monotonic and published only by a complete update.
+complete update lands. Versions are published only by a complete update and increase (0 or
+none asks for the next one), unless the start allows a reset (``allow_version_reset``: the
+version is taken as given, the reference's rule for a trainer that restarted its count).
 """
 
 from __future__ import annotations
@@ -250,10 +252,12 @@ class WeightUpdateEndpoint:
             if msg.manifest is not None and not self._accepted_before(msg):
                 self._validate(msg.manifest, msg, whole_update=True)
                 self._accepted = (msg.manifest, msg.training_mode, msg.head_name_patterns)
-            if msg.version is not None and msg.version <= self._version:
+            if msg.version and msg.version <= self._version and not msg.allow_version_reset:
                 raise UpdateRefusedError(
                     f"{self.name}: update version {msg.version} is not newer than the served "
-                    f"version {self._version}; versions must increase"
+                    f"version {self._version}; versions must increase (send no version, or 0, "
+                    f"to publish the next one; a server started with --allow-version-reset "
+                    f"takes it as given)"
                 )
             await self.loader.start_update(msg)  # may refuse too (nothing loaded yet)
             self._update = _Update(msg, UpdateSink(self.loader, staged=staged, name=self.name))
@@ -356,10 +360,10 @@ class WeightUpdateEndpoint:
                     self._state = EndpointState.IDLE
                 raise
             self._update = None
-            version = msg.version if msg.version is not None else (
-                update.start.version if update.start.version is not None else self._version + 1
-            )
-            self._version = max(int(version), self._version)
+            # None or 0: the next version (the reference's "bump")
+            version = int(msg.version or update.start.version or self._version + 1)
+            self._version = version if update.start.allow_version_reset else max(
+                version, self._version)
             self._state = EndpointState.IDLE
             self._last_error = ""
             return self._version

@@ -662,6 +662,9 @@ class WeightUpdateStart(_Tagged):
 
     Per-update options: ``training_mode`` (None: no name policy) and ``head_name_patterns``
     (for HEAD_ONLY; None: the defaults). ``extras``: free-form, for third-party loaders.
+    ``version`` None or 0: the engine's next version (the reference's "bump").
+    ``allow_version_reset``: publish ``version`` even when it is not newer than the served one
+    (a trainer that restarted its count; the reference's rule); by default it must increase.
     """
 
     TYPE: ClassVar[str] = "start"
@@ -677,6 +680,7 @@ class WeightUpdateStart(_Tagged):
     # the sender promises a call at least this often; an engine that hears nothing for longer
     # abandons the update (None: the engine's own limit)
     idle_timeout_s: float | None = None
+    allow_version_reset: bool = False
 
     def __post_init__(self) -> None:
         if self.training_mode is not None:
@@ -687,8 +691,9 @@ class WeightUpdateStart(_Tagged):
             raise ValueError(f"update_id must be a string, got {type(self.update_id).__name__}")
         if self.version is not None and (not _is_int(self.version) or self.version < 0):
             raise ValueError(f"version must be an int >= 0 or null, got {self.version!r}")
-        if not isinstance(self.staged, bool):
-            raise ValueError(f"staged must be true or false, got {self.staged!r}")
+        for flag in ("staged", "allow_version_reset"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.idle_timeout_s is not None:
             check_timeouts(self, "idle_timeout_s")
         if self.manifest is not None and not isinstance(self.manifest, (list, tuple)):

@@ -167,8 +167,9 @@ class Engine:
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.module.state_dict().items()}
 
-    def start(self, update_id: str, version: int | None, manifest=None) -> None:
-        d = ws.WeightUpdateStart(update_id=update_id, version=version, manifest=manifest).to_dict()
+    def start(self, update_id: str, version: int | None, manifest=None, **kwargs) -> None:
+        d = ws.WeightUpdateStart(update_id=update_id, version=version, manifest=manifest,
+                                 **kwargs).to_dict()
         _run(self.ep.start_weight_update(_j(d)))
 
     def chunk(self, update_id: str, index: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -260,6 +261,30 @@ def test_a_manifest_sent_again_is_checked_once_but_a_new_training_mode_checks_it
     with pytest.raises(WeightMismatchError, match="shape"):
         e.start("c", 3, changed)  # another manifest: checked again, refused
     assert e.ep.version == 2
+
+
+def test_version_zero_means_the_next_version():
+    """The reference's rule: a forced version of 0 (falsy) bumps the served one."""
+    e = Engine()
+    for expected in (1, 2):
+        e.start(f"z{expected}", 0)
+        e.chunk(f"z{expected}", 0, _new_weights(expected))
+        assert e.finish(f"z{expected}", 0, 1) == expected
+
+
+def test_allow_version_reset_takes_the_version_as_given():
+    """A trainer that restarted its count: refused by default, published as given when the
+    start allows a reset (the reference server's rule)."""
+    e = Engine()
+    e.start("u1", 7)
+    e.chunk("u1", 0, _new_weights(1))
+    assert e.finish("u1", 7, 1) == 7
+    with pytest.raises(WeightSyncError, match="not newer"):
+        e.start("u2", 1)
+    e.start("u3", 1, allow_version_reset=True)
+    e.chunk("u3", 0, _new_weights(2))
+    assert e.finish("u3", 1, 1) == 1 and e.ep.version == 1
+    _assert_weights(e.module, _new_weights(2))
 
 
 # -- bad input changes nothing ---------------------------------------------------------------------

@@ -21,6 +21,15 @@ strategy's data plane.
   ``copy_plan`` = names replayed, names that always go through ``load_weights``, tensors
   loaded each way: replayed, through ``load_weights``, written in place by the transport), ``weightsync_expected_metadata()``.
 
+* The reference's worker-extension methods (``RewardWeightSyncExtension`` /
+  ``WeightSyncWorkerExtension`` of the Ludic servers), for a driver that calls the workers
+  itself: ``init_communicator(host, port, world_size)`` joins the trainer's group (the trainer
+  is its last rank; blocks until it joins), ``update_param_batch(metadata_list)`` receives one
+  batch of ``(name, dtype, shape)`` tensors, broadcast in that order from the trainer, and loads
+  it as one update (the whole list checked before any byte moves; the worker's version counts
+  on), ``close_communicator()`` leaves the group. They run the same endpoint as the calls above
+  (``ludic_broadcast``), and raise on failure as the reference's do.
+
 The endpoint owns the update lifecycle (a failing finish hook leaves it torn, and a torn worker
 refuses to serve); the extension only carries calls to it.
 """
@@ -43,6 +52,8 @@ class WeightSyncWorkerExtension:
 
     _ws_endpoint: Any = None
     _ws_loop: asyncio.AbstractEventLoop | None = None
+    _ws_trainer_rank: int | None = None  # the trainer's rank in a group joined by init_communicator
+    _ws_group_timeout_s: float = 120.0  # joining that group and each of its collectives
 
     def weightsync_setup(self, loader_cfg: dict | None = None) -> dict:
         """(Re)build the endpoint with a loader config (optional; built lazily otherwise). The
@@ -80,6 +91,55 @@ class WeightSyncWorkerExtension:
             return {"ok": True, "result": result, "state": self.weightsync_state()}
         except BaseException as e:  # noqa: BLE001 - reported to the driver, never swallowed
             return {"ok": False, **error_to_dict(e), "state": self.weightsync_state()}
+
+    # -- the reference's methods ------------------------------------------------------------------
+    def init_communicator(self, host: str, port: int, world_size: int) -> None:
+        """Join the trainer's group at ``host:port`` as rank ``worker rank``; the trainer is
+        rank ``world_size - 1``. NCCL (vLLM's PyNccl) on a GPU worker, gloo on a CPU one."""
+        from weightsync.strategies.ludic_broadcast import ludic_group
+
+        backend = "nccl" if compat.worker_device(self).startswith("cuda") else "gloo"
+        strategy, sync_info = ludic_group(host, int(port), int(world_size), backend=backend,
+                                          timeout_s=self._ws_group_timeout_s)
+        self._ws_trainer_rank = int(world_size) - 1
+        self._ws_checked("init_weight_transfer", {"strategy_cfg": strategy,
+                                                  "sync_info": sync_info, "rank_offset": 0})
+
+    def update_param_batch(self, metadata_list: Sequence[Any]) -> None:
+        """Receive ``metadata_list`` (``(name, dtype, shape)`` items, e.g. ``("score.weight",
+        "torch.float32", [1, 64])``) from the trainer and load it as one update."""
+        import uuid
+
+        from weightsync.strategies.ludic_broadcast import ludic_update
+        from weightsync.types import TensorMeta
+
+        if self._ws_trainer_rank is None:
+            raise WeightSyncError("update_param_batch: no trainer group; call "
+                                  "init_communicator(host, port, world_size) first")
+        metas = []
+        for i, item in enumerate(metadata_list):
+            if isinstance(item, dict):
+                metas.append(TensorMeta.from_dict(item))
+                continue
+            if not isinstance(item, (list, tuple)) or len(item) != 3:
+                raise ValueError(f"metadata_list[{i}]: expected (name, dtype, shape), got {item!r}")
+            name, dtype, shape = item
+            metas.append(TensorMeta.from_dict({"name": name, "dtype": dtype,
+                                               "shape": list(shape)}))
+        start, request, finish = ludic_update(metas, None, self._ws_trainer_rank,
+                                              f"worker-batch-{uuid.uuid4().hex[:12]}")
+        self._ws_checked("apply_update", {"start": start, "requests": [request],
+                                          "finish": finish})
+
+    def close_communicator(self) -> None:
+        self._ws_trainer_rank = None
+        self._ws_checked("close_weight_transfer", {})
+
+    def _ws_checked(self, method: str, kwargs: dict) -> Any:
+        """``weightsync_call`` that raises the worker's error (the reference's methods raise)."""
+        answer = self.weightsync_call(method, kwargs)
+        rank, _ = compat.worker_rank_and_size(self)
+        return raise_for_results([answer], engine=f"vllm worker {rank}")[0]
 
     def weightsync_world_size(self) -> int:
         return compat.worker_rank_and_size(self)[1]

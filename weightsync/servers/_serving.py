@@ -37,7 +37,8 @@ CONTROL_SUMMARY = "/init_communicator, /update_param_batch, /close_communicator"
 def add_server_arguments(parser: Any, defaults: Any, *, open_routes: str) -> None:
     """The flags both servers take, each with its default and unit: ``--host``, ``--port``,
     ``--api-key``, ``--update-timeout-s``, ``--group-timeout-s``, ``--max-body-bytes``,
-    ``--log-level`` (``defaults``: the server's config with its defaults; ``open_routes``: what
+    ``--log-level``, and the two that give the Ludic reference server's behaviour
+    (``--serve-during-updates``, ``--allow-version-reset``: ``UpdateControl``) (``defaults``: the server's config with its defaults; ``open_routes``: what
     stays open without the token)."""
     d = defaults
     parser.add_argument("--host", metavar="ADDR", help=f"bind address (default {d.host})")
@@ -59,6 +60,14 @@ def add_server_arguments(parser: Any, defaults: Any, *, open_routes: str) -> Non
     parser.add_argument("--log-level", metavar="LEVEL",
                         help="weightsync's and uvicorn's log level: debug, info, warning, "
                              f"error (default {d.log_level})")
+    # the Ludic reference server's behaviour (docs/reference_differences.md)
+    parser.add_argument("--serve-during-updates", action="store_true", default=None,
+                        help="keep answering with the last complete weights while an update is "
+                             "received (staged: one more copy of its bytes), then flip at its "
+                             "end (default: requests wait while an update runs)")
+    parser.add_argument("--allow-version-reset", action="store_true", default=None,
+                        help="publish an update's version as given even when it is not newer "
+                             "(a trainer that restarted its count; default: refused, 409)")
 
 
 def ready_line(
@@ -186,3 +195,4 @@ def run_main(serve: Callable[[asyncio.Event], Awaitable[None]], *, what: str, lo
     # a gloo group joined by the workers can keep interpreter exit waiting: leave at once
     logging.shutdown()
     os._exit(code)
+

@@ -27,6 +27,17 @@ What must hold:
 * with ``pause_generation`` (the policy server) the engine's scheduler is paused from start to
   finish as well, so nothing the gate does not see (a route we do not know) decodes across the
   change either.
+
+``serve_during_updates`` (the reference server's behaviour, made safe): requests are not held
+while an update is received. Every update is staged (``WeightUpdateStart.staged``: the engine
+keeps the incoming tensors aside and its weights stay the last complete version), the gate's
+write side is taken only at the finish, where in-flight requests drain, the staged tensors are
+loaded, the prefix cache is reset and the version flips; requests are then served by the new
+version. Every answer still carries the version that produced it. Costs one more copy of the
+update's bytes on the engine; while a worker receives a chunk the engine runs no model step (one
+engine core), so answers slow down but are not refused. ``allow_version_reset``: an update's
+version is taken as given even when it is not newer (the reference's rule for a trainer that
+restarted its count; by default such an update is refused with 409).
 """
 
 from __future__ import annotations
@@ -69,6 +80,7 @@ class _ActiveUpdate:
     last_activity: float = field(default_factory=time.monotonic)
     chunks: int = 0
     paused: bool = False  # the engine's scheduler is paused for this update
+    holds_gate: bool = True  # False: staged while requests are served (serve_during_updates)
     watchdog: asyncio.Task | None = None
 
 
@@ -82,6 +94,7 @@ class UpdateControl:
     ``wait_timeout_s``: how long a request waits for a running update, and an update for the
     in-flight requests to drain. ``update_timeout_s``: an update with no call for this long is
     aborted. ``pause_generation``: pause the engine's scheduler during updates (generation).
+    ``serve_during_updates``, ``allow_version_reset``: see the module docstring.
     """
 
     def __init__(
@@ -94,6 +107,8 @@ class UpdateControl:
         head_name_patterns: list[str] | None = None,
         default_training_mode: TrainingMode | None = TrainingMode.FULL,
         pause_generation: bool = False,
+        serve_during_updates: bool = False,
+        allow_version_reset: bool = False,
     ) -> None:
         self.engine = engine
         self.name = name
@@ -102,6 +117,8 @@ class UpdateControl:
         self.head_name_patterns = head_name_patterns
         self.default_training_mode = default_training_mode
         self.pause_generation = pause_generation
+        self.serve_during_updates = serve_during_updates
+        self.allow_version_reset = allow_version_reset
         self.gate = UpdateGate()
         self.version = 0
         self.worker_states: list[dict] = []
@@ -260,38 +277,54 @@ class UpdateControl:
         start.training_mode = mode
         if mode is not None and start.head_name_patterns is None and self.head_name_patterns:
             start.head_name_patterns = list(self.head_name_patterns)
+        start.allow_version_reset = self.allow_version_reset
+        holds_gate = not self.serve_during_updates
+        if not holds_gate:
+            start.staged = True  # the weights stay the served version until the finish
         await self.expire_stale_update()
         if self._active is not None:
             if self._active.update_id == start.update_id:
                 raise ServiceError(409, f"update {start.update_id} was already started")
-            await self._abort_active(f"superseded by update {start.update_id}", keep_gate=True)
-            self.gate.transfer_write(start.update_id)
-        else:
-            try:
-                await self.gate.acquire_write(start.update_id, self.wait_timeout_s)
-            except TimeoutError:
-                raise ServiceError(503, "requests in flight did not drain in "
-                                        f"{self.wait_timeout_s:g}s ({self.gate.in_flight()}); "
-                                        "retry the update") from None
+            held = self._active.holds_gate
+            await self._abort_active(f"superseded by update {start.update_id}",
+                                     keep_gate=held and holds_gate)
+            if held and holds_gate:
+                self.gate.transfer_write(start.update_id)
+            elif holds_gate:
+                await self._acquire_write(start.update_id)
+        elif holds_gate:
+            await self._acquire_write(start.update_id)
         idle = self.update_timeout_s if start.idle_timeout_s is None else min(
             float(start.idle_timeout_s), self.update_timeout_s)
-        active = _ActiveUpdate(start.update_id, mode, idle_timeout_s=idle)
+        active = _ActiveUpdate(start.update_id, mode, idle_timeout_s=idle, holds_gate=holds_gate)
         try:
             async with self._guard():
                 await self.call_workers("start_weight_update", {"start": start.to_dict()})
-            if self.pause_generation:
-                from weightsync._runtime.vllm_compat import pause_generation
-
-                await pause_generation(self.engine)
-                active.paused = True
+            if self.pause_generation and holds_gate:
+                await self._pause(active)
         except BaseException:
             await self._resume(active)
-            self.gate.release_write(start.update_id)
+            if holds_gate:
+                self.gate.release_write(start.update_id)
             raise
         self._active = active
         active.last_activity = time.monotonic()
         active.watchdog = asyncio.ensure_future(self._watch(active))
         return {"ok": True, "update_id": start.update_id, "version": self.version}
+
+    async def _acquire_write(self, owner: str) -> None:
+        try:
+            await self.gate.acquire_write(owner, self.wait_timeout_s)
+        except TimeoutError:
+            raise ServiceError(503, "requests in flight did not drain in "
+                                    f"{self.wait_timeout_s:g}s ({self.gate.in_flight()}); "
+                                    "retry the update") from None
+
+    async def _pause(self, active: _ActiveUpdate) -> None:
+        from weightsync._runtime.vllm_compat import pause_generation
+
+        await pause_generation(self.engine)
+        active.paused = True
 
     async def _watch(self, active: _ActiveUpdate) -> None:
         """Abort ``active`` once no call came for its idle limit (its sender died or hangs)."""
@@ -345,6 +378,15 @@ class UpdateControl:
         if version is not None and finish.version is None:
             finish.version = version
         active = self._require_active(finish.update_id, "finish")
+        if not active.holds_gate:  # staged while serving: drain the requests, then flip
+            try:
+                await self._acquire_write(finish.update_id)
+            except ServiceError as e:
+                await self._abort_active(f"finish: {e.message}")
+                raise
+            active.holds_gate = True
+            if self.pause_generation and finish.ok:
+                await self._pause(active)
         try:
             async with self._guard():
                 results = await self.call_workers("finish_weight_update", {"finish": finish.to_dict()})
@@ -389,7 +431,7 @@ class UpdateControl:
                 self._active = None
             _stop_watch(active)
             await self._resume(active)
-            if not keep_gate:
+            if not keep_gate and active.holds_gate:
                 self.gate.release_write(active.update_id)
 
     async def abort(self, update_id: str, why: str) -> None:

@@ -65,12 +65,12 @@ class LudicDialect:
     # -- /init_communicator {host, port, world_size} ---------------------------------------------
     async def init_communicator(self, body: dict) -> dict:
         host, port, world_size, backend = await self._parse_init(body)
+        from weightsync.strategies.ludic_broadcast import ludic_group
+
         await self._settle_join()
-        strategy = {"type": "ludic_broadcast", "backend": backend,
-                    "timeout_s": self.group_timeout_s, "bucket_size_mb": self.bucket_size_mb}
-        sync_info = {"type": "stateless_group", "host": host, "port": port,
-                     "world_size": world_size, "backend": backend,
-                     "timeout_s": self.group_timeout_s}
+        strategy, sync_info = ludic_group(host, port, world_size, backend=backend,
+                                          timeout_s=self.group_timeout_s,
+                                          bucket_size_mb=self.bucket_size_mb)
         self._communicator_id = 0
         self._world_size = world_size
 
@@ -131,30 +131,21 @@ class LudicDialect:
     async def update_param_batch(
         self, metadata: list, version: int | None, training_mode: TrainingMode | None
     ) -> dict:
-        from weightsync.strategies.ludic_broadcast import LudicWeightUpdateRequest
-        from weightsync.types import WeightUpdateStart
+        from weightsync.strategies.ludic_broadcast import ludic_update
 
         metas = parse_metadata(metadata)
         await self._require_group()
         update_id = f"ludic-{uuid.uuid4().hex[:12]}"
-        start = WeightUpdateStart(update_id=update_id, version=version, manifest=metas)
-        await self.control.start(start.to_dict(), training_mode, version)  # 4xx: nothing moved
-        chunk = LudicWeightUpdateRequest(
-            names=[m.name for m in metas], dtypes=[m.dtype for m in metas],
-            shapes=[list(m.shape) for m in metas], update_id=update_id, chunk_index=0,
-            is_last=True, version=version, src_rank=self._world_size - 1,
-        ).to_dict()
+        start, chunk, finish = ludic_update(metas, version, self._world_size - 1, update_id)
+        await self.control.start(start, training_mode, version)  # 4xx: nothing moved
         self._remember(update_id, False)
-        self.control.spawn(self._transfer(update_id, chunk, training_mode, version),
+        self.control.spawn(self._transfer(update_id, chunk, finish, training_mode),
                            f"receiving batch {update_id}")
         return {"status": "ok", "batch_id": update_id, "version": self.control.version}
 
     async def _transfer(
-        self, update_id: str, chunk: dict, mode: TrainingMode | None,
-        version: int | None,
+        self, update_id: str, chunk: dict, finish: dict, mode: TrainingMode | None,
     ) -> None:
-        from weightsync.types import WeightUpdateFinish
-
         self._remember(update_id, True)
         try:
             await self.control.chunk(chunk, mode)
@@ -163,8 +154,7 @@ class LudicDialect:
             log.error("batch %s failed: %s", update_id, why)
             await self.control.abort(update_id, f"receiving batch {update_id} failed: {why}")
             return
-        finish = WeightUpdateFinish(update_id=update_id, version=version, num_chunks=1, ok=True)
-        await self.control.finish(finish.to_dict(), version)
+        await self.control.finish(finish, finish.get("version"))
 
     def _remember(self, batch_id: str, ready: bool) -> None:
         self._batches[batch_id] = ready

@@ -62,6 +62,8 @@ class PolicyServerConfig:
     group_timeout_s: float = 120.0  # a Ludic-style trainer group: joining and each collective
     max_body_bytes: int = 16 << 20
     log_level: str = "info"
+    serve_during_updates: bool = False  # stage updates, keep serving the last version, flip
+    allow_version_reset: bool = False  # take an update's version as given (may go backwards)
 
 
 def _our_parser(*, for_help: bool = False) -> argparse.ArgumentParser:
@@ -186,6 +188,8 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
         engine, name=f"policy server {args.model}",
         wait_timeout_s=cfg.request_wait_timeout_s, update_timeout_s=cfg.update_timeout_s,
         default_training_mode=None, pause_generation=True,
+        serve_during_updates=cfg.serve_during_updates,
+        allow_version_reset=cfg.allow_version_reset,
     )
     await control.refresh_state()
     ludic = LudicDialect(control, backend="nccl" if torch.cuda.is_available() else "gloo",

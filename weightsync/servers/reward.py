@@ -68,6 +68,8 @@ class RewardServerConfig:
     update_timeout_s: float = 600.0
     group_timeout_s: float = 120.0  # a Ludic-style trainer group: joining and each collective
     max_body_bytes: int = 16 << 20
+    serve_during_updates: bool = False  # stage updates, keep scoring with the last version, flip
+    allow_version_reset: bool = False  # take an update's version as given (may go backwards)
     seed: int = 0
     log_level: str = "info"
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
@@ -196,6 +198,8 @@ async def build_server(cfg: RewardServerConfig) -> RewardServer:
         wait_timeout_s=cfg.score_wait_timeout_s,
         update_timeout_s=cfg.update_timeout_s,
         head_name_patterns=cfg.head_name_patterns,
+        serve_during_updates=cfg.serve_during_updates,
+        allow_version_reset=cfg.allow_version_reset,
     )
     ludic = LudicDialect(control, backend="gloo" if cfg.resolved_device() == "cpu" else "nccl",
                          group_timeout_s=cfg.group_timeout_s)

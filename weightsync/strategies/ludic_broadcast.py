@@ -131,6 +131,35 @@ class LudicBroadcastStrategy(WeightTransferStrategy):
         return LudicBroadcastReceiver(cfg, group)
 
 
+def ludic_group(host: str, port: int, world_size: int, *, backend: str, timeout_s: float,
+                bucket_size_mb: float = 256) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(strategy_cfg, sync_info)`` for an engine's workers to join a trainer's group at
+    ``host:port`` (the trainer's ``/init_communicator {host, port, world_size}``): what every
+    worker's ``init_weight_transfer`` takes. Callers: the servers' Ludic dialect and the
+    worker extension's ``init_communicator``."""
+    strategy = {"type": "ludic_broadcast", "backend": backend, "timeout_s": timeout_s,
+                "bucket_size_mb": bucket_size_mb}
+    sync_info = {"type": "stateless_group", "host": host, "port": port,
+                 "world_size": world_size, "backend": backend, "timeout_s": timeout_s}
+    return strategy, sync_info
+
+
+def ludic_update(metas: list[TensorMeta], version: int | None, src_rank: int,
+                 update_id: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``(start, request, finish)`` dicts for one trainer batch (the trainer's
+    ``/update_param_batch {metadata, version}``): the whole manifest, one request that receives
+    every tensor from ``src_rank`` (the trainer, the group's last rank), and the finish."""
+    from weightsync.types import WeightUpdateFinish, WeightUpdateStart
+
+    start = WeightUpdateStart(update_id=update_id, version=version, manifest=metas)
+    request = LudicWeightUpdateRequest(
+        names=[m.name for m in metas], dtypes=[m.dtype for m in metas],
+        shapes=[list(m.shape) for m in metas], update_id=update_id, chunk_index=0,
+        is_last=True, version=version, src_rank=src_rank)
+    finish = WeightUpdateFinish(update_id=update_id, version=version, num_chunks=1, ok=True)
+    return start.to_dict(), request.to_dict(), finish.to_dict()
+
+
 _NO_SENDER = (
     "ludic_broadcast has no weightsync sender: it is the engine side of the Ludic/TRL trainer "
     "protocol (the trainer broadcasts with its own group). Push from weightsync with the "

@@ -154,3 +154,68 @@ def test_front_door_pushes_a_transformers_model_into_an_in_process_llm(lm):
     assert stats.versions == [v0 + 1] and stats.engines == ["vLLM engine 0"]
     assert tokens == want_tokens
     assert back.versions == [v0 + 2] and vllm_greedy(llm)[0] == hf_greedy(base)[0]
+
+
+def test_reference_worker_methods_receive_a_trainer_batch(lm):
+    """The Ludic worker extension's methods, driven as the reference server drives them
+    (``collective_rpc("init_communicator" | "update_param_batch" | "close_communicator")``)
+    while a trainer thread joins the group as its last rank and broadcasts every tensor."""
+    import threading
+
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    from weightsync.testing.servers import free_port
+
+    llm, base, new = lm
+    sd_new, sd_base = state_dict(new), state_dict(base)
+    (v0,) = llm.collective_rpc("weightsync_version")
+    port = free_port()
+    trainer: dict = {}
+
+    def join() -> None:
+        trainer["pg"] = stateless_init_torch_distributed_process_group(
+            "127.0.0.1", port, 1, 2, backend="gloo")
+
+    def broadcast(sd) -> None:
+        for name in sorted(sd):
+            trainer["pg"].broadcast(sd[name].contiguous(), root=1).wait()
+        trainer["pg"].barrier().wait()
+
+    def batch(sd):
+        return [(n, str(sd[n].dtype), tuple(sd[n].shape)) for n in sorted(sd)]
+
+    t = threading.Thread(target=join)
+    t.start()
+    llm.collective_rpc("init_communicator", args=("127.0.0.1", port, 2))
+    t.join(60)
+    try:
+        t = threading.Thread(target=broadcast, args=(sd_new,))
+        t.start()
+        llm.collective_rpc("update_param_batch", args=(batch(sd_new),))
+        t.join(60)
+        assert vllm_greedy(llm)[0] == hf_greedy(new)[0]
+        assert llm.collective_rpc("weightsync_version") == [v0 + 1]  # counts on
+
+        wrong = dict(sd_base)
+        wrong["model.norm.weight"] = torch.zeros(3)  # refused before any byte is loaded
+        t = threading.Thread(target=broadcast, args=(wrong,))
+        t.start()
+        with pytest.raises(Exception, match="model.norm.weight"):
+            llm.collective_rpc("update_param_batch", args=(batch(wrong),))
+        t.join(60)  # the refused batch was still drained: the trainer is not left hanging
+        assert not t.is_alive()
+        assert vllm_greedy(llm)[0] == hf_greedy(new)[0]
+        assert llm.collective_rpc("weightsync_version") == [v0 + 1]
+
+        t = threading.Thread(target=broadcast, args=(sd_base,))
+        t.start()
+        llm.collective_rpc("update_param_batch", args=(batch(sd_base),))
+        t.join(60)
+        assert vllm_greedy(llm)[0] == hf_greedy(base)[0]
+    finally:
+        llm.collective_rpc("close_communicator")
+        (state,) = llm.collective_rpc("weightsync_state")
+        assert not state["has_receiver"]
+        import torch.distributed as dist
+
+        dist.destroy_process_group(trainer["pg"]) if "pg" in trainer else None
