@@ -10,7 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from weightsync.reward.rollout import CreditAssigner, Rollout, RolloutStepKey, Step
+from weightsync.reward.rollout import (
+    BatchSource,
+    CreditAssigner,
+    Rollout,
+    RolloutStepKey,
+    SAWBatch,
+    SAWItem,
+    Step,
+)
 from weightsync.reward.types import (
     DEFAULT_HEAD_NAME_PATTERNS,
     PoolingType,
@@ -49,6 +57,10 @@ _LAZY = {
     "make_reward_rl": "weightsync.reward.presets",
     "make_grpo_with_rm": "weightsync.reward.presets",
     "make_scalerl_with_rm": "weightsync.reward.presets",
+    "RolloutEngine": "weightsync.reward.rollout_engine",
+    "RolloutRequest": "weightsync.reward.rollout_engine",
+    "RolloutBatchSource": "weightsync.reward.rollout_engine",
+    "step_text": "weightsync.reward.scorer",
 }
 
 
@@ -60,7 +72,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AGGREGATIONS", "DEFAULT_HEAD_NAME_PATTERNS", "CreditAssigner", "EpisodicReturn",
+    "AGGREGATIONS", "DEFAULT_HEAD_NAME_PATTERNS", "BatchSource", "CreditAssigner",
+    "EpisodicReturn", "RolloutBatchSource", "RolloutEngine", "RolloutRequest", "SAWBatch",
+    "SAWItem", "step_text",
     "GRPOAssigner", "PerStepReward", "PolicyLoss", "PoolingType",
     "RLAlgorithm", "RewardModelClient", "RewardModelCreditAssigner", "RewardModelPublisher",
     "RewardModelScorer", "RewardModelTrainingMode", "RewardServerConfig", "Rollout",

@@ -10,6 +10,8 @@ one of its steps.
 ``EpisodicReturn``        every step gets ``R``
 ``PerStepReward``         every step gets its own ``step.reward``
 ``GRPOAssigner``          ``A = (R - mean_g) / (std_g + eps)`` within each group ``g``
+                          (``pool="step"``: every step's reward ``r`` pooled instead, each
+                          step gets ``(r - mean_g) / (std_g + eps)``, as the reward spec)
 ``ScaleRLAssigner``       ``A = (R - mean_g) / (std_batch + eps)``
 ========================  ============================================================
 
@@ -105,26 +107,49 @@ class _GroupAssigner:
 class GRPOAssigner(_GroupAssigner):
     """GRPO advantages: ``A = (R - mean_g) / (std_g + eps)`` within each group (population std,
     ``eps = 1e-8``); ``scale_by_std=False`` keeps only ``R - mean_g`` (Dr. GRPO). All-equal
-    groups (and groups of one) get 0; NaN rewards raise (see the module docstring)."""
+    groups (and groups of one) get 0; NaN rewards raise (see the module docstring).
+
+    ``pool``: ``"rollout"`` (default) normalises one return per rollout and gives it to each of
+    its steps; ``"step"`` pools every step's own reward in the group (the reward spec's group
+    normalisation of per-step weights: a longer rollout weighs more in the statistics) and
+    gives each step its normalised reward. Equal for one-step rollouts."""
+
+    POOLS = ("rollout", "step")
 
     def __init__(
         self, group_size: int | None = None, *, group_key: GroupKey = DEFAULT_GROUP_KEY,
-        eps: float = DEFAULT_EPS, scale_by_std: bool = True,
+        eps: float = DEFAULT_EPS, scale_by_std: bool = True, pool: str = "rollout",
     ) -> None:
         super().__init__(group_size, group_key=group_key, eps=eps)
+        if pool not in self.POOLS:
+            raise ValueError(f"pool must be one of {self.POOLS}, got {pool!r}")
         self.scale_by_std = bool(scale_by_std)
+        self.pool = pool
 
     def compute(self, rollouts: Sequence[Any]) -> dict[RolloutStepKey, float]:
         rs, returns, groups = self._returns_and_groups(rollouts)
+        if self.pool == "step":
+            return self._per_step(rs, groups)
         adv = [0.0] * len(rs)
         for members in groups:
             xs = [returns[i] for i in members]
-            if max(xs) == min(xs):
-                continue  # no spread: exactly 0
-            mean, std = self._spread(xs)
-            for i, x in zip(members, xs, strict=True):
-                adv[i] = (x - mean) / (std + self.eps) if self.scale_by_std else x - mean
+            for i, a in zip(members, self._normalised(xs), strict=True):
+                adv[i] = a
         return self._assign(rs, adv)
+
+    def _per_step(self, rs: list[Any], groups: list[list[int]]) -> dict[RolloutStepKey, float]:
+        out: dict[RolloutStepKey, float] = {}
+        for members in groups:
+            keys = [(rs[i].id, s.index) for i in members for s in rs[i].steps]
+            xs = [step_reward(rs[i], s) for i in members for s in rs[i].steps]
+            out.update(zip(keys, self._normalised(xs), strict=True))
+        return out
+
+    def _normalised(self, xs: list[float]) -> list[float]:
+        if max(xs) == min(xs):
+            return [0.0] * len(xs)  # no spread: exactly 0
+        mean, std = self._spread(xs)
+        return [(x - mean) / (std + self.eps) if self.scale_by_std else x - mean for x in xs]
 
 
 class ScaleRLAssigner(_GroupAssigner):

@@ -214,10 +214,16 @@ def make_rm_grpo_assigner(
     *,
     group_key: GroupKey = DEFAULT_GROUP_KEY,
     scale_by_std: bool = True,
+    pool: str | None = None,
 ) -> RewardModelCreditAssigner:
     """Combined rewards, then GRPO advantages within prompt groups of ``group_size``
-    (``None``: any size): ``(R - mean_g) / (std_g + 1e-8)``, ``R`` the combined return."""
-    inner = GRPOAssigner(group_size, group_key=group_key, scale_by_std=scale_by_std)
+    (``None``: any size): ``(R - mean_g) / (std_g + 1e-8)``, ``R`` the combined return.
+    ``pool`` (``GRPOAssigner``): None pools every step's weight in the group at step level (the
+    reward spec's normalisation of per-step scores) and one return per rollout at sequence
+    level."""
+    if pool is None:
+        pool = "step" if score_level == "step" else "rollout"
+    inner = GRPOAssigner(group_size, group_key=group_key, scale_by_std=scale_by_std, pool=pool)
     return RewardModelCreditAssigner(mode, rm_coeff, alpha, rm_score_key, score_level, inner)
 
 

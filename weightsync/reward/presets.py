@@ -2,8 +2,8 @@
 
 Who calls: the RL loop, once, when it is set up::
 
-    algo = make_grpo_with_rm(group_size=4)              # GRPO over reward-model scores
-    scorer = algo.make_scorer(reward_client)            # RewardModelScorer, matching keys
+    algo = make_grpo_with_rm(group_size=4, reward_client=reward_client)
+    scorer = algo.reward_scorer                         # RewardModelScorer, matching keys
     ...                                                 # every step:
     await scorer.score(rollouts)                        # rollout.meta["rm_score"]
     credit = algo.credit_assigner.compute(rollouts)     # {(rollout.id, step.index): weight}
@@ -23,8 +23,13 @@ preset                       credit                              loss
                              advantages (mode ``bonus``)         sequence-mean aggregation)
 ===========================  ==================================  =============================
 
-``make_rm_grpo_assigner`` / ``make_rm_scalerl_assigner`` (in ``weightsync.reward.credit``)
-build just the assigners. Modes, ``rm_coeff`` and ``alpha``: see ``RewardModelCreditAssigner``.
+``make_reward_rl(reward_client, mode, ...)`` takes the reward client first (the reward plan's
+contract); the other two take it as ``reward_client=``. Given a client, ``algo.reward_scorer``
+is the ``RewardModelScorer`` over it (what ``RolloutEngine.generate_batch(...,
+reward_scorer=)`` runs before credit assignment); ``algo.make_scorer(client, **options)`` builds
+one with other options. ``make_rm_grpo_assigner`` / ``make_rm_scalerl_assigner`` (in
+``weightsync.reward.credit``) build just the assigners. Modes, ``rm_coeff`` and ``alpha``: see
+``RewardModelCreditAssigner``.
 """
 
 from __future__ import annotations
@@ -71,18 +76,32 @@ class ScorerSettings:
 
 @dataclass(frozen=True)
 class RLAlgorithm:
-    """One algorithm: its name, how to score, how to assign credit, which loss to minimise."""
+    """One algorithm: its name, how to score, how to assign credit, which loss to minimise;
+    ``reward_scorer``: the scorer over the reward client the preset was given (None without)."""
 
     name: str
     credit_assigner: CreditAssigner
     loss: PolicyLoss
     scorer: ScorerSettings = field(default_factory=ScorerSettings)
+    reward_scorer: Any = None
 
     def make_scorer(self, client: Any, **options: Any) -> Any:
         return self.scorer.build(client, **options)
 
 
+def _algorithm(name: str, assigner: CreditAssigner, loss: PolicyLoss, settings: ScorerSettings,
+               reward_client: Any) -> RLAlgorithm:
+    if isinstance(reward_client, str):
+        raise TypeError(
+            f"reward_client: got the string {reward_client!r}; the reward client comes first "
+            f"(make_reward_rl(reward_client, mode, ...), the reward plan's order), pass None "
+            f"to score the rollouts yourself and mode= by name")
+    scorer = settings.build(reward_client) if reward_client is not None else None
+    return RLAlgorithm(name, assigner, loss, settings, scorer)
+
+
 def make_reward_rl(
+    reward_client: Any = None,
     mode: str = "replace",
     rm_coeff: float = DEFAULT_RM_COEFF,
     alpha: float = DEFAULT_ALPHA,
@@ -93,11 +112,12 @@ def make_reward_rl(
     batch_size: int = 64,
     name: str = "reward_rl",
 ) -> RLAlgorithm:
-    """REINFORCE on the combined reward (no group baseline unless ``inner_assigner`` adds one)."""
+    """REINFORCE on the combined reward (no group baseline unless ``inner_assigner`` adds one);
+    ``reward_client`` first, as the reward plan's contract writes it (None: no scorer built)."""
     assigner = RewardModelCreditAssigner(mode, rm_coeff, alpha, rm_score_key, score_level,
                                          inner_assigner)
-    return RLAlgorithm(name, assigner, PolicyLoss("reinforce"),
-                       ScorerSettings(rm_score_key, score_level, batch_size))
+    return _algorithm(name, assigner, PolicyLoss("reinforce"),
+                      ScorerSettings(rm_score_key, score_level, batch_size), reward_client)
 
 
 def make_grpo_with_rm(
@@ -108,6 +128,7 @@ def make_grpo_with_rm(
     rm_score_key: str = "rm_score",
     score_level: str = "sequence",
     *,
+    reward_client: Any = None,
     group_key: GroupKey = DEFAULT_GROUP_KEY,
     scale_by_std: bool = True,
     clip_low: float = 0.2,
@@ -116,11 +137,11 @@ def make_grpo_with_rm(
     name: str = "grpo_rm",
 ) -> RLAlgorithm:
     """GRPO with a reward model: ``group_size`` completions per prompt, combined returns
-    normalised within each prompt group, PPO-clipped surrogate loss."""
+    normalised within each prompt group (per step at step level), PPO-clipped surrogate loss."""
     assigner = make_rm_grpo_assigner(group_size, mode, rm_coeff, alpha, rm_score_key,
                                      score_level, group_key=group_key, scale_by_std=scale_by_std)
-    return RLAlgorithm(name, assigner, PolicyLoss("clipped_surrogate", clip_low, clip_high),
-                       ScorerSettings(rm_score_key, score_level, batch_size))
+    return _algorithm(name, assigner, PolicyLoss("clipped_surrogate", clip_low, clip_high),
+                      ScorerSettings(rm_score_key, score_level, batch_size), reward_client)
 
 
 def make_scalerl_with_rm(
@@ -131,6 +152,7 @@ def make_scalerl_with_rm(
     rm_score_key: str = "rm_score",
     score_level: str = "sequence",
     *,
+    reward_client: Any = None,
     group_key: GroupKey = DEFAULT_GROUP_KEY,
     clip_high: float = 3.0,
     batch_size: int = 64,
@@ -140,6 +162,6 @@ def make_scalerl_with_rm(
     (importance weight capped at ``1 + clip_high``, no lower cap), sequence-mean aggregation."""
     assigner = make_rm_scalerl_assigner(group_size, mode, rm_coeff, alpha, rm_score_key,
                                         score_level, group_key=group_key)
-    return RLAlgorithm(name, assigner,
-                       PolicyLoss("cispo", 1.0, clip_high, aggregation="sequence_mean"),
-                       ScorerSettings(rm_score_key, score_level, batch_size))
+    return _algorithm(name, assigner,
+                      PolicyLoss("cispo", 1.0, clip_high, aggregation="sequence_mean"),
+                      ScorerSettings(rm_score_key, score_level, batch_size), reward_client)

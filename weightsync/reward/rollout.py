@@ -14,6 +14,10 @@ design this package implements, so code written against it runs unchanged:
 - ``RolloutStepKey = (rollout.id, step.index)``: the key of one step's weight.
 - ``CreditAssigner``: ``compute(rollouts) -> {RolloutStepKey: float}``, synchronous, with a
   weight for every step of every rollout (and nothing else).
+- ``SAWItem(input_ids, attention_mask, action_mask, weight, actor_logps=None, meta={})``: one
+  state-action-weight training sample (the prompt and completion tokens, 1 in ``action_mask``
+  for the completion's, the step's credit); ``SAWBatch(items, meta={})``; ``BatchSource``:
+  ``async next_batch() -> SAWBatch`` (``weightsync.reward.rollout_engine`` makes them).
 
 Who builds these: the RL loop, after sampling. Who reads them: ``RewardModelScorer`` (writes
 scores into ``meta``), credit assigners (read rewards and scores; they never mutate rollouts).
@@ -80,3 +84,54 @@ class CreditAssigner(Protocol):
     """
 
     def compute(self, rollouts: list[Rollout]) -> dict[RolloutStepKey, float]: ...
+
+
+@dataclass
+class SAWItem:
+    """One state-action-weight sample: ``input_ids`` (prompt then completion tokens),
+    ``attention_mask``, ``action_mask`` (1 on the completion's tokens, which the loss trains),
+    ``weight`` (the step's credit), ``actor_logps`` (the sampling policy's log-probability of
+    each completion token, for ratio-based losses; None if unknown), ``meta`` (the rollout id,
+    the step index, versions)."""
+
+    input_ids: list[int]
+    attention_mask: list[int]
+    action_mask: list[int]
+    weight: float
+    actor_logps: list[float] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        if len(self.attention_mask) != n or len(self.action_mask) != n:
+            raise ValueError(f"SAWItem: input_ids ({n}), attention_mask "
+                             f"({len(self.attention_mask)}) and action_mask "
+                             f"({len(self.action_mask)}) must have one entry per token")
+        actions = sum(1 for m in self.action_mask if m)
+        if self.actor_logps is not None and len(self.actor_logps) != actions:
+            raise ValueError(f"SAWItem: {len(self.actor_logps)} actor_logps for {actions} "
+                             f"action tokens")
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(1 for m in self.action_mask if m)
+
+
+@dataclass
+class SAWBatch:
+    """The samples of one training step and what made them (``meta``: e.g. the rollouts'
+    rewards and the weight versions that sampled and scored them)."""
+
+    items: list[SAWItem] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    """Where a trainer gets its next batch (e.g. ``RolloutBatchSource``: sample, score, assign
+    credit)."""
+
+    async def next_batch(self) -> SAWBatch: ...

@@ -216,6 +216,3 @@ def test_reference_worker_methods_receive_a_trainer_batch(lm):
         llm.collective_rpc("close_communicator")
         (state,) = llm.collective_rpc("weightsync_state")
         assert not state["has_receiver"]
-        import torch.distributed as dist
-
-        dist.destroy_process_group(trainer["pg"]) if "pg" in trainer else None
