@@ -158,12 +158,12 @@ def bench_server(model_dir: str, texts: list[str], batch_sizes: list[int], repea
                 async def sequential(bs: int) -> list[float]:
                     out: list[float] = []
                     for i in range(0, len(texts), bs):
-                        out += await client.score_batch(texts[i : i + bs])
+                        out += await client.score_batch(texts[i : i + bs], normalize=False)
                     return out
 
                 async def concurrent(bs: int) -> list[float]:
                     parts = await asyncio.gather(
-                        *(client.score_batch(texts[i : i + bs]) for i in range(0, len(texts), bs))
+                        *(client.score_batch(texts[i : i + bs], normalize=False) for i in range(0, len(texts), bs))
                     )
                     return [s for p in parts for s in p]
 

@@ -54,7 +54,8 @@ async def rlhf(args: argparse.Namespace, reward_url: str, policy_url: str, rm_di
                                  api_key=args.api_key)
     async with rm_client, httpx.AsyncClient(timeout=120) as http:
         report["rm_version_before"] = await rm_client.get_model_version()
-        served = await rm_client.sync_weights_async(all_params(rm), training_mode="full")
+        await rm_client.sync_weights_async(all_params(rm), training_mode="full")
+        served = rm_client.last_sync_stats.versions[0]
         report["rm_version_after"] = int(served)
         print(f"reward server now serves version {served}")
 

@@ -8,7 +8,8 @@ computational paths, a distribution shift). Here the hidden judge of ``weightsyn
 completions with more of the letter "e": counting it over a whole text is not a linear read-out
 of a random backbone, so every weight trains (Bradley-Terry). Synchronous code throughout: the
 reward design's blocking ``VLLMRewardClient.sync_weights(params, training_mode=FULL)`` returns
-the version the server now serves, ``score_batch_sync`` scores. Without ``--reward-url`` a reward
+once the server serves the new weights (``last_sync_stats.versions``: the version it serves),
+``score_batch_sync(..., normalize=False)`` scores (raw logits). Without ``--reward-url`` a reward
 server is started (and stopped) here. The last line is ``REPORT {json}``.
 """
 
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace, url: str, model_dir: str) -> dict:
                               api_key=args.api_key)
 
     def served_accuracy() -> tuple[float, list[float]]:
-        scores = client.score_batch_sync(eval_texts)
+        scores = client.score_batch_sync(eval_texts, normalize=False)
         n = len(held_out)
         return pairwise_accuracy(scores[:n], scores[n:]), scores
 
@@ -48,8 +49,9 @@ def run(args: argparse.Namespace, url: str, model_dir: str) -> dict:
         for i in range(args.rounds):
             fit = train_full(model, tok, [p.chosen for p in train], [p.rejected for p in train],
                              steps=25 if args.short else 75, lr=3e-3, batch_size=32, seed=i)
-            served_version = client.sync_weights(all_params(model), training_mode="full")
+            client.sync_weights(all_params(model), training_mode="full")
             stats = client.last_sync_stats
+            served_version = stats.versions[0]
             accuracy, served = served_accuracy()
             err = max(abs(a - b) for a, b in zip(served, hf_scores(model, tok, eval_texts),
                                                    strict=True))

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace, url: str, model_dir: str) -> dict:
     publisher = create_reward_publisher(client)  # the reward design's publisher API
 
     def served_accuracy() -> tuple[float, list[float]]:
-        scores = client.score_batch_sync(eval_c + eval_r)  # raw logits, one float per text
+        scores = client.score_batch_sync(eval_c + eval_r, normalize=False)  # raw logits
         return pairwise_accuracy(scores[: len(eval_c)], scores[len(eval_c):]), scores
 
     report: dict = {"mode": "head_only", "rounds": []}

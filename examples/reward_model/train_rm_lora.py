@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, url: str, model_dir: str) -> dict:
     publisher = create_reward_publisher(client)
 
     def served_accuracy() -> tuple[float, list[float]]:
-        scores = client.score_batch_sync(eval_c + eval_r)
+        scores = client.score_batch_sync(eval_c + eval_r, normalize=False)
         return pairwise_accuracy(scores[: len(eval_c)], scores[len(eval_c):]), scores
 
     report: dict = {"mode": "lora", "trainable": trainable, "rounds": []}

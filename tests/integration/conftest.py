@@ -79,7 +79,8 @@ class RewardServerHandle(ServerHandle):
 
         client = self.client()
         try:
-            return int(client.sync_weights(weights))
+            client.sync_weights(weights)
+            return int(client.last_sync_stats.versions[0])
         finally:
             client.close_sync()
 

@@ -330,7 +330,7 @@ class RLHFRun:
                                         timeout_s=120)
         r.rm_sync_seconds = time.perf_counter() - t0
         r.rm_version_after = int(await client.get_model_version())
-        served = [float(s) for s in await client.score_batch(rm.eval_texts)]
+        served = [float(s) for s in await client.score_batch(rm.eval_texts, normalize=False)]
         n = len(served) // 2
         r.rm_served_accuracy = pairwise_accuracy(served[:n], served[n:])
         r.rm_max_abs_err_vs_hf = max(abs(a - b) for a, b in zip(served, rm.hf_scores, strict=True))

@@ -257,7 +257,7 @@ class DemoRun:
         r, progress, n = self.result, self.progress, t.num_pairs
         async with _reward_client(self.cfg, self.server) as client:
             r.version_before = int(await client.get_model_version())
-            before = _floats(await client.score_batch(t.eval_texts))
+            before = _floats(await client.score_batch(t.eval_texts, normalize=False))
             r.accuracy_before = pairwise_accuracy(before[:n], before[n:])
             r.max_abs_err_before = _max_abs_diff(before, t.hf_before)
             progress(
@@ -280,7 +280,7 @@ class DemoRun:
                 f"{r.version_before} -> {r.version_after}"
             )
 
-            after = _floats(await client.score_batch(t.eval_texts))
+            after = _floats(await client.score_batch(t.eval_texts, normalize=False))
             r.accuracy_after = pairwise_accuracy(after[:n], after[n:])
             r.max_abs_err_vs_hf = _max_abs_diff(after, t.hf_after)
             progress(

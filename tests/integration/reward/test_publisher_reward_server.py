@@ -77,7 +77,7 @@ async def _publish_and_score(reward_server, model, mode, *, rounds=1, tok=None, 
                 between(i)
             before = await client.get_model_version()
             stats = await pub.publish_async(model, training_mode=mode)
-            served = await client.score_batch(TEXTS)
+            served = await client.score_batch(TEXTS, normalize=False)
             out.append((stats, before, served, None))
         await pub.close()
     return out
@@ -162,7 +162,7 @@ def test_bad_input_refused_before_any_byte_moves(reward_server, base, tiny_rewar
     async def go():
         async with reward_server.client() as client:
             version = await client.get_model_version()
-            scores = await client.score_batch(TEXTS)
+            scores = await client.score_batch(TEXTS, normalize=False)
             pub = create_reward_publisher(client)
             local = RewardModelPublisher(client, engine_metadata=tiny_reward_model_dir, rank=0)
             cases = [
@@ -180,7 +180,7 @@ def test_bad_input_refused_before_any_byte_moves(reward_server, base, tiny_rewar
                 assert needle in str(e.value), str(e.value)
                 errors.append(str(e.value))
                 assert await client.get_model_version() == version
-            assert await client.score_batch(TEXTS) == scores
+            assert await client.score_batch(TEXTS, normalize=False) == scores
             await pub.close()
             return errors
 
@@ -208,7 +208,7 @@ def test_head_only_state_dict_keeps_the_head_and_warns(reward_server, base) -> N
                                                      r"model\.embed_tokens\.weight"):
             stats = pub.publish(model.state_dict(), before + 1, training_mode=Mode.HEAD_ONLY)
         assert stats.num_tensors == 1 and stats.versions == [before + 1]
-        served = client.score_batch_sync(TEXTS)
+        served = client.score_batch_sync(TEXTS, normalize=False)
     finally:
         pub.close_sync()
         client.close_sync()
@@ -260,7 +260,7 @@ def test_a_model_is_streamed_not_collected(reward_server, base) -> None:
             client._session.client.update_named_weights = recorded_send
             events.clear()
             stats = await pub.publish_async(model, training_mode=Mode.FULL)
-            return stats, await client.score_batch(TEXTS)
+            return stats, await client.score_batch(TEXTS, normalize=False)
 
     stats, served = asyncio.run(go())
     extracted = [i for e, i in events if e == "extracted"]

@@ -90,7 +90,8 @@ def test_ludic_trainer_pushes_into_the_reward_server(reward_server, sample):
         with pytest.raises(RuntimeError, match=r"refused \(400\).*model\.norm\.weight.*not a head"):
             trainer.push({"model.norm.weight": model.model.norm.weight.detach()},
                          training_mode="head_only")
-        version = trainer.push(dict(model.state_dict()), training_mode="full")
+        # the reference's rule: version 0 (falsy) asks for the next version, not a 409
+        version = trainer.push(dict(model.state_dict()), version=0, training_mode="full")
     finally:
         trainer.close()
     assert version == v0 + 1

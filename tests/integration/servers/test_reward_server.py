@@ -74,11 +74,15 @@ def run(coro):
 
 
 async def push(client, params, **kwargs):
-    """``sync_weights_async`` and the ``SyncStats`` of that update (the call returns the served
-    version as a string; the stats say what moved)."""
-    served = await client.sync_weights_async(params, **kwargs)
+    """``sync_weights_async`` and the ``SyncStats`` of that update (the call returns what the
+    reference returns: the version given, else ``"rm-<unix time>"``; the stats say what moved
+    and which version the server serves)."""
+    returned = await client.sync_weights_async(params, **kwargs)
     stats = client.last_sync_stats
-    assert served == str(stats.versions[0])
+    if kwargs.get("version"):
+        assert returned == str(kwargs["version"]) == str(stats.versions[0])
+    else:
+        assert returned.startswith("rm-") and abs(int(returned[3:]) - time.time()) < 600
     return stats
 
 
@@ -139,17 +143,21 @@ def test_client_score_and_batch(restored, hf):
 
     async def go():
         async with restored.client(max_batch_size=2) as c:
-            resp, info = await c.score(ScoringRequest(TEXTS, normalize=False))
-            batch = await c.score_batch(TEXTS)
-            return resp, info, batch, await c.get_model_version()
+            resp, info = await c.score(ScoringRequest(inputs=TEXTS, normalize=False))
+            batch = await c.score_batch(TEXTS, normalize=False)
+            activated = await c.score_batch(TEXTS)  # the design's default: the activation
+            return resp, info, batch, activated, await c.get_model_version()
 
-    resp, info, batch, version = run(go())
+    resp, info, batch, activated, version = run(go())
     assert resp.version == version and info["status"] == 200 and info["latency_s"] > 0
+    assert info["raw_response"]["version"] == version and info["request"]["normalize"] is False
     assert max_err(resp.scores, ref) <= TOL and max_err(batch, ref) <= TOL
+    assert max(abs(a - 1 / (1 + math.exp(-r[0]))) for a, r in zip(activated, ref, strict=True)
+               ) <= 1e-5
 
     c = restored.client()
     try:
-        assert max_err(c.score_batch_sync(TEXTS), ref) <= TOL
+        assert max_err(c.score_batch_sync(TEXTS, normalize=False), ref) <= TOL
     finally:
         c.close_sync()
 
@@ -250,11 +258,11 @@ def test_sync_full_then_head_only_matches_transformers(restored, hf):
             v0 = await c.get_model_version()
             full = perturbed(model, seed=1)
             stats = await push(c, full)  # FULL is the default
-            r1, _ = await c.score(ScoringRequest(TEXTS, normalize=False))
+            r1, _ = await c.score(ScoringRequest(inputs=TEXTS, normalize=False))
             head = perturbed(model, seed=2, head_only=True)
             stats2 = await push(c, {"score.weight": head["score.weight"]},
                                           training_mode=RewardModelTrainingMode.HEAD_ONLY)
-            r2, _ = await c.score(ScoringRequest(TEXTS, normalize=False))
+            r2, _ = await c.score(ScoringRequest(inputs=TEXTS, normalize=False))
             return v0, stats, r1, stats2, r2
 
     v0, stats, r1, stats2, r2 = run(go())
@@ -287,7 +295,7 @@ def test_every_strategy_small_buckets(restored, hf, strategy):
     async def go():
         async with restored.client(strategy=strategy) as c:
             stats = await push(c, new)
-            return stats, (await c.score(ScoringRequest(TEXTS, normalize=False)))[0]
+            return stats, (await c.score(ScoringRequest(inputs=TEXTS, normalize=False)))[0]
 
     stats, resp = run(go())
     assert stats.num_chunks > 5
@@ -359,7 +367,7 @@ def test_client_refuses_mode_violations_locally(reward_server):
         off.sync_weights({"score.weight": torch.zeros(1, 64)})
 
 
-def test_sync_is_blocking_returns_the_version_and_normalises_training_names(restored, hf):
+def test_sync_is_blocking_returns_the_references_answer_and_normalises_names(restored, hf):
     """The blocking ``sync_weights``: FSDP / DDP / PEFT wrapper names become engine names; a
     HEAD_ONLY sync of a whole state dict keeps the head and warns with what it dropped."""
     from transformers import AutoModelForSequenceClassification
@@ -376,16 +384,18 @@ def test_sync_is_blocking_returns_the_version_and_normalises_training_names(rest
     c = restored.client()
     try:
         v0 = int(httpx.get(restored.url + "/runtime_version").json()["version"])
-        assert c.sync_weights(wrapped) == str(v0 + 1)
+        assert c.sync_weights(wrapped).startswith("rm-")  # no version: the reference's answer
+        assert c.last_sync_stats.versions == [v0 + 1]
         assert c.last_sync_stats.num_tensors == len(new)
         ref = hf_scores(tok, model, TEXTS)
-        assert max_err(c.score_batch_sync(TEXTS), ref) <= TOL
+        assert max_err(c.score_batch_sync(TEXTS, normalize=False), ref) <= TOL
         head = perturbed(model, seed=42, head_only=True)  # the whole state dict, head moved
         with pytest.warns(TrainingModeWarning, match=r"kept the 1 head tensor\(s\) .* dropped "
                                                      r"\d+ other\(s\): model\.embed_tokens"):
-            assert c.sync_weights(head, training_mode="head_only") == str(v0 + 2)
-        assert c.last_sync_stats.num_tensors == 1
-        assert max_err(c.score_batch_sync(TEXTS), hf_scores(tok, model, TEXTS)) <= TOL
+            assert c.sync_weights(head, training_mode="head_only", version=v0 + 2) == str(v0 + 2)
+        assert c.last_sync_stats.num_tensors == 1 and c.last_sync_stats.versions == [v0 + 2]
+        assert max_err(c.score_batch_sync(TEXTS, normalize=False),
+                       hf_scores(tok, model, TEXTS)) <= TOL
     finally:
         c.close_sync()
 
@@ -419,9 +429,9 @@ def test_torn_update_answers_503_until_a_complete_one_lands(restored, hf):
             state = httpx.get(restored.url + "/runtime_version").json()
             r = httpx.post(restored.url + "/score", json={"input": TEXTS, "normalize": False})
             with pytest.raises(UpdateIncompleteError, match="incomplete"):
-                await c.score(ScoringRequest(TEXTS, normalize=False))
+                await c.score(ScoringRequest(inputs=TEXTS, normalize=False))
             stats = await push(c, new)
-            resp, _ = await c.score(ScoringRequest(TEXTS, normalize=False))
+            resp, _ = await c.score(ScoringRequest(inputs=TEXTS, normalize=False))
             return v0, state, r, stats, resp
 
     v0, state, r, stats, resp = run(go())
@@ -567,7 +577,7 @@ def test_tokenizer_check_passes_for_the_models_tokenizer_and_fails_fast_otherwis
     tok, model = hf
     good = restored.client(tokenizer=restored.model_dir)  # a path: loaded with AutoTokenizer
     try:
-        assert max_err(good.score_batch_sync(TEXTS), hf_scores(tok, model, TEXTS)) <= TOL
+        assert max_err(good.score_batch_sync(TEXTS, normalize=False), hf_scores(tok, model, TEXTS)) <= TOL
     finally:
         good.close_sync()
     other = build_tokenizer(vocab_size=300)  # a real tokenizer, another vocabulary

@@ -69,7 +69,7 @@ def test_three_labels_head_only_sync(server3):
             v0 = await c.get_model_version()
             served = await c.sync_weights_async({"score.weight": head},
                                                 training_mode=RewardModelTrainingMode.HEAD_ONLY)
-            resp, _ = await c.score(ScoringRequest(TEXTS, normalize=False))
+            resp, _ = await c.score(ScoringRequest(inputs=TEXTS, normalize=False))
             return v0, served, resp
 
     v0, served, resp = asyncio.run(go())

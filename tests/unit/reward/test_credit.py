@@ -257,6 +257,53 @@ def test_step_level_scalerl(mode):
     assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
+def spec_group_normalize(weights, rollouts):
+    """The reward spec's ``_group_normalize``, transcribed: every step's weight of a group
+    (rollouts grouped by ``meta["initial_obs"]``, else the first step's ``prev_obs``) pooled,
+    ``(w - mean) / (std + 1e-8)`` with numpy's population std."""
+    from collections import defaultdict
+
+    groups = defaultdict(list)
+    for r in rollouts:
+        key = r.meta.get("initial_obs", r.steps[0].prev_obs)
+        for step in r.steps:
+            groups[key].append(((r.id, step.index), weights[(r.id, step.index)]))
+    out = {}
+    for items in groups.values():
+        values = [v for _, v in items]
+        mean = statistics.fmean(values)
+        std = statistics.pstdev(values) + 1e-8
+        out.update({k: (v - mean) / std for k, v in items})
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_level_grpo_pools_every_steps_weight_as_the_spec(mode):
+    """The RM GRPO preset at step level normalises every step's combined reward within its
+    group, as the spec's assigner does (not one return per rollout)."""
+    batch = step_batch()
+    combined = compute(mode, batch, level="step")  # per-step combined rewards, no inner
+    want = spec_group_normalize(combined, batch)
+    got = make_rm_grpo_assigner(None, mode, score_level="step", **KNOBS[mode]).compute(batch)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if abs(value) < 1e-6:  # an all-equal group: the spec's rounding noise, our exact 0
+            assert abs(got[key]) < 1e-6, key
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    # pool="rollout" (the sequence-level default) gives both steps of p1 one value
+    rollout = make_rm_grpo_assigner(None, mode, score_level="step", pool="rollout",
+                                    **KNOBS[mode]).compute(batch)
+    assert rollout[("p1", 0)] == rollout[("p1", 1)]
+    if combined[("p1", 0)] != combined[("p1", 1)]:
+        assert got[("p1", 0)] != got[("p1", 1)]
+
+
+def test_grpo_pool_is_checked():
+    with pytest.raises(ValueError, match="pool must be one of"):
+        GRPOAssigner(pool="token")
+
+
 # -- the group assigners on their own -----------------------------------------------------------------
 
 

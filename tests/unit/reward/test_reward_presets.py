@@ -46,6 +46,24 @@ def test_presets_pair_assigner_loss_and_scorer_settings():
         make_grpo_with_rm(4, alpha=0.3)
 
 
+def test_make_reward_rl_takes_the_reward_client_first():
+    """The plan's contract: ``make_reward_rl(reward_client, mode, ...)``; the scorer over that
+    client comes with the algorithm, its keys the assigner's."""
+
+    class Client:
+        async def score_batch(self, texts, *, normalize=True):
+            return [float(len(t)) for t in texts]
+
+    client = Client()
+    algo = make_reward_rl(client, "add", rm_score_key="r")
+    assert algo.credit_assigner.mode == "add"
+    assert algo.reward_scorer.client is client and algo.reward_scorer.score_key == "r"
+    assert make_reward_rl().reward_scorer is None  # no client: score the rollouts yourself
+    assert make_grpo_with_rm(2, reward_client=client).reward_scorer.client is client
+    with pytest.raises(TypeError, match="the reward client comes first"):
+        make_reward_rl("replace")  # the old order reads the mode as the client: refused
+
+
 def test_make_scorer_uses_the_settings():
     class Client:
         async def score_batch(self, texts, *, normalize=True):
