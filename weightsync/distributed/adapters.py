@@ -8,7 +8,9 @@ built from the same ``client`` and share the update in progress:
 * ``announce_update_batch(metadata, version, extra=)`` opens one update of the client's engines
   with ``metadata`` as its manifest: the engines check every name, dtype and shape (and the
   training mode in ``extra``) and refuse, naming every offender, before any byte moves; the
-  refusal raises here. ``version`` None or 0: the engines count on.
+  refusal raises here (with the IPC strategies, which send a one-chunk update as one call, it
+  raises at the first full bucket or at the barrier instead). ``version`` None or 0: the
+  engines count on.
 * ``broadcast(tensor, src)`` hands the next announced tensor to the update (its shape and dtype
   must be the announced ones, else the update is aborted and nothing is published). Tensors go
   out in buckets of the client's ``bucket_size_mb`` through its strategy sender (``broadcast``
@@ -30,7 +32,7 @@ import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from weightsync.errors import WeightMismatchError, WeightSyncError
+from weightsync.errors import WeightSyncError
 from weightsync.types import TensorMeta, TrainingMode, dtype_to_str
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -222,8 +224,8 @@ class _TwoPlaneUpdate:
         """``broadcast`` on the client's loop: check, take, send the bucket once full."""
         problem = self._problem(tensor)
         if problem:
-            await self._abort(WeightMismatchError([f"broadcast (src={src}): {problem}"],
-                                                  target="announced update batch"))
+            await self._abort(ValueError(f"broadcast: {problem}; the update was aborted, "
+                                         f"nothing published"))
         self.take(tensor)
         if self._bytes >= self.bucket_bytes:
             await self.flush()
@@ -237,12 +239,14 @@ class _TwoPlaneUpdate:
     async def finish(self) -> None:
         """Send the rest and wait for the engines to publish the update (the barrier)."""
         assert self._task is not None
+        if self._failed is not None:
+            raise self._failed
         if self.received != len(self.metas):
             missing = len(self.metas) - self.received
-            await self._abort(WeightMismatchError(
-                [f"barrier after {self.received} of {len(self.metas)} announced tensors "
-                 f"({missing} never broadcast, first {self.metas[self.received].name})"],
-                target="announced update batch"))
+            await self._abort(ValueError(
+                f"barrier after {self.received} of {len(self.metas)} announced tensors "
+                f"({missing} never broadcast, first {self.metas[self.received].name}); the "
+                f"update was aborted, nothing published"))
         if not self.done:
             await self.flush()
             await self._put(_END)
