@@ -12,13 +12,16 @@ runs, so the ``finally`` runs for them too).
 2. Reward model: preference pairs labelled by the task's hidden judge (``weightsync.demo.task``),
    a Bradley-Terry full fine-tune in this process, then ``VLLMRewardClient.sync_weights`` into
    the reward server (its version rises); served scores must equal transformers'.
-3. Every step: the policy server samples ``group_size`` completions for each of
-   ``prompts_per_step`` prompts -> ``RewardModelScorer`` scores them on the reward server ->
-   ``make_grpo_with_rm`` assigns credit (GRPO advantages over reward-model scores) -> a few
-   epochs of the preset's clipped policy-gradient loss on the trainer's transformers copy ->
-   ``ws.connect([policy_url]).push(model, version=step + 1)`` (the policy server's version
-   rises every step). Before each update the trainer's log-probabilities of the sampled tokens
-   must equal the server's: the server samples with exactly the weights last pushed.
+3. Every step is a Ludic-style trainer step: ``batch = await source.next_batch()`` (a
+   ``RolloutBatchSource`` over a ``RolloutEngine`` on ``VLLMChatClient``: the policy server
+   samples ``group_size`` completions for each of ``prompts_per_step`` prompts, the preset's
+   ``RewardModelScorer`` scores them on the reward server, ``make_grpo_with_rm`` assigns credit:
+   GRPO advantages over reward-model scores) -> a few epochs of the preset's clipped
+   policy-gradient loss on the trainer's transformers copy, over the batch's ``SAWItem``s ->
+   ``BroadcastPolicyPublisher(VllmControlPlane(policy), VllmTensorCommunicator(policy))
+   .publish(model.state_dict())`` (the policy server's version rises every step). Before each
+   update the trainer's log-probabilities of the sampled tokens must equal the server's: the
+   server samples with exactly the weights last pushed.
 
 The run passes when the mean reward of the last two steps exceeds that of the first two by
 ``check.min_reward_rise``, both servers' versions advanced as expected, the served reward
@@ -61,8 +64,7 @@ class StepRecord:
     loss_last: float = float("nan")
     logprob_gap: float = float("nan")
     sync_bytes: int = 0
-    sample_seconds: float = float("nan")
-    score_seconds: float = float("nan")
+    sample_seconds: float = float("nan")  # the batch: sampling, scoring, credit
     train_seconds: float = float("nan")
     step_seconds: float = float("nan")
 
@@ -344,73 +346,100 @@ class RLHFRun:
     async def loop(self, rm: _RewardModel, trainer: Any, task: Any) -> None:
         import httpx
 
-        import weightsync as ws
         from weightsync.demo.run import _reward_client
+        from weightsync.distributed import (
+            BroadcastPolicyPublisher,
+            VllmControlPlane,
+            VllmTensorCommunicator,
+        )
+        from weightsync.policy import VLLMChatClient
         from weightsync.reward.presets import make_grpo_with_rm
+        from weightsync.reward.rollout_engine import RolloutBatchSource, RolloutEngine
 
         c, r = self.cfg.rlhf, self.result
         policy_url = self.policy_server.url
-        algo = make_grpo_with_rm(group_size=c.group_size, mode="replace")
-        async with _reward_client(self.cfg, self.reward_server) as rm_client, \
-                httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as http:
-            await self.push_reward_model(rm_client, rm)
-            scorer = algo.make_scorer(rm_client)
-            r.policy_version_before = int(
-                (await http.get(policy_url + "/runtime_version")).json()["version"])
-            self.progress(f"RL: {c.steps} steps of {c.prompts_per_step} prompts x "
-                          f"{c.group_size} completions ({c.completion_tokens} tokens), "
-                          f"{algo.name}, {c.epochs} epochs at lr {c.lr:g}")
-            async with ws.connect([policy_url], strategy=dict(self.cfg.strategy),
-                                  device=self.cfg.train.device) as policy_sync:
+        policy = VLLMChatClient(self.policy_server.host, self.policy_server.port,
+                                enable_weight_updates=True, device=self.cfg.train.device,
+                                model=POLICY_NAME, strategy=dict(self.cfg.strategy))
+        try:
+            async with _reward_client(self.cfg, self.reward_server) as rm_client, \
+                    httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as http:
+                await self.push_reward_model(rm_client, rm)
+                # the Ludic-style pieces: preset (with its scorer), rollout engine, batch source,
+                # policy publisher over the two planes
+                algo = make_grpo_with_rm(group_size=c.group_size, mode="replace",
+                                         reward_client=rm_client)
+                engine = RolloutEngine(policy, max_concurrency=c.prompts_per_step * c.group_size)
+                step_of = iter(range(c.steps))
+                source = RolloutBatchSource(engine, lambda: self.requests(next(step_of), task),
+                                            algo.credit_assigner, reward_scorer=algo.reward_scorer)
+                publisher = BroadcastPolicyPublisher(VllmControlPlane(policy),
+                                                     VllmTensorCommunicator(policy))
+                r.policy_version_before = int(
+                    (await http.get(policy_url + "/runtime_version")).json()["version"])
+                self.progress(f"RL: {c.steps} steps of {c.prompts_per_step} prompts x "
+                              f"{c.group_size} completions ({c.completion_tokens} tokens), "
+                              f"{algo.name}, {c.epochs} epochs at lr {c.lr:g}")
                 for step in range(c.steps):
-                    record = await self.rl_step(step, http, scorer, algo, trainer, task,
-                                                policy_sync)
+                    record = await self.rl_step(step, source, algo, trainer, task, publisher)
                     r.steps.append(record)
                     self.progress(
                         f"step {progress_bar(step + 1, c.steps)}  mean reward "
                         f"{record.mean_reward:+7.3f}  judge {record.judge_score:5.2f}  "
                         f"sync {record.sync_seconds * 1e3:6.1f} ms  policy v"
                         f"{record.policy_version}  rm v{record.rm_version}")
+        finally:
+            await policy.aclose()
         r.policy_version_after = r.steps[-1].policy_version if r.steps else None
 
-    async def rl_step(self, step: int, http: Any, scorer: Any, algo: Any, trainer: Any,
-                      task: Any, policy_sync: Any) -> StepRecord:
-        from weightsync.demo.policy import sample_group
-        from weightsync.reward.rollout import Rollout, Step
+    def requests(self, step: int, task: Any) -> list[Any]:
+        """The step's rollout requests: ``prompts_per_step`` prompts, ``group_size`` episodes
+        each; every completion of the run has its own seed (the engine adds the episode)."""
+        from weightsync.reward.rollout_engine import RolloutRequest
 
         c = self.cfg.rlhf
-        t0 = time.perf_counter()
         prompts = [task.prompts[(step * c.prompts_per_step + i) % len(task.prompts)]
                    for i in range(c.prompts_per_step)]
-        groups = await asyncio.gather(*(
-            sample_group(http, self.policy_server.url, POLICY_NAME, p, n=c.group_size,
-                         max_tokens=c.completion_tokens, temperature=c.temperature,
-                         seed=c.seed * 100_003 + step * 1_009 + i)
-            for i, p in enumerate(prompts)))
-        samples = [s for g in groups for s in g]
+        return [RolloutRequest(
+            prompt=p, num_episodes=c.group_size,
+            sampling={"max_tokens": c.completion_tokens, "temperature": c.temperature,
+                      "top_p": 1.0,
+                      "seed": (c.seed * 100_003 + step * 1_009 + i) * c.group_size},
+            extra_body={"ignore_eos": True}) for i, p in enumerate(prompts)]
+
+    async def rl_step(self, step: int, source: Any, algo: Any, trainer: Any, task: Any,
+                      publisher: Any) -> StepRecord:
+        """One Ludic-style trainer step: ``batch = await source.next_batch()`` (sample, score,
+        assign credit), train on the batch's samples, ``publisher.publish(state_dict)``."""
+        from weightsync.demo.policy import Sample
+
+        t0 = time.perf_counter()
+        batch = await source.next_batch()
         t1 = time.perf_counter()
-        rollouts = [Rollout(f"s{step}-{i}", [Step(0, s.prompt, s.completion)],
-                            {"initial_obs": s.prompt}) for i, s in enumerate(samples)]
-        await scorer.score(rollouts)
-        credit = algo.credit_assigner.compute(rollouts)
-        t2 = time.perf_counter()
+        rollouts = batch.meta["rollouts"]
+        samples = []
+        for item, ro in zip(batch.items, rollouts, strict=True):
+            cut = item.action_mask.index(1)
+            samples.append(Sample(ro.steps[0].prev_obs, item.input_ids[:cut], ro.steps[0].action,
+                                  item.input_ids[cut:], list(item.actor_logps or []),
+                                  item.meta["policy_version"]))
         gap = trainer.max_logprob_gap(samples)  # the server sampled with the trainer's weights
-        loss_first, loss_last = trainer.update(
-            samples, [credit[(ro.id, 0)] for ro in rollouts], algo.loss, epochs=c.epochs)
+        loss_first, loss_last = trainer.update(samples, [i.weight for i in batch.items],
+                                               algo.loss, epochs=self.cfg.rlhf.epochs)
+        t2 = time.perf_counter()
+        stats = await asyncio.to_thread(publisher.publish, trainer.model.state_dict())
         t3 = time.perf_counter()
-        stats = await policy_sync.push(trainer.model, version=None)
-        t4 = time.perf_counter()
         rewards = [ro.meta["rm_score"] for ro in rollouts]
         mean = _mean(rewards)
         rm_versions = {ro.meta.get("rm_score_version") for ro in rollouts}
-        sampled = {s.version for s in samples}
+        sampled = set(batch.meta["policy_versions"])
         return StepRecord(
-            step=step, mean_reward=mean, sync_seconds=t4 - t3,
+            step=step, mean_reward=mean, sync_seconds=t3 - t2,
             policy_version=stats.versions[0] if stats.versions else None,
             rm_version=rm_versions.pop() if len(rm_versions) == 1 else None,
             sampled_version=sampled.pop() if len(sampled) == 1 else None,
             reward_std=math.sqrt(_mean([(x - mean) ** 2 for x in rewards])),
             judge_score=_mean([task.judge(s.completion) for s in samples]),
             loss_first=loss_first, loss_last=loss_last, logprob_gap=gap,
-            sync_bytes=int(stats.total_bytes), sample_seconds=t1 - t0, score_seconds=t2 - t1,
-            train_seconds=t3 - t2, step_seconds=t4 - t0)
+            sync_bytes=int(stats.total_bytes), sample_seconds=t1 - t0,
+            train_seconds=t2 - t1, step_seconds=t3 - t0)

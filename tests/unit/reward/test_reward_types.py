@@ -91,7 +91,7 @@ def test_scoring_request_roundtrip():
     # a wire request without pooling_type asks for the server's own pooling
     assert ScoringRequest.from_dict({"input": "a"}).pooling_type is None
     with pytest.raises(ValueError, match="model: must be a string"):
-        ScoringRequest(inputs=["a"])  # texts where the plan puts the model: named, not guessed
+        ScoringRequest(["a"])  # texts where the plan puts the model: named, not guessed
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.normalize = True  # frozen, as the spec and plan declare it
 
