@@ -14,8 +14,9 @@ built from the same ``client`` and share the update in progress:
 * ``broadcast(tensor, src)`` hands the next announced tensor to the update (its shape and dtype
   must be the announced ones, else the update is aborted and nothing is published). Tensors go
   out in buckets of the client's ``bucket_size_mb`` through its strategy sender (``broadcast``
-  over gloo / NCCL, or the IPC strategies), not one collective per tensor. The caller must not
-  change a tensor before ``barrier`` returns.
+  over gloo / NCCL, or the IPC strategies), not one collective per tensor (ours: ``flush()``
+  sends what is pending at once). The caller must not change a tensor before ``barrier``
+  returns.
 * ``barrier()`` sends what is left and waits until every engine has loaded the whole batch and
   published it; ``finalize_update()`` closes the update and returns its ``SyncStats``.
 
@@ -113,6 +114,15 @@ class VllmTensorCommunicator:
         """Coroutine twin of ``broadcast``."""
         update = _current(self.client, "broadcast")
         await self.client.sync_loop.run_async(update.send(tensor, self._src(src)))
+
+    def flush(self) -> None:
+        """Ours: send the tensors broadcast so far now, not when the bucket is full (a
+        publisher streaming an extractor's chunks keeps its chunks, hence its memory bound)."""
+        self.client.sync_loop.run(_current(self.client, "flush").flush())
+
+    async def flush_async(self) -> None:
+        """Coroutine twin of ``flush``."""
+        await self.client.sync_loop.run_async(_current(self.client, "flush").flush())
 
     def barrier(self) -> None:
         self.client.sync_loop.run(_current(self.client, "barrier").finish())

@@ -93,9 +93,11 @@ async def publish_stream(
     extra: dict[str, Any] | None = None,
 ) -> Any:
     """``publish_batch`` for tensors that arrive as a stream of chunks (``names``, ``tensors``),
-    e.g. an extractor gathering a sharded model. If sending fails part-way the rest of the
-    stream is still consumed (and dropped), so ranks gathering in lockstep are not left
-    waiting. Uses a plane's ``*_async`` twins where it has them."""
+    e.g. an extractor gathering a sharded model; each chunk goes out once broadcast (the
+    communicator's ``flush``, where it has one), so a stream keeps only a few chunks alive. If
+    sending fails part-way the rest of the stream is still consumed (and dropped), so ranks
+    gathering in lockstep are not left waiting. Uses a plane's ``*_async`` twins where it has
+    them."""
     await _call(control, "announce_update_batch", metadata, version=version, extra=extra)
     failure: BaseException | None = None
     async for chunk in chunks:
@@ -106,6 +108,8 @@ async def publish_stream(
                 await _call(comm, "broadcast",
                             tensor if tensor.is_contiguous() else tensor.contiguous(),
                             src=src_rank)
+            if hasattr(comm, "flush"):  # send this chunk now: the stream's memory bound holds
+                await _call(comm, "flush")
         except BaseException as e:  # noqa: BLE001 - raised below, after the stream ends
             failure = e
     if failure is None:

@@ -581,13 +581,13 @@ def test_tokenizer_check_passes_for_the_models_tokenizer_and_fails_fast_otherwis
     finally:
         good.close_sync()
     other = build_tokenizer(vocab_size=300)  # a real tokenizer, another vocabulary
-    bad = restored.client(tokenizer=other)
+    mismatch = r"probe 'The quick brown fox.*' is \d+ tokens .* on the server"
+    with pytest.raises(TokenizerMismatchError, match=mismatch):
+        restored.client(tokenizer=other)  # weight updates on: checked while it connects
+    bad = restored.client(tokenizer=other, enable_weight_updates=False)
     try:
-        with pytest.raises(TokenizerMismatchError, match=r"probe 'The quick brown fox.*' is "
-                                                         r"\d+ tokens .* on the server"):
+        with pytest.raises(TokenizerMismatchError, match=mismatch):
             bad.score_batch_sync(TEXTS)  # refused before the first score request
-        with pytest.raises(TokenizerMismatchError):
-            bad.sync_weights({"score.weight": torch.zeros(1, 64)}, training_mode="head_only")
     finally:
         bad.close_sync()
     assert httpx.get(restored.url + "/runtime_version").json()["state"] == "ready"

@@ -67,13 +67,13 @@ def test_three_labels_head_only_sync(server3):
     async def go():
         async with server3.client() as c:
             v0 = await c.get_model_version()
-            served = await c.sync_weights_async({"score.weight": head},
-                                                training_mode=RewardModelTrainingMode.HEAD_ONLY)
+            await c.sync_weights_async({"score.weight": head},
+                                       training_mode=RewardModelTrainingMode.HEAD_ONLY)
             resp, _ = await c.score(ScoringRequest(inputs=TEXTS, normalize=False))
-            return v0, served, resp
+            return v0, c.last_sync_stats.versions, resp
 
     v0, served, resp = asyncio.run(go())
-    assert served == str(v0 + 1) and resp.version == v0 + 1 and resp.n_labels == 3
+    assert served == [v0 + 1] and resp.version == v0 + 1 and resp.n_labels == 3
     ref = hf_logits(server3.model_dir, TEXTS, head=head)
     assert (torch.tensor(resp.scores) - ref).abs().max() <= 1e-4
 
