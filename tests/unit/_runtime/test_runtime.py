@@ -92,6 +92,28 @@ def test_loop_thread_keeps_its_loop_between_calls_and_restarts_after_close():
         twin.close()
 
 
+def test_loop_thread_awaits_on_its_loop_from_another_and_refuses_to_block_itself():
+    twin = LoopThread("test-twin")
+
+    async def which_loop():
+        return asyncio.get_running_loop()
+
+    async def from_another_loop():
+        return await twin.run_async(which_loop()), asyncio.get_running_loop()
+
+    async def blocking_from_its_own_loop():
+        return twin.run(which_loop())
+
+    try:
+        on_twin, caller = asyncio.run(from_another_loop())
+        assert on_twin is twin.run(which_loop()) and on_twin is not caller
+        with pytest.raises(RuntimeError, match="would wait for itself"):
+            twin.run(blocking_from_its_own_loop())
+        assert twin.run(twin.run_async(which_loop())) is on_twin  # on its loop: awaited directly
+    finally:
+        twin.close()
+
+
 def test_copy_helpers_stay_within_copy_threads_over_concurrent_callers(monkeypatch):
     monkeypatch.setattr(rt_copy, "PARALLEL_MIN_BYTES", 1 << 16)
     monkeypatch.setattr(rt_copy, "PIECE_BYTES", 1 << 12)
