@@ -35,7 +35,10 @@ write side is taken only at the finish, where in-flight requests drain, the stag
 loaded, the prefix cache is reset and the version flips; requests are then served by the new
 version. Every answer still carries the version that produced it. Costs one more copy of the
 update's bytes on the engine; while a worker receives a chunk the engine runs no model step (one
-engine core), so answers slow down but are not refused. ``allow_version_reset``: an update's
+engine core), so answers slow down but are not refused, and run between chunks: a transfer of
+one worker call per chunk (``broadcast`` with ``stream: false``, the IPC strategies) lets them
+through all along, the streamed ``broadcast`` (one call for the whole update) and a Ludic-style
+batch once their bytes are in. ``allow_version_reset``: an update's
 version is taken as given even when it is not newer (the reference's rule for a trainer that
 restarted its count; by default such an update is refused with 409).
 """

@@ -26,6 +26,9 @@ pytestmark = pytest.mark.slow
 
 TEXTS = ["The model is helpful today.", "hi", "Question: what is 2 + 2? Answer: 4."]
 STRATEGY = {"type": "broadcast", "backend": "gloo", "timeout_s": 60}
+# one worker call per chunk (not the streamed update, one call for all of them): the engine can
+# run the score between the two chunks
+PER_CHUNK = {**STRATEGY, "stream": False}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ async def score_while_an_update_pauses(server, params: dict[str, torch.Tensor]) 
     out: dict = {}
     async with httpx.AsyncClient(timeout=120) as http:
         out["before"] = await scores(http, server.url)
-        async with ws.connect([server.url], strategy=STRATEGY, api_key=server.api_key) as sync:
+        async with ws.connect([server.url], strategy=PER_CHUNK, api_key=server.api_key) as sync:
             push = asyncio.ensure_future(sync.push_chunks(stream(), manifest,
                                                           training_mode="full"))
             await asyncio.wait_for(paused.wait(), 60)
