@@ -394,7 +394,7 @@ class RLHFRun:
 
     def requests(self, step: int, task: Any) -> list[Any]:
         """The step's rollout requests: ``prompts_per_step`` prompts, ``group_size`` episodes
-        each; every completion of the run has its own seed (the engine adds the episode)."""
+        each, a seed per prompt (``VLLMChatClient`` samples a group in one call)."""
         from weightsync.reward.rollout_engine import RolloutRequest
 
         c = self.cfg.rlhf
@@ -403,8 +403,7 @@ class RLHFRun:
         return [RolloutRequest(
             prompt=p, num_episodes=c.group_size,
             sampling={"max_tokens": c.completion_tokens, "temperature": c.temperature,
-                      "top_p": 1.0,
-                      "seed": (c.seed * 100_003 + step * 1_009 + i) * c.group_size},
+                      "top_p": 1.0, "seed": c.seed * 100_003 + step * 1_009 + i},
             extra_body={"ignore_eos": True}) for i, p in enumerate(prompts)]
 
     async def rl_step(self, step: int, source: Any, algo: Any, trainer: Any, task: Any,

@@ -189,6 +189,15 @@ class VLLMChatClient:
         ``info``: ``raw_response``, ``used_args``, ``weight_version``, ``latency_s``. A torn
         server (a failed update) raises ``UpdateIncompleteError``; a bad request ``ValueError``
         with vLLM's reason."""
+        responses, info = await self.complete_n(request, 1)
+        return responses[0], info
+
+    async def complete_n(
+        self, request: ChatCompletionRequest, n: int
+    ) -> tuple[list[ChatResponse], dict[str, Any]]:
+        """Ours: ``n`` completions of one request in one call (OpenAI's ``n``: the server
+        samples them together, one seed giving ``n`` different samples) -> the responses in
+        choice order and the call's ``info``; what a rollout engine asks for a group."""
         chat = request.messages is not None
         payload: dict[str, Any] = {"model": request.model or self.model or await self._model()}
         if chat:
@@ -196,6 +205,8 @@ class VLLMChatClient:
         else:
             payload["prompt"] = request.prompt
         payload.update(request.sampling)
+        if n != 1:
+            payload["n"] = int(n)
         if request.return_token_ids:
             payload["return_token_ids"] = True
         if request.logprobs is not None:
@@ -212,10 +223,11 @@ class VLLMChatClient:
             raise error_from_response(self.server_url + path, r)
         body = r.json()
         version = int(r.headers["x-weight-version"]) if "x-weight-version" in r.headers else None
-        response = _parse_choice(body, chat, version)
+        choices = sorted(body["choices"], key=lambda c: c.get("index", 0))
+        responses = [_parse_choice(body, c, chat, version) for c in choices]
         info = {"raw_response": body, "used_args": payload, "weight_version": version,
                 "latency_s": latency}
-        return response, info
+        return responses, info
 
     async def _model(self) -> str:
         r = await self._http.get().get(self.server_url + "/v1/models")
@@ -239,8 +251,7 @@ class VLLMChatClient:
         await self.aclose()
 
 
-def _parse_choice(body: dict, chat: bool, version: int | None) -> ChatResponse:
-    choice = body["choices"][0]
+def _parse_choice(body: dict, choice: dict, chat: bool, version: int | None) -> ChatResponse:
     text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
     logprobs = None
     lp = choice.get("logprobs")

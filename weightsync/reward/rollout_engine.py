@@ -18,7 +18,9 @@ and the sampling log-probabilities as ``actor_logps``.
 A rollout here is one turn: ``RolloutRequest.prompt`` -> one completion; the environment's reward
 for it is ``env_reward(prompt, completion)`` (0.0 without one). ``num_episodes`` completions of
 one prompt share ``meta["initial_obs"]``, the group key of the GRPO / ScaleRL assigners. A
-``sampling["seed"]`` gives episode ``i`` the seed ``seed + i`` (distinct, reproducible samples).
+client with ``complete_n(request, n)`` (``VLLMChatClient``) samples them in one call (one
+``sampling["seed"]`` gives ``n`` different, reproducible samples); any other ``ChatClient`` gets
+one ``complete`` per episode, episode ``i`` with the seed ``seed + i``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class RolloutRequest:
 
 class RolloutEngine:
     """See the module docstring. ``client``: a ``ChatClient`` (``VLLMChatClient`` for a policy
-    server); ``max_concurrency``: completions in flight at once."""
+    server); ``max_concurrency``: completion calls in flight at once."""
 
     def __init__(self, client: Any, *, max_concurrency: int = 16) -> None:
         if not callable(getattr(client, "complete", None)):
@@ -70,32 +72,25 @@ class RolloutEngine:
     async def generate_rollouts(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
         """Every episode of every request, in request order (episodes in order)."""
         sem = asyncio.Semaphore(self.max_concurrency)
+        grouped = callable(getattr(self.client, "complete_n", None))
 
-        async def episode(req: RolloutRequest, i: int) -> Rollout:
+        async def group(req: RolloutRequest) -> list[Rollout]:
             async with sem:
-                return await self._episode(req, i)
+                responses, _ = await self.client.complete_n(_completion(req, req.sampling),
+                                                            req.num_episodes)
+            return [_rollout(req, resp) for resp in responses]
 
-        return list(await asyncio.gather(*(
-            episode(req, i) for req in requests for i in range(req.num_episodes))))
+        async def episode(req: RolloutRequest, i: int) -> list[Rollout]:
+            sampling = dict(req.sampling)
+            if sampling.get("seed") is not None:
+                sampling["seed"] = int(sampling["seed"]) + i
+            async with sem:
+                resp, _ = await self.client.complete(_completion(req, sampling))
+            return [_rollout(req, resp)]
 
-    async def _episode(self, req: RolloutRequest, i: int) -> Rollout:
-        from weightsync.policy.types import ChatCompletionRequest
-
-        sampling = dict(req.sampling)
-        if sampling.get("seed") is not None:
-            sampling["seed"] = int(sampling["seed"]) + i
-        resp, _ = await self.client.complete(ChatCompletionRequest(
-            prompt=req.prompt, sampling=sampling, return_token_ids=True, logprobs=0,
-            extra_body=dict(req.extra_body)))
-        reward = float(req.env_reward(req.prompt, resp.text)) if req.env_reward else 0.0
-        step = Step(0, req.prompt, resp.text, reward=reward, terminated=True, info={
-            "prompt_token_ids": resp.prompt_token_ids,
-            "completion_token_ids": resp.completion_token_ids,
-            "completion_logprobs": resp.completion_logprobs,
-            "finish_reason": resp.finish_reason,
-        })
-        meta = {"initial_obs": req.prompt, **req.meta, "policy_version": resp.weight_version}
-        return Rollout(steps=[step], meta=meta)
+        calls = ([group(req) for req in requests] if grouped else
+                 [episode(req, i) for req in requests for i in range(req.num_episodes)])
+        return [r for batch in await asyncio.gather(*calls) for r in batch]
 
     async def generate_batch(
         self,
@@ -115,6 +110,27 @@ class RolloutEngine:
         versions = sorted({v for r in rollouts
                            if (v := r.meta.get("policy_version")) is not None})
         return SAWBatch(items, {"rollouts": rollouts, "policy_versions": versions})
+
+
+def _completion(req: RolloutRequest, sampling: dict[str, Any]) -> Any:
+    from weightsync.policy.types import ChatCompletionRequest
+
+    return ChatCompletionRequest(prompt=req.prompt, sampling=dict(sampling),
+                                 return_token_ids=True, logprobs=0,
+                                 extra_body=dict(req.extra_body))
+
+
+def _rollout(req: RolloutRequest, resp: Any) -> Rollout:
+    """One sampled completion as a one-step rollout (token ids and log-probabilities kept)."""
+    reward = float(req.env_reward(req.prompt, resp.text)) if req.env_reward else 0.0
+    step = Step(0, req.prompt, resp.text, reward=reward, terminated=True, info={
+        "prompt_token_ids": resp.prompt_token_ids,
+        "completion_token_ids": resp.completion_token_ids,
+        "completion_logprobs": resp.completion_logprobs,
+        "finish_reason": resp.finish_reason,
+    })
+    meta = {"initial_obs": req.prompt, **req.meta, "policy_version": resp.weight_version}
+    return Rollout(steps=[step], meta=meta)
 
 
 def saw_item(rollout: Rollout, step: Step, weight: float) -> SAWItem:
