@@ -358,9 +358,37 @@ def resolve_strategy(strategy: Any) -> dict[str, Any]:
 def _strategy_section(data: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     if "type" not in data and isinstance(data.get("strategy"), Mapping):
         data = data["strategy"]  # a whole preset: its strategy section
+    elif "type" not in data and isinstance(data.get("generator"), Mapping):
+        return skyrl_strategy(data)
     out = dict(data)
     out.setdefault("type", "broadcast")
     return out
+
+
+def skyrl_strategy(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The strategy a SkyRL-style trainer config asks for (the interface design's controller
+    picks it the same way): ``generator.weight_sync_backend`` (``nccl`` / ``gloo``) and
+    ``trainer.placement.colocate_all``; CUDA IPC when ``generator.use_cuda_ipc`` (default: an
+    ``nccl`` backend with every model colocated), its buckets of
+    ``generator.weight_transfer_threshold_cuda_ipc_GB``; otherwise a broadcast over the backend.
+    Unknown backends are a ``ValueError`` naming the key."""
+    generator = dict(cfg.get("generator") or {})
+    placement = dict((cfg.get("trainer") or {}).get("placement") or {})
+    backend = str(generator.get("weight_sync_backend", "nccl"))
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"generator.weight_sync_backend must be 'nccl' or 'gloo', got "
+                         f"{backend!r}")
+    colocated = bool(placement.get("colocate_all", False))
+    use_ipc = generator.get("use_cuda_ipc")
+    if use_ipc is None:
+        use_ipc = backend == "nccl" and colocated
+    if use_ipc:
+        out: dict[str, Any] = {"type": "cuda_ipc"}
+        gb = generator.get("weight_transfer_threshold_cuda_ipc_GB")
+        if gb is not None:
+            out["bucket_size_mb"] = float(gb) * 1024
+        return out
+    return {"type": "broadcast", "backend": backend}
 
 
 def resolve_extractor(extractor: Any) -> dict[str, Any] | None:

@@ -104,12 +104,13 @@ class EndpointStatus:
     last_error: str
     update: UpdateProgress | None
     has_receiver: bool
+    sync_info: dict[str, Any] | None = None  # what the receiver was built from
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "state": self.state.value, "version": self.version,
                 "last_error": self.last_error,
                 "update": self.update.to_dict() if self.update else None,
-                "has_receiver": self.has_receiver}
+                "has_receiver": self.has_receiver, "sync_info": self.sync_info}
 
 
 @dataclass
@@ -147,6 +148,7 @@ class WeightUpdateEndpoint:
         self.name = name
         self.stage_updates = stage_updates
         self._receiver: WeightTransferReceiver | None = None
+        self._sync_info: dict[str, Any] | None = None
         self._version = int(version)
         self._state = EndpointState.IDLE
         self._last_error = ""
@@ -180,6 +182,7 @@ class WeightUpdateEndpoint:
             last_error=self._last_error,
             update=self._update.progress() if self._update is not None else None,
             has_receiver=self._receiver is not None,
+            sync_info=self._sync_info if self._receiver is not None else None,
         )
 
     def check_serving(self) -> None:
@@ -213,6 +216,7 @@ class WeightUpdateEndpoint:
             strategy = build_strategy(strategy_cfg)
             info = WeightSyncInfo.from_dict(sync_info)
             self._receiver = await strategy.create_receiver(None, info, rank_offset)
+            self._sync_info = info.to_dict()
 
     async def close_weight_transfer(self) -> None:
         """Drop the receiver; the endpoint may be initialised again (a new sender)."""

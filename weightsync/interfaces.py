@@ -667,6 +667,13 @@ class WeightTransferStrategy(abc.ABC):
 
         return config_to_dict(self.cfg)
 
+    def own_config(self, cfg: Any) -> Any:
+        """The config a ``create_*`` call should use: ``cfg`` when it is this strategy's own
+        config (``config_cls``), else the strategy's. Code written to the interface design
+        passes its whole trainer config (a SkyRL ``DictConfig``) to these calls; the strategy's
+        own settings came with its construction."""
+        return cfg if isinstance(cfg, self.config_cls) else self.cfg
+
 
 def _stamper(update_id: str, version: int | None) -> Any:
     def stamp(request: WeightUpdateRequest, index: int, is_last: bool) -> None:

@@ -284,3 +284,22 @@ def test_pipelining_defaults():
     assert build_strategy({"type": "cuda_ipc"}).cfg.max_inflight_chunks == 2
     assert build_strategy({"type": "packed_cuda_ipc"}).cfg.max_inflight_chunks == 2
     assert build_strategy({"type": "broadcast"}).cfg.max_inflight_chunks == 1
+
+
+def test_a_skyrl_style_config_picks_the_strategy_as_the_design_controller_does():
+    from omegaconf import OmegaConf
+
+    from weightsync.config import resolve_strategy
+
+    def cfg(backend, colocate, **gen):
+        return OmegaConf.create({"generator": {"weight_sync_backend": backend, **gen},
+                                 "trainer": {"placement": {"colocate_all": colocate}}})
+
+    assert resolve_strategy(cfg("nccl", False)) == {"type": "broadcast", "backend": "nccl"}
+    assert resolve_strategy(cfg("gloo", True)) == {"type": "broadcast", "backend": "gloo"}
+    assert resolve_strategy(cfg("nccl", True)) == {"type": "cuda_ipc"}
+    assert resolve_strategy(cfg("nccl", True, weight_transfer_threshold_cuda_ipc_GB=0.5)) == {
+        "type": "cuda_ipc", "bucket_size_mb": 512.0}
+    assert resolve_strategy(cfg("nccl", True, use_cuda_ipc=False))["type"] == "broadcast"
+    with pytest.raises(ValueError, match="generator.weight_sync_backend must be"):
+        resolve_strategy(cfg("mpi", False))

@@ -8,6 +8,7 @@ actor's process:
 
     get_weight_sync_world_size()  -> receiving workers in this engine (override for TP > 1)
     init_weight_transfer(strategy_cfg, sync_info, rank_offset)
+    initialize_weight_sync(strategy, cfg, sync_info, rank_offset)   the interface design's name
     start_weight_update(start) / update_named_weights(request) / finish_weight_update(finish)
     close_weight_transfer()
     get_weight_version() / get_weight_sync_state()
@@ -84,6 +85,23 @@ class WeightSyncEngineMixin:
             "init_weight_transfer",
             {"strategy_cfg": strategy_cfg, "sync_info": sync_info, "rank_offset": rank_offset},
         )
+
+    async def initialize_weight_sync(
+        self, strategy: Any, cfg: Any, sync_info: Any, rank_offset: int
+    ) -> None:
+        """The interface design's inference-side step: this engine's receiver for
+        ``sync_info`` at ``rank_offset``. The trainer's ``initialize_weight_sync`` built it
+        already (its sender makes every engine join at once); then nothing changes. Otherwise
+        (the engines are wired in another order) the receiver is built here. ``strategy``: a
+        ``WeightTransferStrategy`` or any strategy spec (a SkyRL-style ``cfg`` when None)."""
+        from weightsync.config import resolve_strategy
+
+        info = sync_info.to_dict() if hasattr(sync_info, "to_dict") else dict(sync_info)
+        state = await self._weightsync_dispatch("status", {})
+        if state.get("has_receiver") and state.get("sync_info") == info:
+            return
+        spec = resolve_strategy(strategy if strategy is not None else cfg)
+        await self.init_weight_transfer(spec, info, int(rank_offset))
 
     async def start_weight_update(self, start: dict) -> None:
         await self._weightsync_dispatch("start_weight_update", {"start": start})

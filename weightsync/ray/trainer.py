@@ -6,6 +6,10 @@ model to extract from. Then (usually through ``weightsync.ray.controller``):
     await trainer.setup_weight_sync.remote(strategy_cfg, extractor_cfg, engine_handles)
     stats = await trainer.sync_weights.remote(version=None)
 
+or the interface design's controller flow: ``sync_info = trainer.initialize_weight_sync(strategy,
+cfg, engines)`` on training rank 0, then each engine's ``initialize_weight_sync(strategy, cfg,
+sync_info, rank_offset)`` (``weightsync.ray.engine``), then ``sync_weights()``.
+
 On the sending rank ``setup_weight_sync`` builds the strategy, a ``FanOutClient`` over the
 engine handles (``RayChannel`` each), the sync info and the sender; building the sender makes every engine build its
 receiver at the same time (rendezvous). A broadcast strategy without ``master_addr`` gets this
@@ -32,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
         WeightTransferSender,
         WeightTransferStrategy,
     )
+    from weightsync.types import WeightSyncInfo
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +108,30 @@ class WeightSyncTrainerMixin:
             "world_sizes": await client.get_world_sizes(),
             "versions": versions,
         }
+
+    async def initialize_weight_sync(
+        self, strategy: Any, cfg: Any = None, inference_client: Any = None
+    ) -> WeightSyncInfo:
+        """The interface design's training-side step (training rank 0): the strategy's sync info
+        and sender, built here; returns the sync info (the controller hands it to each inference
+        actor's ``initialize_weight_sync``). ``strategy``: a ``WeightTransferStrategy`` (or any
+        strategy spec the front door takes; a SkyRL-style ``cfg`` picks one when it is None);
+        ``inference_client``: the engines' actor handles (or a list of anything
+        ``FanOutClient`` reaches). The extractor follows the model's kind. Building the sender
+        makes every engine join at once (a broadcast group needs both sides together), so the
+        engines' own ``initialize_weight_sync`` finds its receiver built."""
+        from weightsync.config import resolve_strategy
+        from weightsync.extractors.auto import extractor_config_for
+        from weightsync.types import WeightSyncInfo
+
+        if strategy is None and cfg is None:
+            raise ValueError("initialize_weight_sync: give a strategy or a SkyRL-style cfg")
+        spec = resolve_strategy(strategy if strategy is not None else cfg)
+        handles = inference_client if isinstance(inference_client, (list, tuple)) else (
+            [inference_client] if inference_client is not None else None)
+        out = await self.setup_weight_sync(
+            spec, extractor_config_for(self._weightsync_model()), handles)
+        return WeightSyncInfo.from_dict(out["sync_info"])
 
     async def sync_weights(self, version: int | None = None) -> dict[str, Any]:
         """Extract the model's weights and send them to every engine as one update.

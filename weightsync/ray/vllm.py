@@ -4,8 +4,9 @@ SkyRL (one actor per engine, its workers inside).
 ``VLLMEngineMixin``: mix it into an actor that owns a vLLM ``LLM`` or ``AsyncLLM`` built with
 ``worker_extension_cls="weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"`` and implement
 ``_weightsync_llm()``. Receivers live in the vLLM workers (one per TP x PP rank); the mixin
-forwards every endpoint call to them with ``collective_rpc("weightsync_call", ...)``, turns
-their answers back into weightsync errors, and resets the prefix cache after a finished update.
+forwards every endpoint call to them through ``weightsync.loaders.vllm_driver.VLLMWorkers`` (one
+``collective_rpc``, their answers turned back into weightsync errors, the prefix cache reset
+after a finished update).
 ``weightsync.clients.RayChannel`` / the controller drive it like any other engine actor.
 
 ``VLLMEngineActor``: a ready-made one (offline ``LLM``) with ``generate`` and ``classify``.
@@ -31,36 +32,28 @@ class VLLMEngineMixin(WeightSyncEngineMixin):
             f"{EXTENSION!r}"
         )
 
-    async def _weightsync_rpc(self, method: str, *args: Any) -> list[Any]:
-        llm = self._weightsync_llm()
-        fn = llm.collective_rpc
-        if asyncio.iscoroutinefunction(fn):
-            return list(await fn(method, args=args))
-        return list(await asyncio.to_thread(fn, method, None, args))
+    def _weightsync_workers(self) -> Any:
+        from weightsync.loaders.vllm_driver import VLLMWorkers
+
+        workers = getattr(self, "_weightsync_driver", None)
+        if workers is None:
+            workers = self._weightsync_driver = VLLMWorkers(
+                self._weightsync_llm(), name=self._weightsync_name())
+        return workers
 
     async def _weightsync_dispatch(self, method: str, kwargs: dict[str, Any]) -> Any:
-        from weightsync._runtime import vllm_compat as compat
-        from weightsync.loaders.vllm_worker import raise_for_results
-
-        answers = await self._weightsync_rpc("weightsync_call", method, kwargs)
-        results = raise_for_results(answers, engine=self._weightsync_name())
-        if method == "finish_weight_update":
-            llm = self._weightsync_llm()
-            if asyncio.iscoroutinefunction(llm.reset_prefix_cache):
-                await compat.async_reset_prefix_cache(llm)
-            else:
-                await asyncio.to_thread(compat.reset_prefix_cache, llm)
-        return results[0] if results else None
+        if method == "status":
+            return await self.get_weight_sync_state()
+        return await self._weightsync_workers().call(method, kwargs)
 
     async def get_weight_sync_world_size(self) -> int:
-        sizes = await self._weightsync_rpc("weightsync_world_size")
-        return int(sizes[0])
+        return await self._weightsync_workers().world_size()
 
     async def get_weight_version(self) -> int:
-        return int((await self._weightsync_rpc("weightsync_version"))[0])
+        return int((await self._weightsync_workers().rpc("weightsync_version"))[0])
 
     async def get_weight_sync_state(self) -> dict[str, Any]:
-        states = await self._weightsync_rpc("weightsync_state")
+        states = await self._weightsync_workers().states()
         worst = next((s for s in states if s.get("state") == "torn"), states[0])
         return {**worst, "workers": states}
 

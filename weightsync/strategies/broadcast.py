@@ -107,7 +107,7 @@ class BroadcastTransferStrategy(WeightTransferStrategy):
         self, cfg: BroadcastConfig | None, inference_client: InferenceEngineClient
     ) -> TorchDistributedWeightSyncInfo:
         """Trainer side: world size from the engines, address from Ray/cfg, a fresh port."""
-        cfg = cfg or self.cfg
+        cfg = self.own_config(cfg)
         world_sizes = await inference_client.get_world_sizes()
         if not world_sizes or any(int(w) < 1 for w in world_sizes):
             raise WeightSyncError(f"engines reported world sizes {world_sizes}; need >= 1 each")
@@ -131,7 +131,7 @@ class BroadcastTransferStrategy(WeightTransferStrategy):
         sync_info: WeightSyncInfo,
     ) -> BroadcastTransferSender:
         """Trainer side: join as rank 0 while every engine joins through the client."""
-        cfg = cfg or self.cfg
+        cfg = self.own_config(cfg)
         info = _as_info(sync_info)
         store = self._stores.pop((info.master_addr, info.master_port), None)
         sizes = self._world_sizes.pop((info.master_addr, info.master_port), None)
@@ -164,7 +164,7 @@ class BroadcastTransferStrategy(WeightTransferStrategy):
         self, cfg: BroadcastConfig | None, sync_info: WeightSyncInfo, rank_offset: int
     ) -> BroadcastTransferReceiver:
         """Engine side: join the group as ``rank_offset``."""
-        cfg = cfg or self.cfg
+        cfg = self.own_config(cfg)
         info = _as_info(sync_info)
         device = None
         if info.backend == "nccl":

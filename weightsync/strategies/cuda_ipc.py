@@ -375,7 +375,7 @@ class CudaIpcTransferStrategy(WeightTransferStrategy):
         """The sending process's sender. With ``every_rank`` every training rank calls this
         (rank 0 with the engines' client, the others with None) and gets a sender that sends
         in lockstep with the others (``strategies/_every_rank.py``)."""
-        cfg = cfg or self.cfg
+        cfg = self.own_config(cfg)
         group = None
         if getattr(cfg, "every_rank", False):
             from weightsync._runtime.threads import in_thread
@@ -418,7 +418,7 @@ class CudaIpcTransferStrategy(WeightTransferStrategy):
     async def create_receiver(
         self, cfg: Any, sync_info: WeightSyncInfo, rank_offset: int
     ) -> WeightTransferReceiver:
-        return self.receiver_cls(cfg or self.cfg, rank_offset=rank_offset)
+        return self.receiver_cls(self.own_config(cfg), rank_offset=rank_offset)
 
 
 def _info_dict(sync_info: Any) -> dict:

@@ -120,7 +120,7 @@ class LudicBroadcastStrategy(WeightTransferStrategy):
     ) -> LudicBroadcastReceiver:
         """Engine worker side: join as rank ``rank_offset`` (worker ``i`` -> rank ``i``). Blocks
         until the trainer joins (or ``timeout_s``)."""
-        cfg = cfg or self.cfg
+        cfg = self.own_config(cfg)
         if not isinstance(sync_info, StatelessGroupSyncInfo):
             raise ValueError(f"ludic_broadcast needs a stateless_group sync info, got "
                              f"{type(sync_info).__name__}")
