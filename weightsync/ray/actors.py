@@ -49,6 +49,17 @@ class _TorchModuleHolder:
     async def ping(self) -> str:
         return "pong"
 
+    async def node_ip(self) -> str:
+        """The address Ray reports for this actor's node."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    async def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 class TorchModuleEngineActor(_TorchModuleHolder, WeightSyncEngineMixin):
     """An inference engine holding a torch module; loads with the ``torch_module`` loader."""
