@@ -216,3 +216,75 @@ def test_reference_worker_methods_receive_a_trainer_batch(lm):
         llm.collective_rpc("close_communicator")
         (state,) = llm.collective_rpc("weightsync_state")
         assert not state["has_receiver"]
+
+
+def test_a_trainer_written_from_the_interface_design_syncs_the_engine(lm, tmp_path):
+    """A trainer script using only what the interface design names: its strategy class, a
+    design-style extractor (``async _extract_raw_weights`` -> dict, the flags set from a
+    SkyRL-style config), ``create_sync_info`` / ``create_sender`` / ``send_chunks`` with that
+    config, then one positional ``WeightChunk(names, tensors, dtypes, shapes)``. Afterwards vLLM
+    (float32) generates what transformers generates with the trainer's weights."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    import weightsync as ws
+    from weightsync.clients import FanOutClient
+
+    llm, base, new = lm
+
+    class FSDPWeightExtractorLike(ws.WeightExtractor):
+        def __init__(self, cfg) -> None:
+            super().__init__(cfg)
+            self._group_by_module = True
+            self._batch_by_threshold = hasattr(cfg.generator,
+                                               "weight_transfer_threshold_cuda_ipc_GB")
+
+        async def _extract_raw_weights(self, model, generator_dtype):
+            return {n: p.detach().to(generator_dtype) for n, p in model.state_dict().items()
+                    if n != "lm_head.weight" or not model.config.tie_word_embeddings}
+
+    cfg = OmegaConf.create({"generator": {"weight_sync_backend": "gloo", "use_cuda_ipc": False,
+                                          "weight_transfer_threshold_cuda_ipc_GB": 0.0001},
+                            "trainer": {"placement": {"colocate_all": False}}})
+    model = AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32)
+    inference_client = FanOutClient([llm])
+
+    async def go():
+        transfer_strategy = (ws.CudaIpcTransferStrategy() if cfg.generator.use_cuda_ipc
+                             else ws.BroadcastTransferStrategy())
+        sync_info = await transfer_strategy.create_sync_info(cfg, inference_client)
+        sender = await transfer_strategy.create_sender(cfg, inference_client, sync_info)
+        try:
+            extractor = FSDPWeightExtractorLike(cfg)
+            await sender.send_chunks(extractor.extract_weights(model, torch.float32),
+                                     inference_client)
+            after_full = vllm_greedy(llm)[0]
+            norm = model.model.norm.weight
+            with torch.no_grad():  # a new final norm (a scale alone keeps every argmax)
+                norm.copy_(torch.randn(norm.shape, generator=torch.Generator().manual_seed(9)))
+            await sender.send_chunks([ws.WeightChunk(["model.norm.weight"], [norm.detach()],
+                                                     [torch.float32], [tuple(norm.shape)])],
+                                     inference_client)
+            return after_full, vllm_greedy(llm)[0]
+        finally:
+            await sender.close()
+            await inference_client.close_weight_transfer()
+
+    after_full, after_norm = asyncio.run(go())
+    assert after_full == hf_greedy(new)[0]
+    import pathlib
+    import shutil
+
+    scaled = tmp_path / "scaled"  # what the trainer holds now, for transformers to run
+    model.save_pretrained(scaled)
+    for f in pathlib.Path(base).glob("*token*"):
+        shutil.copy(f, scaled / f.name)
+    assert after_norm == hf_greedy(str(scaled))[0] != after_full
+
+    async def restore():  # the engine back to the base weights for the module's other tests
+        async with ws.connect([llm], "broadcast") as sync:
+            v = (await sync.status())[0]["version"]
+            await sync.push(state_dict(base), version=v + 1)
+
+    asyncio.run(restore())
+    assert vllm_greedy(llm)[0] == hf_greedy(base)[0]
