@@ -17,9 +17,9 @@ import asyncio
 import torch
 
 import weightsync as ws
+from weightsync.digest import module_digest
 from weightsync.local import LocalEngineProcess
 from weightsync.local.modules import qwen2_module
-from weightsync.testing.digest import module_digest
 
 FACTORY = "weightsync.local.modules:qwen2_module"
 SHAPE = {"size": "tiny", "dtype": "float32"}

@@ -23,6 +23,12 @@ from weightsync.registry import EXTRACTORS, LOADERS, STRATEGIES, Registry
 # --------------------------------------------------------------------------------------------
 
 
+#: the one default of ``bucket_size_mb``: the most bytes a chunk (and so a transfer buffer) holds.
+#: Its one home is the strategy's config; an extractor built with a strategy takes the
+#: strategy's (``WeightSyncConfig``, the front door, the Ray controller), one built alone this.
+DEFAULT_BUCKET_MB = 1024.0
+
+
 @dataclass(kw_only=True)
 class StrategyConfig:
     """Fields every strategy understands.
@@ -49,7 +55,7 @@ class StrategyConfig:
     """
 
     type: str = "broadcast"
-    bucket_size_mb: float = 1024
+    bucket_size_mb: float = DEFAULT_BUCKET_MB
     timeout_s: float = 30.0
     timeout_s_per_gb: float = 20.0
     join_timeout_s: float = 120.0
@@ -123,7 +129,7 @@ class PackedIpcConfig(StrategyConfig):
 @dataclass(kw_only=True)
 class ExtractorConfig:
     type: str = "hf"
-    bucket_size_mb: float = 1024
+    bucket_size_mb: float = DEFAULT_BUCKET_MB  # with a strategy: the strategy's (see above)
     group_by_module: bool = True
     is_sender: bool = True  # False on training ranks that only take part in the collectives
 
@@ -149,6 +155,25 @@ class WeightSyncConfig:
     extractor: dict[str, Any] = field(default_factory=lambda: {"type": "hf"})
     loader: dict[str, Any] = field(default_factory=lambda: {"type": "torch_module"})
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.extractor = with_strategy_bucket(self.extractor, self.strategy)
+
+
+def with_strategy_bucket(extractor: Mapping[str, Any], strategy: Mapping[str, Any]) -> dict:
+    """The extractor section with the strategy's ``bucket_size_mb`` (its one home); an
+    extractor section that sets another value is a ``ValueError`` saying where to set it."""
+    out = dict(extractor)
+    bucket = strategy.get("bucket_size_mb")
+    mine = out.get("bucket_size_mb")
+    if bucket is None:
+        return out
+    if mine is not None and float(mine) != float(bucket):
+        raise ValueError(
+            f"bucket_size_mb is {mine} in the extractor section but {bucket} in the strategy "
+            f"section; set it once, in the strategy section (the extractor takes it from there)")
+    out["bucket_size_mb"] = float(bucket)
+    return out
 
 
 # --------------------------------------------------------------------------------------------

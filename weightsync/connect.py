@@ -60,6 +60,7 @@ from collections.abc import Awaitable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from weightsync.config import (
+    DEFAULT_BUCKET_MB,
     broadcast_backend,
     resolve_extractor,
     resolve_strategy,
@@ -233,7 +234,7 @@ class SyncSession:
                     cfg.setdefault("src_rank", self.src_rank)
             else:
                 cfg = extractor_config_for(
-                    model, bucket_size_mb=float(self.strategy_cfg.get("bucket_size_mb", 1024)),
+                    model, bucket_size_mb=float(self.strategy_cfg.get("bucket_size_mb", DEFAULT_BUCKET_MB)),
                     rank=self.rank, src_rank=self.src_rank, is_sender=self.is_sender,
                     head_name_patterns=heads if mode is TrainingMode.HEAD_ONLY else None,
                 )
@@ -265,7 +266,7 @@ class SyncSession:
             raise WeightMismatchError([str(e)], target="update") from None
         named = [(mapping[n], _cast(t.detach(), dtype)) for n, t in items if n in mapping]
         chunks = list(make_chunks(named, bucket_size_mb=float(
-            self.strategy_cfg.get("bucket_size_mb", 1024))))
+            self.strategy_cfg.get("bucket_size_mb", DEFAULT_BUCKET_MB))))
         manifest = [m for c in chunks for m in c.metas()]
         return await self._send_made(chunks, manifest, version, mode, heads,
                                      _device_name(device_of(named)))

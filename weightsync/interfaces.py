@@ -31,6 +31,7 @@ from collections.abc import (
 )
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from weightsync.config import DEFAULT_BUCKET_MB
 from weightsync.errors import WeightMismatchError
 from weightsync.pipeline import (
     SendPipeline,
@@ -218,7 +219,7 @@ class WeightExtractor(abc.ABC):
                             "weight_transfer_threshold_cuda_ipc_GB", None)
         if gb is not None:
             return int(float(gb) * (1 << 30))
-        return int(float(_cfg_value(self.cfg, "bucket_size_mb", 1024)) * (1 << 20))
+        return int(float(_cfg_value(self.cfg, "bucket_size_mb", DEFAULT_BUCKET_MB)) * (1 << 20))
 
     # -- shared machinery ----------------------------------------------------------------------
     async def extract_weights(

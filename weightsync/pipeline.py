@@ -42,6 +42,7 @@ import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from weightsync.config import DEFAULT_BUCKET_MB
 from weightsync.types import SyncStats, WeightChunk, WeightUpdateRequest
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,7 +97,7 @@ def batch_by_threshold(
 
 
 def make_chunks(
-    named: NamedTensors, *, bucket_size_mb: float = 1024, by_module: bool = True
+    named: NamedTensors, *, bucket_size_mb: float = DEFAULT_BUCKET_MB, by_module: bool = True
 ) -> Iterator[WeightChunk]:
     """``(name, tensor)`` pairs -> chunks of at most ``bucket_size_mb`` (module groups kept whole
     when ``by_module``; otherwise one group per tensor)."""

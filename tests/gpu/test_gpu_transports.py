@@ -18,9 +18,9 @@ torch = pytest.importorskip("torch")
 
 from weightsync import WeightChunk, build_strategy  # noqa: E402
 from weightsync.clients import FanOutClient  # noqa: E402
+from weightsync.digest import tensor_digest  # noqa: E402
 from weightsync.local import LocalEngineProcess  # noqa: E402
 from weightsync.local.modules import qwen2_module  # noqa: E402
-from weightsync.testing.digest import tensor_digest  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -71,8 +71,8 @@ async def sync_loop(
     """Every rank: ``steps`` x (train, sync). Rank 0 owns the engine and writes the report."""
     from weightsync import build_strategy
     from weightsync.clients import FanOutClient
+    from weightsync.digest import tensor_digest
     from weightsync.local import LocalEngineProcess
-    from weightsync.testing.digest import tensor_digest
 
     metas = ext.metadata(model)  # no collective
     names = [m.name for m in metas]

@@ -22,9 +22,9 @@ async def _fsdp_rank(rank: int, world: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import weightsync as ws
+    from weightsync.digest import state_digest
     from weightsync.extractors.auto import model_kind
     from weightsync.local import LocalEngineProcess
-    from weightsync.testing.digest import state_digest
 
     model = tiny_qwen2()
     mesh = init_device_mesh("cpu", (world,))
@@ -78,10 +78,10 @@ def test_a_dead_engine_drops_the_group_and_a_new_connection_without_it_works():
     import torch
 
     import weightsync as ws
+    from weightsync.digest import module_digest
     from weightsync.errors import EngineDiedError
     from weightsync.local import LocalEngineProcess
     from weightsync.local.modules import qwen2_module
-    from weightsync.testing.digest import module_digest
 
     factory, shape = "weightsync.local.modules:qwen2_module", {"size": "tiny", "dtype": "float32"}
     engines = [LocalEngineProcess.spawn(factory, {**shape, "fill": "zeros"}, name=f"engine{i}")

@@ -30,6 +30,7 @@ import pytest
 
 import weightsync as ws
 from weightsync.clients import FanOutClient
+from weightsync.digest import state_digest
 from weightsync.errors import (
     ChecksumMismatchError,
     EngineDiedError,
@@ -39,7 +40,6 @@ from weightsync.errors import (
 from weightsync.local import LocalEngineProcess
 from weightsync.local.modules import qwen2_module
 from weightsync.pipeline import make_chunks
-from weightsync.testing.digest import state_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

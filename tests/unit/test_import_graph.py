@@ -30,6 +30,10 @@ Over every module of ``weightsync/``, counting every ``import`` statement wherev
     ``weightsync.reward``, ``weightsync.servers``, ``weightsync.demo``, ``weightsync.bench``
     (with their submodules) and ``weightsync.cli``; no core module imports
     ``weightsync.reward`` or ``weightsync.servers``.
+(e) **Leaves stay leaves.** Nothing that runs in a user's trainer or engine imports
+    ``weightsync.testing`` (helpers for tests and examples); ``weightsync.demo`` and
+    ``weightsync.bench`` are imported by nothing but themselves and ``weightsync.cli`` (the
+    demo and the bench may use ``weightsync.testing``).
 
 What still fails because its fix is scheduled elsewhere is listed in ``PENDING`` and marked
 ``xfail(strict=True)``: once the fix lands the test passes, the strict xfail turns that into a
@@ -270,6 +274,24 @@ def _violations_core() -> list[str]:
     return sorted(set(out))
 
 
+LEAVES = {  # package -> who may import it (besides its own modules)
+    "weightsync.testing": ("weightsync.demo", "weightsync.bench", "weightsync.cli"),
+    "weightsync.demo": ("weightsync.cli",),
+    "weightsync.bench": ("weightsync.cli",),
+}
+
+
+def _violations_leaves() -> list[str]:
+    out = []
+    for imp in IMPORTS:
+        for leaf, allowed in LEAVES.items():
+            inside = imp.importer == leaf or imp.importer.startswith(leaf + ".")
+            if (imp.target == leaf or imp.target.startswith(leaf + ".")) and not inside and \
+                    not imp.importer.startswith(allowed):
+                out.append(f"leaf: {imp.importer} imports {imp.target}")
+    return sorted(set(out))
+
+
 def _check(violations: list[str], rule: str) -> None:
     real = [v for v in violations if v not in PENDING]
     assert not real, f"{rule}:\n  " + "\n  ".join(real)
@@ -287,7 +309,7 @@ def test_the_reader_sees_the_package() -> None:
                and i.target == "weightsync._runtime.threads" for i in IMPORTS)
     # an import inside a function counts (this one is in bench.runner's bench_strategy)
     assert any(i.importer == "weightsync.bench.runner"
-               and i.target == "weightsync.testing.digest" for i in IMPORTS)
+               and i.target == "weightsync.digest" for i in IMPORTS)
 
 
 def test_no_import_cycles() -> None:
@@ -305,6 +327,10 @@ def test_init_files_only_hand_names_on() -> None:
 
 def test_core_does_not_import_reward_or_servers() -> None:
     _check(_violations_core(), "core module importing weightsync.reward / weightsync.servers")
+
+
+def test_testing_demo_and_bench_are_leaves() -> None:
+    _check(_violations_leaves(), "a leaf package imported from outside (rule (e))")
 
 
 if PENDING:  # defined only while something is pending, so no empty test is ever skipped

@@ -303,3 +303,16 @@ def test_a_skyrl_style_config_picks_the_strategy_as_the_design_controller_does()
     assert resolve_strategy(cfg("nccl", True, use_cuda_ipc=False))["type"] == "broadcast"
     with pytest.raises(ValueError, match="generator.weight_sync_backend must be"):
         resolve_strategy(cfg("mpi", False))
+
+
+def test_bucket_size_has_one_home_the_strategy_section(tmp_path):
+    from weightsync.config import DEFAULT_BUCKET_MB, WeightSyncConfig, load_config
+
+    for preset in ("broadcast_gloo", "cuda_ipc", "extractor_hf", "extractor_hf_head"):
+        cfg = load_config(preset)
+        assert cfg.extractor["bucket_size_mb"] == float(cfg.strategy["bucket_size_mb"]), preset
+    assert ws.build_extractor(load_config("extractor_hf_head")).cfg.bucket_size_mb == 64
+    assert ws.build_extractor({"type": "hf"}).cfg.bucket_size_mb == DEFAULT_BUCKET_MB  # alone
+    with pytest.raises(ValueError, match="set it once, in the strategy section"):
+        WeightSyncConfig(strategy={"type": "broadcast", "bucket_size_mb": 64},
+                         extractor={"type": "hf", "bucket_size_mb": 512})

@@ -169,8 +169,8 @@ async def bench_strategy(
 
     from weightsync.clients import FanOutClient
     from weightsync.config import build_extractor, build_strategy
+    from weightsync.digest import compare_digests, module_digest
     from weightsync.local import LocalEngineProcess
-    from weightsync.testing.digest import compare_digests, module_digest
 
     strategy_cfg, extractor_cfg = strategy_config(name, cfg)
     units = Units.for_bytes(_shape_bytes(cfg))

@@ -33,6 +33,7 @@ import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from weightsync.config import DEFAULT_BUCKET_MB
 from weightsync.errors import WeightSyncError
 from weightsync.types import TensorMeta, TrainingMode, dtype_to_str
 
@@ -149,7 +150,7 @@ class _TwoPlaneUpdate:
         self.version = version
         self.mode = mode
         self.timeout_s = timeout_s
-        self.bucket_bytes = int(float(cfg.get("bucket_size_mb", 1024)) * (1 << 20))
+        self.bucket_bytes = int(float(cfg.get("bucket_size_mb", DEFAULT_BUCKET_MB)) * (1 << 20))
         self.received = 0
         self.done = False
         self.stats: SyncStats | None = None

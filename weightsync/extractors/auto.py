@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from weightsync.config import DEFAULT_BUCKET_MB
+
 #: model kind -> extractor type
 EXTRACTOR_FOR_KIND = {"deepspeed": "deepspeed", "fsdp": "fsdp", "peft": "lora_merge", "hf": "hf"}
 
@@ -47,7 +49,7 @@ def model_kind(model: Any) -> str:
 def extractor_config_for(
     model: Any,
     *,
-    bucket_size_mb: float = 1024,
+    bucket_size_mb: float = DEFAULT_BUCKET_MB,
     rank: int = 0,
     src_rank: int = 0,
     is_sender: bool = True,

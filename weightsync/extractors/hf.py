@@ -31,7 +31,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from weightsync.config import ExtractorConfig, HeadExtractorConfig
+from weightsync.config import DEFAULT_BUCKET_MB, ExtractorConfig, HeadExtractorConfig
 from weightsync.interfaces import WeightExtractor
 from weightsync.naming import compile_patterns
 from weightsync.registry import register_extractor
@@ -263,7 +263,7 @@ class HFWeightExtractor(WeightExtractor):
             if type(t).__name__ == "DTensor" or t.device.type == "meta":
                 return None
             items.append((name, id(t), t.data_ptr(), t.dtype, tuple(t.shape), t.stride()))
-        return (id(model), id(inner), dtype, float(getattr(self.cfg, "bucket_size_mb", 1024)),
+        return (id(model), id(inner), dtype, float(getattr(self.cfg, "bucket_size_mb", DEFAULT_BUCKET_MB)),
                 bool(getattr(self.cfg, "group_by_module", True)), tuple(items))
 
 

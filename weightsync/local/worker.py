@@ -67,7 +67,7 @@ class _Service:
         return {**self.endpoint.status().to_dict(), "loads": self.loader.loads}
 
     def _m_state_digest(self, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
-        from weightsync.testing.digest import state_digest
+        from weightsync.digest import state_digest
 
         return state_digest(self.loader.state_dict(), names)
 

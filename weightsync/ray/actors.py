@@ -42,7 +42,7 @@ class _TorchModuleHolder:
 
     async def state_digest(self) -> dict[str, dict[str, Any]]:
         """``{name: {"digest", "dtype", "shape"}}`` of the module's state dict (bit-exact check)."""
-        from weightsync.testing.digest import module_digest
+        from weightsync.digest import module_digest
 
         return module_digest(self.module)
 

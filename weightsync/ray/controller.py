@@ -52,7 +52,10 @@ def split_config(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         return dict(cfg.strategy), dict(cfg.extractor)
     data = to_plain(cfg) if cfg is not None else {}
     if "strategy" in data and isinstance(data["strategy"], Mapping):
-        return dict(data["strategy"]), dict(data.get("extractor") or {"type": "hf"})
+        from weightsync.config import with_strategy_bucket
+
+        strategy = dict(data["strategy"])
+        return strategy, with_strategy_bucket(data.get("extractor") or {"type": "hf"}, strategy)
     return dict(data) or {"type": "broadcast"}, {"type": "hf"}
 
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from weightsync._runtime.http import LoopClients, error_from_response
 from weightsync._runtime.threads import LoopThread
+from weightsync.config import DEFAULT_BUCKET_MB
 from weightsync.errors import CommunicatorReplacedError, WeightSyncError
 from weightsync.reward.selection import select_params
 from weightsync.reward.types import (
@@ -370,7 +371,7 @@ class VLLMRewardClient:
 
         def chunks() -> Iterable[WeightChunk]:  # made one by one as the sender asks
             cfg = self.strategy_cfg or {}
-            return make_chunks(named, bucket_size_mb=float(cfg.get("bucket_size_mb", 1024)))
+            return make_chunks(named, bucket_size_mb=float(cfg.get("bucket_size_mb", DEFAULT_BUCKET_MB)))
 
         await self.send_update(chunks, manifest, mode, version, timeout_s,
                                first_tensor=named[0][1])

@@ -47,6 +47,7 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from weightsync._runtime.threads import LoopThread
+from weightsync.config import DEFAULT_BUCKET_MB
 from weightsync.errors import WeightMismatchError
 from weightsync.pipeline import send_extracted
 from weightsync.reward.selection import check_update, expected_metadata, select_params
@@ -90,7 +91,7 @@ class RewardModelPublisher:
         rank0_only: bool = False,
         engine_metadata: Any = None,
         dtype: Any = None,
-        bucket_size_mb: float = 1024,
+        bucket_size_mb: float = DEFAULT_BUCKET_MB,
         timeout_s: float = 600.0,
     ) -> None:
         self.control = control

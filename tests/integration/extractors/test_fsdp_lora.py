@@ -39,8 +39,8 @@ async def _rank_async(rank: int, world: int, out_path: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from weightsync import build_extractor
+    from weightsync.digest import tensor_digest
     from weightsync.reward.publisher import RewardModelPublisher
-    from weightsync.testing.digest import tensor_digest
 
     model = _peft_model()
     mesh = init_device_mesh("cpu", (world,))

@@ -165,8 +165,8 @@ def test_lora_sync_into_engine_process_is_bit_exact() -> None:
     """Merged weights through the real broadcast (gloo) strategy into a real engine process."""
     from weightsync import build_strategy
     from weightsync.clients import FanOutClient
+    from weightsync.digest import tensor_digest
     from weightsync.local import LocalEngineProcess
-    from weightsync.testing.digest import tensor_digest
 
     model = _peft_model(seed=6)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

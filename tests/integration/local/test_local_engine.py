@@ -12,9 +12,9 @@ import torch
 
 from weightsync import WeightSyncError
 from weightsync.clients import FanOutClient
+from weightsync.digest import tensor_digest
 from weightsync.local import LocalEngineProcess
 from weightsync.local.modules import qwen2_metas, qwen2_module
-from weightsync.testing.digest import tensor_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -38,10 +38,10 @@ async def _rank_async(rank: int, world: int, out_path: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from weightsync.clients import FanOutClient
+    from weightsync.digest import tensor_digest
     from weightsync.errors import WeightMismatchError
     from weightsync.local import LocalEngineProcess
     from weightsync.reward.publisher import RewardModelPublisher
-    from weightsync.testing.digest import tensor_digest
 
     model = _model()
     names = list(model.state_dict())

@@ -52,7 +52,7 @@ def _train(model, steps: int = 2, seed: int = 0) -> None:
 
 
 def _digest(t) -> str:
-    from weightsync.testing.digest import tensor_digest
+    from weightsync.digest import tensor_digest
 
     return tensor_digest(t)
 

@@ -23,9 +23,9 @@ async def _rank_async(rank: int, world: int, out: str) -> None:
     from weightsync import WeightChunk, build_extractor, build_strategy
     from weightsync.bench.shapes import build_module
     from weightsync.clients import FanOutClient
+    from weightsync.digest import state_digest
     from weightsync.errors import WeightMismatchError
     from weightsync.local import LocalEngineProcess
-    from weightsync.testing.digest import state_digest
     from weightsync.types import EmptyWeightSyncInfo
 
     strategy_type = out.rsplit("/", 1)[-1].removesuffix(".json")  # ".../<strategy>.json"

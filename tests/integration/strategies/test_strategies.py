@@ -13,9 +13,9 @@ import torch
 
 from weightsync import WeightChunk, WeightMismatchError, build_strategy
 from weightsync.clients import FanOutClient
+from weightsync.digest import tensor_digest
 from weightsync.local import LocalEngineProcess
 from weightsync.local.modules import qwen2_module
-from weightsync.testing.digest import tensor_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

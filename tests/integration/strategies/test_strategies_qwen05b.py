@@ -14,10 +14,10 @@ import pytest
 
 from weightsync import WeightChunk, build_strategy
 from weightsync.clients import FanOutClient
+from weightsync.digest import tensor_digest
 from weightsync.local import LocalEngineProcess
 from weightsync.local.modules import qwen2_module
 from weightsync.pipeline import make_chunks
-from weightsync.testing.digest import tensor_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -15,10 +15,10 @@ import torch
 
 from weightsync import build_extractor, build_strategy
 from weightsync.clients import FanOutClient
+from weightsync.digest import tensor_digest
 from weightsync.local import LocalEngineProcess
 from weightsync.local.modules import qwen2_module
 from weightsync.strategies import locate_shared, share_cpu_weights
-from weightsync.testing.digest import tensor_digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

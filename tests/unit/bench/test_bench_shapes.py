@@ -8,7 +8,7 @@ import torch
 
 from weightsync.bench import BenchConfig, format_table, validate_config
 from weightsync.bench.shapes import build_module, shape_numel, shape_specs
-from weightsync.testing.digest import compare_digests
+from weightsync.digest import compare_digests
 
 
 @pytest.mark.parametrize(
