@@ -5,12 +5,9 @@ deepspeed, peft); those load where they are used.
 """
 
 from weightsync.config import (
-    BroadcastConfig,
     ExtractorConfig,
     HeadExtractorConfig,
-    IpcConfig,
     LoaderConfig,
-    PackedIpcConfig,
     StrategyConfig,
     WeightSyncConfig,
     build_extractor,
@@ -47,29 +44,32 @@ from weightsync.loaders.torch_module import TorchModuleWeightLoader
 from weightsync.loaders.vllm import VLLMWeightLoader
 from weightsync.registry import register_extractor, register_loader, register_strategy
 from weightsync.strategies.broadcast import (
+    BroadcastConfig,
     BroadcastTransferReceiver,
     BroadcastTransferSender,
     BroadcastTransferStrategy,
+    BroadcastWeightUpdateRequest,
+    TorchDistributedWeightSyncInfo,
 )
 from weightsync.strategies.cuda_ipc import (
     CudaIpcTransferReceiver,
     CudaIpcTransferSender,
     CudaIpcTransferStrategy,
+    CudaIpcWeightUpdateRequest,
+    IpcConfig,
 )
 from weightsync.strategies.packed_cuda_ipc import (
     PackedCudaIpcTransferReceiver,
     PackedCudaIpcTransferSender,
     PackedCudaIpcTransferStrategy,
+    PackedCudaIpcWeightUpdateRequest,
+    PackedIpcConfig,
 )
 from weightsync.types import (
-    BroadcastWeightUpdateRequest,
-    CudaIpcWeightUpdateRequest,
     EmptyWeightSyncInfo,
     IpcBufferHandle,
-    PackedCudaIpcWeightUpdateRequest,
     SyncStats,
     TensorMeta,
-    TorchDistributedWeightSyncInfo,
     TrainingMode,
     WeightChunk,
     WeightSyncInfo,

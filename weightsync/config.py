@@ -93,40 +93,6 @@ def scaled_timeout(base_s: float, per_gb_s: float, nbytes: int) -> float:
 
 
 @dataclass(kw_only=True)
-class BroadcastConfig(StrategyConfig):
-    type: str = "broadcast"
-    backend: str = "gloo"  # "gloo" (CPU) or "nccl" (GPU)
-    master_addr: str | None = None  # default: this node's address (from Ray when running there)
-    master_port: int | None = None  # default: a free port
-    group_name: str = "weightsync"
-    # the whole update in one control call, the bytes straight into the engines' weights
-    # (strategies/_stream.py); False: one control call, one vote and one packed buffer per chunk
-    stream: bool = True
-    packed: bool = True  # (stream: false) one broadcast per dtype per chunk, not one per tensor
-    # 2 works over gloo (tested) and cut a 7B NCCL sync from 0.111 to 0.097 s on 2 x H200, but in
-    # that run the bench's check after the syncs did not finish in time and the cause is not
-    # known yet (docs/benchmarks.md). Until a GPU run clears it, broadcast sends one chunk at a
-    # time unless asked for more.
-    max_inflight_chunks: int = 1
-
-
-@dataclass(kw_only=True)
-class IpcConfig(StrategyConfig):
-    type: str = "cuda_ipc"
-    # hybrid engines (trainer rank i and engine worker i on one GPU): every training rank sends
-    # handles to its own copy of each chunk and each worker reads the copy on its GPU; every
-    # rank calls create_sender / send_chunks in lockstep (strategies/_every_rank.py)
-    every_rank: bool = False
-
-
-@dataclass(kw_only=True)
-class PackedIpcConfig(StrategyConfig):
-    type: str = "packed_cuda_ipc"
-    num_buffers: int = 2  # double buffering: pack chunk i+1 while the engine reads chunk i
-    every_rank: bool = False  # as for cuda_ipc
-
-
-@dataclass(kw_only=True)
 class ExtractorConfig:
     type: str = "hf"
     bucket_size_mb: float = DEFAULT_BUCKET_MB  # with a strategy: the strategy's (see above)

@@ -151,14 +151,14 @@ MAX_NDIM = 8
 MAX_NUMEL = 1 << 40
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_shape(name: Any, shape: Any) -> None:
     """A shape is a list of at most ``MAX_NDIM`` ints >= 0 with at most ``MAX_NUMEL`` elements;
     anything else is a ValueError naming the parameter."""
-    if not isinstance(shape, (list, tuple)) or not all(_is_int(x) and x >= 0 for x in shape):
+    if not isinstance(shape, (list, tuple)) or not all(is_int(x) and x >= 0 for x in shape):
         raise ValueError(f"parameter {name!r}: shape must be a list of ints >= 0, got "
                          f"{str(shape)[:80]}")
     if len(shape) > MAX_NDIM:
@@ -330,7 +330,7 @@ class WeightUpdateRequest(_Tagged):
                                  f"{type(getattr(self, f)).__name__}")
         if not isinstance(self.update_id, str):
             raise ValueError(f"{type(self).__name__}: update_id must be a string")
-        if not _is_int(self.chunk_index) or self.chunk_index < 0:
+        if not is_int(self.chunk_index) or self.chunk_index < 0:
             raise ValueError(f"{type(self).__name__}: chunk_index must be an int >= 0, got "
                              f"{self.chunk_index!r}")
         if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
@@ -357,7 +357,7 @@ class WeightUpdateRequest(_Tagged):
         if self.checksums is not None:
             if not isinstance(self.checksums, (list, tuple)) or len(self.checksums) != len(
                 self.names
-            ) or not all(_is_int(c) and -(1 << 63) <= c < (1 << 63) for c in self.checksums):
+            ) or not all(is_int(c) and -(1 << 63) <= c < (1 << 63) for c in self.checksums):
                 raise ValueError(
                     f"{type(self).__name__}: checksums must be a list of {len(self.names)} "
                     f"signed 64-bit ints (one per tensor), got {str(self.checksums)[:80]}"
@@ -385,25 +385,6 @@ def request_nbytes(request: dict[str, Any]) -> int:
         return total
     except (KeyError, TypeError, ValueError):
         return 0
-
-
-@dataclass(kw_only=True)
-class BroadcastWeightUpdateRequest(WeightUpdateRequest):
-    """Bytes follow as collective broadcasts from ``src_rank``.
-
-    ``packed``: one flat broadcast per dtype group (tensors in request order, offsets derived
-    from shapes, each start aligned to ``align_bytes``); otherwise one broadcast per tensor.
-    ``stream``: see the field.
-    """
-
-    TYPE: ClassVar[str] = "broadcast"
-    src_rank: int = 0
-    packed: bool = True
-    align_bytes: int = 256
-    #: the whole update as one request: its tensors are the manifest, in stream order, and the
-    #: bytes follow as the streamed protocol (``strategies/_stream.py``); ``packed`` and
-    #: ``align_bytes`` do not apply
-    stream: bool = False
 
 
 @dataclass(kw_only=True)
@@ -443,7 +424,7 @@ class IpcBufferHandle:
             raise ValueError(f"IPC handle kind must be 'shm' or 'cuda', got {str(h.kind)[:40]!r}")
         for f in ("nbytes", "offset", "alloc_nbytes"):
             v = getattr(h, f)
-            if not _is_int(v) or not 0 <= v <= MAX_NUMEL * 8:
+            if not is_int(v) or not 0 <= v <= MAX_NUMEL * 8:
                 raise ValueError(f"IPC handle {f} must be an int >= 0, got {str(v)[:40]!r}")
         for f in ("name", "handle", "device_uuid"):
             if not isinstance(getattr(h, f), str):
@@ -461,18 +442,18 @@ _SHM_NAME = re.compile(r"wsw?_[A-Za-z0-9_]{1,200}")
 _HANDLE_FIELDS = frozenset(f.name for f in dataclasses.fields(IpcBufferHandle))
 
 
-def _handles(items: list[Any]) -> list[IpcBufferHandle]:
+def parse_handles(items: list[Any]) -> list[IpcBufferHandle]:
     return [h if isinstance(h, IpcBufferHandle) else IpcBufferHandle.from_dict(h) for h in items]
 
 
-def _replicas(
+def parse_replicas(
     replicas: list[Any], primary: list[IpcBufferHandle], kind: str, what: str
 ) -> list[list[IpcBufferHandle]]:
     """Coerce and check every_rank replicas: each a list parallel to ``primary`` whose buffers
     have the same sizes."""
     out = []
     for r, rep in enumerate(replicas or []):
-        hs = _handles(list(rep))
+        hs = parse_handles(list(rep))
         if [h.nbytes for h in hs] != [h.nbytes for h in primary]:
             raise ValueError(
                 f"{kind} request: replica {r + 1} has buffers of {[h.nbytes for h in hs]} bytes "
@@ -481,79 +462,6 @@ def _replicas(
             )
         out.append(hs)
     return out
-
-
-@dataclass(kw_only=True)
-class CudaIpcWeightUpdateRequest(WeightUpdateRequest):
-    """One shared buffer per tensor (CUDA IPC for CUDA tensors, shared memory for CPU ones)."""
-
-    TYPE: ClassVar[str] = "cuda_ipc"
-    handles: list[IpcBufferHandle] = field(default_factory=list)
-    # every_rank mode: the same tensors' handles from training ranks 1.. (one list per rank,
-    # parallel to ``handles``); an engine worker reads the copy on its own GPU
-    replicas: list[list[IpcBufferHandle]] = field(default_factory=list)
-    # names a layout (names, dtypes, shapes, handles) the sender assigned; a request that
-    # carries only the key (names empty) means "the same layout as the request that carried
-    # this key in full before": the receivers that decoded it keep it (see CudaIpcTransferReceiver)
-    layout_key: str = ""
-
-    @property
-    def is_reference(self) -> bool:
-        """Only ``layout_key``: the receiver fills in the rest from its cache."""
-        return bool(self.layout_key) and not self.names and not self.handles
-
-    def _coerce(self) -> None:
-        if self.is_reference:
-            if self.dtypes or self.shapes or self.replicas:
-                raise ValueError("cuda_ipc request: a layout reference carries no tensors")
-            if self.checksums is not None:  # their number is checked against the layout
-                if not isinstance(self.checksums, (list, tuple)) or not all(
-                        _is_int(c) and -(1 << 63) <= c < (1 << 63) for c in self.checksums):
-                    raise ValueError("cuda_ipc request: checksums must be signed 64-bit ints")
-                self.checksums = list(self.checksums)
-            return
-        super()._coerce()
-        self.handles = _handles(self.handles)
-        if len(self.handles) != len(self.names):
-            raise ValueError(
-                f"cuda_ipc request: {len(self.names)} names but {len(self.handles)} handles"
-            )
-        self.replicas = _replicas(self.replicas, self.handles, "cuda_ipc", "handles")
-
-
-@dataclass(kw_only=True)
-class PackedCudaIpcWeightUpdateRequest(WeightUpdateRequest):
-    """One contiguous buffer per dtype group; tensor ``i`` lives in ``buffers[buffer_index[i]]``
-    at byte ``offsets[i]`` and is rebuilt there as a view (no extra copy)."""
-
-    TYPE: ClassVar[str] = "packed_cuda_ipc"
-    buffers: list[IpcBufferHandle] = field(default_factory=list)
-    buffer_index: list[int] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    # every_rank mode: the same chunk's buffers packed by training ranks 1.. (one list per rank,
-    # parallel to ``buffers``, same layout); an engine worker reads the copy on its own GPU
-    replicas: list[list[IpcBufferHandle]] = field(default_factory=list)
-
-    def _coerce(self) -> None:
-        super()._coerce()
-        self.buffers = _handles(self.buffers)
-        self.replicas = _replicas(self.replicas, self.buffers, "packed_cuda_ipc", "buffers")
-        n = len(self.names)
-        if len(self.buffer_index) != n or len(self.offsets) != n:
-            raise ValueError(
-                f"packed_cuda_ipc request: {n} names but {len(self.buffer_index)} buffer "
-                f"indices and {len(self.offsets)} offsets"
-            )
-        for name, bi, off, m in zip(
-            self.names, self.buffer_index, self.offsets, self.metas(), strict=True
-        ):
-            if not (0 <= bi < len(self.buffers)):
-                raise ValueError(f"parameter {name!r}: buffer index {bi} out of range")
-            if off < 0 or off + m.nbytes > self.buffers[bi].nbytes:
-                raise ValueError(
-                    f"parameter {name!r}: bytes [{off}, {off + m.nbytes}) fall outside buffer "
-                    f"{bi} of {self.buffers[bi].nbytes} bytes"
-                )
 
 
 #: the most ranks a weight-sync group may have, and the longest wait a peer may ask for
@@ -588,37 +496,6 @@ class EmptyWeightSyncInfo(WeightSyncInfo):
     """For strategies that need no set-up (IPC: every request carries its own handles)."""
 
     TYPE: ClassVar[str] = "empty"
-
-
-@dataclass(kw_only=True)
-class TorchDistributedWeightSyncInfo(WeightSyncInfo):
-    """Rendezvous for a private torch.distributed group: rank 0 sends, ranks 1.. receive."""
-
-    TYPE: ClassVar[str] = "torch_distributed"
-    master_addr: str
-    master_port: int
-    world_size: int
-    group_name: str = "weightsync"
-    backend: str = "gloo"
-    # the group's waits (``StrategyConfig``'s timeouts): each collective ``timeout_s`` plus
-    # ``timeout_s_per_gb`` per GB it moves; building the group ``join_timeout_s``
-    timeout_s: float = 30.0
-    timeout_s_per_gb: float = 20.0
-    join_timeout_s: float = 120.0
-
-    def _coerce(self) -> None:
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if not isinstance(self.master_addr, str) or not self.master_addr:
-            raise ValueError(f"master_addr must be a host name, got {self.master_addr!r}")
-        if not _is_int(self.master_port) or not 0 < self.master_port < 65536:
-            raise ValueError(f"master_port must be a TCP port (1-65535), got {self.master_port!r}")
-        if not _is_int(self.world_size) or not 2 <= self.world_size <= MAX_WORLD_SIZE:
-            raise ValueError(f"world_size must be an int in [2, {MAX_WORLD_SIZE}] (1 sender + "
-                             f"receivers), got {self.world_size!r}")
-        if not isinstance(self.group_name, str):
-            raise ValueError(f"group_name must be a string, got {self.group_name!r}")
-        check_timeouts(self, "timeout_s", "timeout_s_per_gb", "join_timeout_s")
 
 
 # --------------------------------------------------------------------------------------------
@@ -689,7 +566,7 @@ class WeightUpdateStart(_Tagged):
     def _coerce(self) -> None:
         if not isinstance(self.update_id, str):
             raise ValueError(f"update_id must be a string, got {type(self.update_id).__name__}")
-        if self.version is not None and (not _is_int(self.version) or self.version < 0):
+        if self.version is not None and (not is_int(self.version) or self.version < 0):
             raise ValueError(f"version must be an int >= 0 or null, got {self.version!r}")
         for flag in ("staged", "allow_version_reset"):
             if not isinstance(getattr(self, flag), bool):
@@ -730,9 +607,9 @@ class WeightUpdateFinish(_Tagged):
     def _coerce(self) -> None:
         if not isinstance(self.update_id, str):
             raise ValueError(f"update_id must be a string, got {type(self.update_id).__name__}")
-        if self.version is not None and (not _is_int(self.version) or self.version < 0):
+        if self.version is not None and (not is_int(self.version) or self.version < 0):
             raise ValueError(f"version must be an int >= 0 or null, got {self.version!r}")
-        if not _is_int(self.num_chunks) or self.num_chunks < 0:
+        if not is_int(self.num_chunks) or self.num_chunks < 0:
             raise ValueError(f"num_chunks must be an int >= 0, got {self.num_chunks!r}")
         if not isinstance(self.ok, bool):
             raise ValueError(f"ok must be true or false, got {self.ok!r}")

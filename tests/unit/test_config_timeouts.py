@@ -17,7 +17,7 @@ from weightsync._runtime.process_group import GroupJoinError, build_group, make_
 from weightsync.clients import FanOutClient
 from weightsync.config import scaled_timeout
 from weightsync.errors import WeightSyncTimeout
-from weightsync.types import TorchDistributedWeightSyncInfo
+from weightsync.strategies.broadcast import TorchDistributedWeightSyncInfo
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -239,7 +239,7 @@ def test_receiver_template_validates_before_the_strategy_moves_a_byte():
 
 
 def test_receiver_template_refuses_another_strategys_request():
-    from weightsync.types import BroadcastWeightUpdateRequest
+    from weightsync.strategies.broadcast import BroadcastWeightUpdateRequest
 
     class OwnType(NaiveReceiver):
         request_cls = BroadcastWeightUpdateRequest

@@ -7,14 +7,16 @@ import json
 import pytest
 import torch
 
-from weightsync.types import (
+from weightsync.strategies.broadcast import (
     BroadcastWeightUpdateRequest,
-    CudaIpcWeightUpdateRequest,
+    TorchDistributedWeightSyncInfo,
+)
+from weightsync.strategies.cuda_ipc import CudaIpcWeightUpdateRequest
+from weightsync.strategies.packed_cuda_ipc import PackedCudaIpcWeightUpdateRequest
+from weightsync.types import (
     EmptyWeightSyncInfo,
     IpcBufferHandle,
-    PackedCudaIpcWeightUpdateRequest,
     TensorMeta,
-    TorchDistributedWeightSyncInfo,
     WeightChunk,
     WeightSyncInfo,
     WeightUpdateFinish,

@@ -39,8 +39,6 @@ class GroupJoinError(WeightSyncTimeout):
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from weightsync.types import TorchDistributedWeightSyncInfo
-
 
 def default_master_addr() -> str:
     """This node's address: Ray's node IP when Ray is initialised here, else 127.0.0.1."""
@@ -227,7 +225,7 @@ class Group:
 
 
 def build_group(
-    info: TorchDistributedWeightSyncInfo,
+    info: Any,  # a strategies.broadcast.TorchDistributedWeightSyncInfo (no import back)
     rank: int,
     *,
     store: Any = None,

@@ -88,7 +88,7 @@ def raw_broadcast_gbps(
     import multiprocessing as mp
 
     from weightsync._runtime.process_group import build_group, make_master_store
-    from weightsync.types import TorchDistributedWeightSyncInfo
+    from weightsync.strategies.broadcast import TorchDistributedWeightSyncInfo
 
     peers = [peer_device] if isinstance(peer_device, str) else list(peer_device or [device])
     world = 1 + len(peers)
@@ -138,7 +138,7 @@ def _peer_main(info_dict: dict[str, Any], nbytes: int, repeats: int, device: str
     import torch
 
     from weightsync._runtime.process_group import build_group
-    from weightsync.types import TorchDistributedWeightSyncInfo
+    from weightsync.strategies.broadcast import TorchDistributedWeightSyncInfo
 
     info = TorchDistributedWeightSyncInfo.from_dict(info_dict)
     if device.startswith("cuda"):

@@ -30,7 +30,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightsync._runtime.pool import BufferPool
 from weightsync._runtime.process_group import (
@@ -40,7 +41,7 @@ from weightsync._runtime.process_group import (
     make_master_store,
 )
 from weightsync._runtime.threads import SerialLane, in_thread
-from weightsync.config import BroadcastConfig
+from weightsync.config import StrategyConfig
 from weightsync.errors import (
     EngineDiedError,
     WeightMismatchError,
@@ -63,14 +64,15 @@ from weightsync.strategies._layout import (
 )
 from weightsync.strategies._stream import Staging, StreamFeed, StreamReceiver, send_stream
 from weightsync.types import (
-    BroadcastWeightUpdateRequest,
+    MAX_WORLD_SIZE,
     SyncStats,
     TensorMeta,
-    TorchDistributedWeightSyncInfo,
     WeightChunk,
     WeightSyncInfo,
     WeightUpdateFinish,
     WeightUpdateRequest,
+    check_timeouts,
+    is_int,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,6 +88,84 @@ _ENGINE_ERROR_GRACE_S = 5.0
 
 def _grace(client: Any) -> float:
     return float(getattr(client, "grace_s", _ENGINE_ERROR_GRACE_S)) + 2.0
+
+
+# --------------------------------------------------------------------------------------------
+# the strategy's config and wire types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class BroadcastConfig(StrategyConfig):
+    type: str = "broadcast"
+    backend: str = "gloo"  # "gloo" (CPU) or "nccl" (GPU)
+    master_addr: str | None = None  # default: this node's address (from Ray when running there)
+    master_port: int | None = None  # default: a free port
+    group_name: str = "weightsync"
+    # the whole update in one control call, the bytes straight into the engines' weights
+    # (strategies/_stream.py); False: one control call, one vote and one packed buffer per chunk
+    stream: bool = True
+    packed: bool = True  # (stream: false) one broadcast per dtype per chunk, not one per tensor
+    # 2 works over gloo (tested) and cut a 7B NCCL sync from 0.111 to 0.097 s on 2 x H200, but in
+    # that run the bench's check after the syncs did not finish in time and the cause is not
+    # known yet (docs/benchmarks.md). Until a GPU run clears it, broadcast sends one chunk at a
+    # time unless asked for more.
+    max_inflight_chunks: int = 1
+
+
+@dataclass(kw_only=True)
+class TorchDistributedWeightSyncInfo(WeightSyncInfo):
+    """Rendezvous for a private torch.distributed group: rank 0 sends, ranks 1.. receive."""
+
+    TYPE: ClassVar[str] = "torch_distributed"
+    master_addr: str
+    master_port: int
+    world_size: int
+    group_name: str = "weightsync"
+    backend: str = "gloo"
+    # the group's waits (``StrategyConfig``'s timeouts): each collective ``timeout_s`` plus
+    # ``timeout_s_per_gb`` per GB it moves; building the group ``join_timeout_s``
+    timeout_s: float = 30.0
+    timeout_s_per_gb: float = 20.0
+    join_timeout_s: float = 120.0
+
+    def _coerce(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError(f"master_addr must be a host name, got {self.master_addr!r}")
+        if not is_int(self.master_port) or not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port (1-65535), got {self.master_port!r}")
+        if not is_int(self.world_size) or not 2 <= self.world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size must be an int in [2, {MAX_WORLD_SIZE}] (1 sender + "
+                             f"receivers), got {self.world_size!r}")
+        if not isinstance(self.group_name, str):
+            raise ValueError(f"group_name must be a string, got {self.group_name!r}")
+        check_timeouts(self, "timeout_s", "timeout_s_per_gb", "join_timeout_s")
+
+
+@dataclass(kw_only=True)
+class BroadcastWeightUpdateRequest(WeightUpdateRequest):
+    """Bytes follow as collective broadcasts from ``src_rank``.
+
+    ``packed``: one flat broadcast per dtype group (tensors in request order, offsets derived
+    from shapes, each start aligned to ``align_bytes``); otherwise one broadcast per tensor.
+    ``stream``: see the field.
+    """
+
+    TYPE: ClassVar[str] = "broadcast"
+    src_rank: int = 0
+    packed: bool = True
+    align_bytes: int = 256
+    #: the whole update as one request: its tensors are the manifest, in stream order, and the
+    #: bytes follow as the streamed protocol (``strategies/_stream.py``); ``packed`` and
+    #: ``align_bytes`` do not apply
+    stream: bool = False
+
+
+# --------------------------------------------------------------------------------------------
+# strategy
+# --------------------------------------------------------------------------------------------
 
 
 class BroadcastTransferStrategy(WeightTransferStrategy):

@@ -24,12 +24,13 @@ import asyncio
 import threading
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightsync._runtime.copy import copy_into
 from weightsync._runtime.pool import SizedSegmentPool
 from weightsync._runtime.shm import AttachedSegments, Segment
-from weightsync.config import IpcConfig
+from weightsync.config import StrategyConfig
 from weightsync.errors import WeightSyncError, WeightSyncTimeout
 from weightsync.interfaces import (
     InferenceEngineClient,
@@ -49,16 +50,75 @@ from weightsync.strategies._ipc_open import IpcBufferOpener
 from weightsync.strategies._layout import as_bytes, views_into
 from weightsync.strategies.shared_weights import locate_many
 from weightsync.types import (
-    CudaIpcWeightUpdateRequest,
     EmptyWeightSyncInfo,
     IpcBufferHandle,
     WeightChunk,
     WeightSyncInfo,
     WeightUpdateRequest,
+    is_int,
+    parse_handles,
+    parse_replicas,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
+
+
+# --------------------------------------------------------------------------------------------
+# the strategy's config and wire type
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class IpcConfig(StrategyConfig):
+    type: str = "cuda_ipc"
+    # hybrid engines (trainer rank i and engine worker i on one GPU): every training rank sends
+    # handles to its own copy of each chunk and each worker reads the copy on its GPU; every
+    # rank calls create_sender / send_chunks in lockstep (strategies/_every_rank.py)
+    every_rank: bool = False
+
+
+@dataclass(kw_only=True)
+class CudaIpcWeightUpdateRequest(WeightUpdateRequest):
+    """One shared buffer per tensor (CUDA IPC for CUDA tensors, shared memory for CPU ones)."""
+
+    TYPE: ClassVar[str] = "cuda_ipc"
+    handles: list[IpcBufferHandle] = field(default_factory=list)
+    # every_rank mode: the same tensors' handles from training ranks 1.. (one list per rank,
+    # parallel to ``handles``); an engine worker reads the copy on its own GPU
+    replicas: list[list[IpcBufferHandle]] = field(default_factory=list)
+    # names a layout (names, dtypes, shapes, handles) the sender assigned; a request that
+    # carries only the key (names empty) means "the same layout as the request that carried
+    # this key in full before": the receivers that decoded it keep it (see CudaIpcTransferReceiver)
+    layout_key: str = ""
+
+    @property
+    def is_reference(self) -> bool:
+        """Only ``layout_key``: the receiver fills in the rest from its cache."""
+        return bool(self.layout_key) and not self.names and not self.handles
+
+    def _coerce(self) -> None:
+        if self.is_reference:
+            if self.dtypes or self.shapes or self.replicas:
+                raise ValueError("cuda_ipc request: a layout reference carries no tensors")
+            if self.checksums is not None:  # their number is checked against the layout
+                if not isinstance(self.checksums, (list, tuple)) or not all(
+                        is_int(c) and -(1 << 63) <= c < (1 << 63) for c in self.checksums):
+                    raise ValueError("cuda_ipc request: checksums must be signed 64-bit ints")
+                self.checksums = list(self.checksums)
+            return
+        super()._coerce()
+        self.handles = parse_handles(self.handles)
+        if len(self.handles) != len(self.names):
+            raise ValueError(
+                f"cuda_ipc request: {len(self.names)} names but {len(self.handles)} handles"
+            )
+        self.replicas = parse_replicas(self.replicas, self.handles, "cuda_ipc", "handles")
+
+
+# --------------------------------------------------------------------------------------------
+# sender, receiver, strategy
+# --------------------------------------------------------------------------------------------
 
 
 def bucket_bytes(cfg: Any) -> int:

@@ -25,11 +25,12 @@ on a GPU), ``"cpu"`` always uses shared memory, ``"cuda"`` always a GPU buffer.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from weightsync._runtime.pool import BufferPool
 from weightsync._runtime.shm import AttachedSegments
-from weightsync.config import PackedIpcConfig
+from weightsync.config import StrategyConfig
 from weightsync.errors import WeightSyncError
 from weightsync.interfaces import (
     InferenceEngineClient,
@@ -44,11 +45,59 @@ from weightsync.strategies.cuda_ipc import CudaIpcTransferStrategy, bucket_bytes
 from weightsync.strategies.shared_weights import locate_many
 from weightsync.types import (
     IpcBufferHandle,
-    PackedCudaIpcWeightUpdateRequest,
     TensorMeta,
     WeightChunk,
     WeightUpdateRequest,
+    parse_handles,
+    parse_replicas,
 )
+
+# --------------------------------------------------------------------------------------------
+# the strategy's config and wire type
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class PackedIpcConfig(StrategyConfig):
+    type: str = "packed_cuda_ipc"
+    num_buffers: int = 2  # double buffering: pack chunk i+1 while the engine reads chunk i
+    every_rank: bool = False  # as for cuda_ipc
+
+
+@dataclass(kw_only=True)
+class PackedCudaIpcWeightUpdateRequest(WeightUpdateRequest):
+    """One contiguous buffer per dtype group; tensor ``i`` lives in ``buffers[buffer_index[i]]``
+    at byte ``offsets[i]`` and is rebuilt there as a view (no extra copy)."""
+
+    TYPE: ClassVar[str] = "packed_cuda_ipc"
+    buffers: list[IpcBufferHandle] = field(default_factory=list)
+    buffer_index: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    # every_rank mode: the same chunk's buffers packed by training ranks 1.. (one list per rank,
+    # parallel to ``buffers``, same layout); an engine worker reads the copy on its own GPU
+    replicas: list[list[IpcBufferHandle]] = field(default_factory=list)
+
+    def _coerce(self) -> None:
+        super()._coerce()
+        self.buffers = parse_handles(self.buffers)
+        self.replicas = parse_replicas(self.replicas, self.buffers, "packed_cuda_ipc", "buffers")
+        n = len(self.names)
+        if len(self.buffer_index) != n or len(self.offsets) != n:
+            raise ValueError(
+                f"packed_cuda_ipc request: {n} names but {len(self.buffer_index)} buffer "
+                f"indices and {len(self.offsets)} offsets"
+            )
+        for name, bi, off, m in zip(
+            self.names, self.buffer_index, self.offsets, self.metas(), strict=True
+        ):
+            if not (0 <= bi < len(self.buffers)):
+                raise ValueError(f"parameter {name!r}: buffer index {bi} out of range")
+            if off < 0 or off + m.nbytes > self.buffers[bi].nbytes:
+                raise ValueError(
+                    f"parameter {name!r}: bytes [{off}, {off + m.nbytes}) fall outside buffer "
+                    f"{bi} of {self.buffers[bi].nbytes} bytes"
+                )
+
 
 # --------------------------------------------------------------------------------------------
 # sender / receiver
