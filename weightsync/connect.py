@@ -25,7 +25,9 @@ unreachable engine fails there.
 
 ``push(model_or_state_dict, version=, training_mode=)``: a model goes through the extractor its
 kind needs (``weightsync.extractors.auto``: DeepSpeed -> ``deepspeed``, FSDP2 -> ``fsdp``, PEFT
-with LoRA -> ``lora_merge``, else ``hf``; ``extractor=`` at connect overrides); a mapping of
+with LoRA -> ``lora_merge``, else ``hf``; ``extractor=`` at connect overrides, as a name, a
+config or an extractor object, e.g. a ``MegatronWeightExtractor(bridge=...)`` holding its
+bridge, whose model is one Megatron module or the list of its chunks); a mapping of
 name -> tensor is sent as given (names normalised to engine names, chunked by the strategy's
 bucket size). The training mode (``TrainingMode`` / ``"head_only"`` / ...) is checked here
 before anything moves, travels in the update's start, and the engines enforce it; head-only
@@ -44,8 +46,8 @@ After a failed push the session stays usable where the transport allows:
   the same engines. If an engine is gone for good that push fails with ``EngineDiedError``
   naming it: connect again without it.
 
-Sharded trainers (FSDP2, DeepSpeed ZeRO): every training rank calls ``connect`` and ``push`` in
-lockstep with the same arguments. Only the sending rank (``is_sender``, default ``rank ==
+Sharded trainers (FSDP2, DeepSpeed ZeRO, Megatron): every training rank calls ``connect`` and
+``push`` in lockstep with the same arguments. Only the sending rank (``is_sender``, default ``rank ==
 src_rank``; ``rank`` defaults to ``torch.distributed``'s) reaches the engines; the others join
 the extractor's gathers and ``push`` returns None there. An unsharded model is pushed by the
 sending rank alone (the others return None at once).
@@ -138,7 +140,7 @@ class SyncSession:
     def __init__(
         self, *, client: FanOutClient | None, strategy_cfg: dict[str, Any],
         extractor_cfg: dict[str, Any] | None, device: str | None, rank: int, src_rank: int,
-        is_sender: bool,
+        is_sender: bool, extractor: Any = None,
     ) -> None:
         self.client = client
         self.strategy_cfg = strategy_cfg
@@ -150,6 +152,7 @@ class SyncSession:
         self.closed = False
         # (key, extractor, the model it is for: kept alive so its id is not reused)
         self._extractor: tuple[tuple, Any, Any] | None = None
+        self.given_extractor = extractor  # an extractor object given to connect, used as is
 
     @classmethod
     async def open(
@@ -160,7 +163,8 @@ class SyncSession:
         strategy_cfg = resolve_strategy(strategy)
         if timeout_s is not None:
             strategy_cfg["timeout_s"] = float(timeout_s)
-        extractor_cfg = resolve_extractor(extractor)
+        given = extractor if callable(getattr(extractor, "extract_weights", None)) else None
+        extractor_cfg = None if given is not None else resolve_extractor(extractor)
         rank = _default_rank() if rank is None else int(rank)
         sender = (rank == int(src_rank)) if is_sender is None else bool(is_sender)
         client = None
@@ -175,8 +179,14 @@ class SyncSession:
                 targets, api_key=api_key, names=names, timeout_s=limits.timeout_s,
                 timeout_s_per_gb=limits.timeout_s_per_gb, join_timeout_s=limits.join_timeout_s,
             )
+        if given is not None and bool(given.is_sender) != sender:
+            raise ValueError(
+                f"connect: the extractor given says is_sender={given.is_sender} but this rank "
+                f"({rank}, src_rank {src_rank}) {'is' if sender else 'is not'} the sending rank; "
+                f"give both the same rank / src_rank (or is_sender)")
         session = cls(client=client, strategy_cfg=strategy_cfg, extractor_cfg=extractor_cfg,
-                      device=device, rank=rank, src_rank=int(src_rank), is_sender=sender)
+                      device=device, rank=rank, src_rank=int(src_rank), is_sender=sender,
+                      extractor=given)
         if sender and (device is not None or not strategy_needs_backend(strategy_cfg)):
             try:
                 await session._ensure_sender(device)
@@ -215,21 +225,39 @@ class SyncSession:
         self, model: Any, version: int | None, mode: TrainingMode | None,
         heads: list[str] | None, dtype: Any,
     ) -> SyncStats | None:
-        from weightsync.config import build_extractor
-        from weightsync.extractors.auto import device_of, extractor_config_for, model_kind
+        from weightsync.extractors.auto import device_of
         from weightsync.pipeline import send_extracted
 
-        kind = model_kind(model)
-        sharded = kind in ("fsdp", "deepspeed")
-        if not sharded and not self.is_sender:
+        ext = self._extractor_for(model, mode, heads)
+        if not getattr(ext, "lockstep", False) and not self.is_sender:
             return None  # nothing to gather: the sending rank pushes alone
-        # one extractor per model and training mode, kept across pushes: it remembers what it
-        # extracted (an unchanged model's chunks and manifest are not rebuilt every step)
+        # the same on every rank, and made on every rank (megatron's first one is an export)
+        manifest = ext.metadata(model, dtype)
+        _check_mode(manifest, mode, heads)  # every rank refuses alike, before any gather
+
+        async def send(stream: Any) -> SyncStats:
+            await self._ensure_sender(_device_name(device_of(model)))
+            return await self._send(stream(), manifest, version, mode, heads)
+
+        return await send_extracted(ext, model, dtype, send)
+
+    def _extractor_for(self, model: Any, mode: TrainingMode | None,
+                       heads: list[str] | None) -> Any:
+        """The extractor given to ``connect``, else one per model and training mode, kept
+        across pushes: it remembers what it extracted (an unchanged model's chunks and manifest
+        are not rebuilt every step)."""
+        if self.given_extractor is not None:
+            return self.given_extractor
+        from weightsync.config import build_extractor
+        from weightsync.extractors.auto import extractor_config_for, model_kind
+        from weightsync.registry import EXTRACTORS
+
+        kind = model_kind(model)
         key = (id(model), kind, mode, tuple(heads) if heads is not None else None)
         if self._extractor is None or self._extractor[0] != key:
             if self.extractor_cfg is not None:
                 cfg = {**self.extractor_cfg, "is_sender": self.is_sender}
-                if sharded or cfg.get("type") in ("fsdp", "deepspeed"):
+                if getattr(EXTRACTORS.get(str(cfg.get("type", "hf"))), "lockstep", False):
                     cfg.setdefault("rank", self.rank)
                     cfg.setdefault("src_rank", self.src_rank)
             else:
@@ -239,15 +267,7 @@ class SyncSession:
                     head_name_patterns=heads if mode is TrainingMode.HEAD_ONLY else None,
                 )
             self._extractor = (key, build_extractor(cfg), model)
-        ext = self._extractor[1]
-        manifest = ext.metadata(model, dtype)  # the same on every rank; no collective
-        _check_mode(manifest, mode, heads)  # every rank refuses alike, before any gather
-
-        async def send(stream: Any) -> SyncStats:
-            await self._ensure_sender(_device_name(device_of(model)))
-            return await self._send(stream(), manifest, version, mode, heads)
-
-        return await send_extracted(ext, model, dtype, send)
+        return self._extractor[1]
 
     async def _push_tensors(
         self, tensors: Any, version: int | None, mode: TrainingMode | None,

@@ -133,6 +133,10 @@ class WeightExtractor(abc.ABC):
     #: computed copies); chunks of such tensors that were not cast are marked ``borrowed``.
     #: A subclass that sometimes makes copies reports them with ``_fresh(tensor)``.
     yields_model_tensors: bool = False
+    #: True when every training rank must iterate ``extract_weights`` (collectives inside),
+    #: whatever the model looks like: the front door then runs it on every rank, not only on
+    #: the sending one (``fsdp``, ``deepspeed``, ``megatron``)
+    lockstep: bool = False
 
     _group_by_module = DesignFlag(
         "_params_by_module", lambda self: bool(_cfg_value(self.cfg, "group_by_module", True)))

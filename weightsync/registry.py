@@ -78,6 +78,7 @@ EXTRACTORS = Registry(
         "lora_merge": "weightsync.extractors.lora:LoraMergeWeightExtractor",
         "fsdp": "weightsync.extractors.fsdp:FSDPWeightExtractor",
         "deepspeed": "weightsync.extractors.deepspeed:DeepSpeedWeightExtractor",
+        "megatron": "weightsync.extractors.megatron:MegatronWeightExtractor",
     },
 )
 LOADERS = Registry(
@@ -85,6 +86,8 @@ LOADERS = Registry(
     {
         "torch_module": "weightsync.loaders.torch_module:TorchModuleWeightLoader",
         "vllm": "weightsync.loaders.vllm:VLLMWeightLoader",
+        "sglang": "weightsync.loaders.sglang:SGLangWeightLoader",
+        "remote": "weightsync.loaders.remote:RemoteWeightLoader",
     },
 )
 

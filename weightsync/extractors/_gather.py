@@ -159,6 +159,7 @@ class GatheringExtractor(WeightExtractor):
 
     config_cls = ShardedExtractorConfig
     backend_name = "sharded"
+    lockstep = True
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg if cfg is not None else self.config_cls())
@@ -188,18 +189,11 @@ class GatheringExtractor(WeightExtractor):
     # -- rank ------------------------------------------------------------------------------------
     @property
     def rank(self) -> int:
-        if self.cfg.rank is not None:
-            return int(self.cfg.rank)
-        import torch.distributed as dist
-
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return config_rank(self.cfg)
 
     @property
     def is_sender(self) -> bool:
-        explicit = getattr(self.cfg, "is_sender", None)
-        if explicit is not None:
-            return bool(explicit)
-        return self.rank == int(self.cfg.src_rank)
+        return is_sending_rank(self.cfg)
 
     # -- planning (no communication) -----------------------------------------------------------
     def plan(self, model: Any, generator_dtype: Any = None) -> list[PlannedGroup]:
@@ -355,31 +349,59 @@ class GatheringExtractor(WeightExtractor):
             self._gather_bucket(bucket, -1, keep=False)
 
     async def _wait_for_room(self, index: int) -> None:
-        """Back-pressure: wait until at most ``max_live_chunks - 1`` earlier chunks are alive."""
-        limit = int(self.cfg.max_live_chunks)
-        if limit <= 0:
+        await wait_for_room(self.memory, index, limit=int(self.cfg.max_live_chunks),
+                            timeout_s=float(self.cfg.backpressure_timeout_s),
+                            who=f"{self.backend_name} extractor")
+
+
+async def wait_for_room(
+    meter: GatherMeter, index: int, *, limit: int, timeout_s: float, who: str
+) -> None:
+    """Back-pressure on the sending rank: wait until at most ``limit - 1`` chunks other than
+    ``index`` hold tensors counted by ``meter`` (``limit <= 0``: no wait). Gives up with a
+    warning after ``timeout_s`` (a consumer that keeps its chunks), and at once when no other
+    task runs that could free one."""
+    if limit <= 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    delay = 0.0005
+    while meter.live_chunks(excluding=index) > limit - 1:
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if not others:
+            return  # nothing else runs that could free a chunk: the consumer keeps them
+        if time.monotonic() > deadline:
+            log.warning(
+                "%s: %d earlier chunks still alive after %.0f s; extracting the next one "
+                "anyway (the consumer keeps chunks; memory is no longer bounded by "
+                "max_live_chunks)", who, meter.live_chunks(excluding=index), timeout_s,
+            )
             return
-        deadline = time.monotonic() + float(self.cfg.backpressure_timeout_s)
-        delay = 0.0005
-        while self.memory.live_chunks(excluding=index) > limit - 1:
-            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            if not others:
-                return  # nothing else runs that could free a chunk: the consumer keeps them
-            if time.monotonic() > deadline:
-                log.warning(
-                    "%s extractor: %d earlier chunks still alive after %.0f s; gathering the "
-                    "next one anyway (the consumer keeps chunks; memory is no longer bounded "
-                    "by max_live_chunks)", self.backend_name,
-                    self.memory.live_chunks(excluding=index), self.cfg.backpressure_timeout_s,
-                )
-                return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.01)
 
 
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+
+
+def config_rank(cfg: Any) -> int:
+    """``cfg.rank``, or this process's rank in the default ``torch.distributed`` group (0 when
+    there is none)."""
+    if getattr(cfg, "rank", None) is not None:
+        return int(cfg.rank)
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_sending_rank(cfg: Any) -> bool:
+    """``cfg.is_sender`` when set, else whether this rank (``config_rank``) is ``cfg.src_rank``:
+    the rule of every extractor of a model sharded over ranks."""
+    explicit = getattr(cfg, "is_sender", None)
+    if explicit is not None:
+        return bool(explicit)
+    return config_rank(cfg) == int(getattr(cfg, "src_rank", 0))
 
 
 def name_filter(patterns: list[str] | None) -> Any:

@@ -30,7 +30,10 @@ EXTRACTOR_FOR_KIND = {"deepspeed": "deepspeed", "fsdp": "fsdp", "peft": "lora_me
 
 
 def model_kind(model: Any) -> str:
-    """``"deepspeed"``, ``"fsdp"``, ``"peft"`` or ``"hf"`` (see the module docstring)."""
+    """``"deepspeed"``, ``"fsdp"``, ``"peft"`` or ``"hf"`` (see the module docstring); a list
+    of model chunks (Megatron's virtual pipeline stages) is the kind of its first."""
+    if isinstance(model, (list, tuple)) and model and hasattr(model[0], "parameters"):
+        return model_kind(model[0])
     if type(model).__name__ == "DeepSpeedEngine" and type(model).__module__.startswith("deepspeed"):
         return "deepspeed"
     params = list(model.parameters()) if hasattr(model, "parameters") else []
@@ -72,7 +75,9 @@ def extractor_config_for(
 
 def device_of(source: Any) -> Any:
     """The device of the first tensor of a model or a mapping of tensors (None if it has none):
-    what the front door reads to pick a transport backend."""
+    what the front door reads to pick a transport backend. A list of model chunks: its first."""
+    if isinstance(source, (list, tuple)) and source and hasattr(source[0], "parameters"):
+        source = source[0]
     if hasattr(source, "parameters"):
         for p in source.parameters():
             return p.device
