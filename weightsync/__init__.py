@@ -32,6 +32,7 @@ from weightsync.extractors.deepspeed import DeepSpeedWeightExtractor
 from weightsync.extractors.fsdp import FSDPWeightExtractor
 from weightsync.extractors.hf import HFHeadWeightExtractor, HFWeightExtractor
 from weightsync.extractors.lora import LoraMergeWeightExtractor
+from weightsync.extractors.megatron import MegatronWeightExtractor
 from weightsync.interfaces import (
     InferenceEngineClient,
     WeightExtractor,
@@ -40,6 +41,8 @@ from weightsync.interfaces import (
     WeightTransferSender,
     WeightTransferStrategy,
 )
+from weightsync.loaders.remote import RemoteWeightLoader
+from weightsync.loaders.sglang import SGLangWeightLoader
 from weightsync.loaders.torch_module import TorchModuleWeightLoader
 from weightsync.loaders.vllm import VLLMWeightLoader
 from weightsync.registry import register_extractor, register_loader, register_strategy
@@ -85,9 +88,10 @@ __all__ = [
     "BroadcastTransferSender", "BroadcastTransferStrategy", "BroadcastWeightUpdateRequest",
     "CudaIpcTransferReceiver", "CudaIpcTransferSender", "CudaIpcTransferStrategy",
     "DeepSpeedWeightExtractor", "FSDPWeightExtractor", "HFHeadWeightExtractor",
-    "HFWeightExtractor", "LoraMergeWeightExtractor", "PackedCudaIpcTransferReceiver",
-    "PackedCudaIpcTransferSender", "PackedCudaIpcTransferStrategy", "TorchModuleWeightLoader",
-    "VLLMWeightLoader",
+    "HFWeightExtractor", "LoraMergeWeightExtractor", "MegatronWeightExtractor",
+    "PackedCudaIpcTransferReceiver",
+    "PackedCudaIpcTransferSender", "PackedCudaIpcTransferStrategy", "RemoteWeightLoader",
+    "SGLangWeightLoader", "TorchModuleWeightLoader", "VLLMWeightLoader",
     "ChecksumMismatchError", "CommunicatorReplacedError", "CudaIpcWeightUpdateRequest", "EmptyWeightSyncInfo",
     "EndpointState", "EndpointStatus", "EngineDiedError", "EngineUnreachableError",
     "ExtractorConfig", "HeadExtractorConfig",
