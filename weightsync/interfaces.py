@@ -233,16 +233,7 @@ class WeightExtractor(abc.ABC):
         ``bucket_size_mb``; ``weightsync.pipeline``), yielded as soon as one is full; only the
         sending rank gets them."""
         raw = await self._raw_pairs(model, generator_dtype)
-        named = self._cast_stream(raw, generator_dtype)
-        if self._should_group_by_module():
-            groups: Iterable[Any] = group_by_module(named)
-        else:
-            groups = ((n, [(n, t)]) for n, t in named)
-        if self._should_batch_by_threshold():
-            chunks: Iterable[WeightChunk] = batch_by_threshold(groups, self.threshold_bytes())
-        else:
-            chunks = (WeightChunk([n for n, _ in items], [t for _, t in items], module_name=m)
-                      for m, items in groups)
+        chunks = self._cut(self._cast_stream(raw, generator_dtype))
         async for chunk in aiter_chunks(chunks):
             fresh = self._fresh_ids
             ids = [id(t) for t in chunk.tensors]
@@ -252,6 +243,20 @@ class WeightExtractor(abc.ABC):
                 yield chunk
             await asyncio.sleep(0)
         self._fresh_ids.clear()
+
+    def _cut(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[WeightChunk]:
+        """``(name, tensor)`` pairs -> chunks as the hooks say: whole modules when
+        ``_should_group_by_module()``, several up to ``threshold_bytes()`` when
+        ``_should_batch_by_threshold()``, else one chunk per group. Lazy: a chunk is made when
+        asked for."""
+        if self._should_group_by_module():
+            groups: Iterable[Any] = group_by_module(named)
+        else:
+            groups = ((n, [(n, t)]) for n, t in named)
+        if self._should_batch_by_threshold():
+            return batch_by_threshold(groups, self.threshold_bytes())
+        return (WeightChunk([n for n, _ in items], [t for _, t in items], module_name=m)
+                for m, items in groups)
 
     async def _raw_pairs(self, model: Any, generator_dtype: Any) -> Any:
         """``_extract_raw_weights``'s output as ``(name, tensor)`` pairs, whichever form it has

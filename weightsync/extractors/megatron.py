@@ -24,8 +24,9 @@ Give it as ``MegatronWeightExtractor(cfg, bridge=...)``, or name the HF checkpoi
 What is yielded (the interface design's Megatron extractor):
 
 - **threshold buckets, not module grouping**: HF tensors in export order, cut into chunks of at
-  most ``bucket_size_mb`` (a larger tensor is a chunk of its own); ``group_by_module`` (default
-  False) keeps consecutive parameters of one HF module together instead;
+  most ``bucket_size_mb`` (or SkyRL's ``weight_transfer_threshold_cuda_ipc_GB``; a larger tensor
+  is a chunk of its own) by the base class's hooks: ``_should_group_by_module()`` is False
+  unless the config's ``group_by_module`` (default False) or a subclass says otherwise;
 - **packed chunks** (``pack``, default True): once a bucket is full its tensors are copied into
   one contiguous buffer per dtype and device and the chunk holds views of it
   (``WeightChunk.packed``): one allocation per bucket, contiguous tensors (the bridge's q/k/v and
@@ -59,7 +60,6 @@ from typing import TYPE_CHECKING, Any
 from weightsync.config import ExtractorConfig
 from weightsync.extractors._gather import GatherMeter, _as_dtype, is_sending_rank, wait_for_room
 from weightsync.interfaces import WeightExtractor
-from weightsync.pipeline import make_chunks
 from weightsync.types import TensorMeta, WeightChunk, dtype_to_str, str_to_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -164,8 +164,7 @@ class MegatronWeightExtractor(WeightExtractor):
                 await asyncio.sleep(0)
             return
         own = _storages(as_model_list(model))
-        chunks = make_chunks(raw, bucket_size_mb=float(self.cfg.bucket_size_mb),
-                             by_module=bool(self.cfg.group_by_module))
+        chunks = iter(self._cut(raw))  # the base class's hooks: threshold buckets by default
         index, finished = 0, False
         try:
             while True:
