@@ -8,6 +8,8 @@ strategy, extractor and loader: ``docs/architecture.md``):
 - ``lora_merge`` (:mod:`weightsync.extractors.lora`): PEFT models, merged weights.
 - ``fsdp`` (:mod:`weightsync.extractors.fsdp`): FSDP2 (DTensor) models, gathered per module.
 - ``deepspeed`` (:mod:`weightsync.extractors.deepspeed`): ZeRO-1/2/3 models.
+- ``megatron`` (:mod:`weightsync.extractors.megatron`): Megatron-Core models, exported under HF
+  names by Megatron-Bridge or mbridge.
 
 Nothing is imported here: ``weightsync.build_extractor({"type": ...})`` imports the one module
 it needs (see ``weightsync.registry``).
