@@ -98,8 +98,11 @@ def test_sglang_data_plane_receives_the_broadcasts(served) -> None:
     from sglang.srt.utils import init_custom_process_group
 
     from weightsync.loaders.sglang import SGLangWeightLoader
+    from weightsync.strategies.broadcast import (
+        BroadcastWeightUpdateRequest,
+        TorchDistributedWeightSyncInfo,
+    )
     from weightsync.testing.servers import free_port
-    from weightsync.types import BroadcastWeightUpdateRequest, TorchDistributedWeightSyncInfo
 
     model_dir, engine = served
     trained = _trained(model_dir, seed=2)

@@ -56,12 +56,11 @@ from typing import TYPE_CHECKING, Any
 from weightsync.config import LoaderConfig
 from weightsync.errors import WeightSyncError
 from weightsync.interfaces import WeightLoader
-from weightsync.types import (
+from weightsync.strategies.broadcast import (
     BroadcastWeightUpdateRequest,
-    TensorMeta,
     TorchDistributedWeightSyncInfo,
-    WeightUpdateFinish,
 )
+from weightsync.types import TensorMeta, WeightUpdateFinish
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -24,7 +24,10 @@ from safetensors.torch import save_file
 import weightsync as ws
 from weightsync.errors import WeightMismatchError, WeightSyncError
 from weightsync.loaders.sglang import SGLangLoaderConfig, SGLangWeightLoader
-from weightsync.types import BroadcastWeightUpdateRequest, TorchDistributedWeightSyncInfo
+from weightsync.strategies.broadcast import (
+    BroadcastWeightUpdateRequest,
+    TorchDistributedWeightSyncInfo,
+)
 
 STRATEGY = {"type": "cuda_ipc", "bucket_size_mb": 0.002}
 
