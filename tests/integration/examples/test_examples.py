@@ -31,6 +31,13 @@ def test_readme_sync_example_is_the_example_file():
     assert (EXAMPLES / "push_to_server.py").read_text() in blocks
 
 
+def test_write_your_own_example():
+    """docs/architecture.md's recipes: a registered extractor, loader and strategy of one's own
+    carry two updates."""
+    out = _run("write_your_own.py")
+    assert out.count("weights equal: True") == 2 and "version 2" in out
+
+
 def test_push_in_process_example():
     out = _run("push_in_process.py", "--steps", "2")
     assert "step 2:" in out and out.count("weights equal: True") == 2
