@@ -90,7 +90,6 @@ def test_broadcast_into_reward_server_on_gpu1(tmp_path):
 
 def test_broadcast_into_policy_server_on_gpu1(tmp_path):
     _need_two_gpus()
-    import httpx
     import torch
     from _vllm_helpers import close, hf_prompt_logprobs, prompt_ids
     from transformers import AutoModelForCausalLM
@@ -109,16 +108,7 @@ def test_broadcast_into_policy_server_on_gpu1(tmp_path):
     url = server.url
 
     def served() -> list[float]:
-        out = []
-        for p in ids:
-            r = httpx.post(f"{url}/v1/completions", timeout=60,
-                           headers={"Authorization": f"Bearer {API_KEY}"},
-                           json={"model": base, "prompt": p, "max_tokens": 1,
-                                 "temperature": 0, "prompt_logprobs": 0})
-            r.raise_for_status()
-            lps = r.json()["choices"][0]["prompt_logprobs"]
-            out += [lps[i][str(p[i])]["logprob"] for i in range(1, len(p))]
-        return out
+        return _served_logprobs(url, base, ids)
 
     try:
         before = served()

@@ -229,29 +229,12 @@ class Bench:
         info = await strategy.create_sync_info(strategy.cfg, client)
         sender = await strategy.create_sender(strategy.cfg, client, info)
         try:
-            times = []
-            for i in range(cfg.warmup + cfg.repeats):
-                self.negate()
-                version += 1
-                t0 = time.perf_counter()
-                stats = await sender.send_chunks(extractor.extract_weights(self.module), client,
-                                                 version=version, manifest=manifest)
-                dt = time.perf_counter() - t0
-                if stats.versions != [version]:
-                    raise RuntimeError(f"engine published {stats.versions}, expected [{version}]")
-                (times if i >= cfg.warmup else rec.setdefault("warmup_s", [])).append(dt)
-                self.log(f"{row}: sync {i + 1}/{cfg.warmup + cfg.repeats} {dt * 1e3:.1f} ms "
-                         f"({stats.num_chunks} chunks)")
-            rec.update(seconds=statistics.median(times), seconds_all=times,
-                       num_chunks=stats.num_chunks, num_tensors=stats.num_tensors,
-                       bytes=stats.total_bytes)
-            state = rpc_one(llm, "weightsync_state")
-            rec["engine_load"] = {"load_mode": state.get("load_mode"),
-                                  "copy_plan": state.get("copy_plan")}
-            peak = self.sender_memory(reset=False)
-            epeak = self.engine_memory(llm, reset=False)
-            rec["sender_extra_bytes"] = None if peak is None else peak - sender_base
-            rec["engine_extra_bytes"] = None if epeak is None else epeak - engine_base
+            async def one(v: int) -> Any:
+                return await sender.send_chunks(extractor.extract_weights(self.module), client,
+                                                version=v, manifest=manifest)
+
+            version = await self.timed_syncs(row, llm, rec, version, one, engine_base,
+                                             sender_base)
             version += 1
             self.stages[row] = await self.profiled_sync(row, sender, extractor, client, llm,
                                                        version, manifest)
@@ -262,6 +245,39 @@ class Bench:
             if row == "cuda_ipc_load_weights":
                 llm.collective_rpc("weightsync_setup", args=({},))
         return rec
+
+    async def timed_syncs(self, row: str, llm: Any, rec: dict[str, Any], version: int,
+                          one: Any, engine_base: int | None, sender_base: int | None) -> int:
+        """``cfg.warmup`` then ``cfg.repeats`` syncs of new values (``one(version)`` each, the
+        trainer's weights negated first), each checked for the version the engine published;
+        fills ``rec`` (median seconds, sizes, the engine's load path, extra memory on both
+        sides). Returns the last version sent."""
+        from weightsync.bench.vllm_engine import rpc_one
+
+        cfg = self.cfg
+        times: list[float] = []
+        for i in range(cfg.warmup + cfg.repeats):
+            self.negate()
+            version += 1
+            t0 = time.perf_counter()
+            stats = await one(version)
+            dt = time.perf_counter() - t0
+            if stats is None or stats.versions != [version]:
+                raise RuntimeError(f"engine published {stats and stats.versions}, expected "
+                                   f"[{version}]")
+            (times if i >= cfg.warmup else rec.setdefault("warmup_s", [])).append(dt)
+            self.log(f"{row}: sync {i + 1}/{cfg.warmup + cfg.repeats} {dt * 1e3:.1f} ms "
+                     f"({stats.num_chunks} chunks)")
+        rec.update(seconds=statistics.median(times), seconds_all=times,
+                   num_chunks=stats.num_chunks, num_tensors=stats.num_tensors,
+                   bytes=stats.total_bytes)
+        state = rpc_one(llm, "weightsync_state")
+        rec["engine_load"] = {"load_mode": state.get("load_mode"),
+                              "copy_plan": state.get("copy_plan")}
+        peak, epeak = self.sender_memory(reset=False), self.engine_memory(llm, reset=False)
+        rec["sender_extra_bytes"] = None if peak is None else peak - sender_base
+        rec["engine_extra_bytes"] = None if epeak is None else epeak - engine_base
+        return version
 
     async def profiled_sync(self, row: str, sender: Any, extractor: Any, client: ProbeClient,
                             llm: Any, version: int, manifest: Any) -> dict[str, float]:
@@ -326,29 +342,11 @@ class Bench:
         version = int(rpc_one(llm, "weightsync_version"))
         engine_base = self.engine_memory(llm, reset=True)
         sender_base = self.sender_memory(reset=True)
-        times = []
         async with ws.connect([llm], strategy) as sync:
-            for i in range(cfg.warmup + cfg.repeats):
-                self.negate()
-                version += 1
-                t0 = time.perf_counter()
-                stats = await sync.push(self.module, version=version)
-                dt = time.perf_counter() - t0
-                if stats is None or stats.versions != [version]:
-                    raise RuntimeError(f"engine published {stats and stats.versions}, expected "
-                                       f"[{version}]")
-                (times if i >= cfg.warmup else rec.setdefault("warmup_s", [])).append(dt)
-                self.log(f"{row}: push {i + 1}/{cfg.warmup + cfg.repeats} {dt * 1e3:.1f} ms "
-                         f"({stats.num_chunks} chunks)")
-        rec.update(seconds=statistics.median(times), seconds_all=times,
-                   num_chunks=stats.num_chunks, num_tensors=stats.num_tensors,
-                   bytes=stats.total_bytes)
-        state = rpc_one(llm, "weightsync_state")
-        rec["engine_load"] = {"load_mode": state.get("load_mode"),
-                              "copy_plan": state.get("copy_plan")}
-        peak, epeak = self.sender_memory(reset=False), self.engine_memory(llm, reset=False)
-        rec["sender_extra_bytes"] = None if peak is None else peak - sender_base
-        rec["engine_extra_bytes"] = None if epeak is None else epeak - engine_base
+            async def one(v: int) -> Any:
+                return await sync.push(self.module, version=v)
+
+            await self.timed_syncs(row, llm, rec, version, one, engine_base, sender_base)
         return rec
 
     def run_reference_row(self, row: str, llm: Any) -> dict[str, Any]:
