@@ -341,7 +341,10 @@ class BroadcastTransferSender(WeightTransferSender):
                 "the streamed update", grace_s=_grace(inference_client))
         except BaseException as e:
             dead = isinstance(e, (EngineDiedError, WeightSyncTimeout))
-            if not data.done() and not dead:  # the lane is still in step (a refusal)
+            if not feeder.done():  # the lane then sends the abort: the group stays in step
+                feeder.cancel()
+                await asyncio.gather(feeder, return_exceptions=True)
+            if not data.done() and not dead:  # the lane is still in step (a refusal, an abort)
                 await asyncio.wait({data}, timeout=_ENGINE_ERROR_GRACE_S)
             data_failed = not data.done() or data.cancelled() or data.exception() is not None
             if not isinstance(e, WeightMismatchError) and (data_failed or dead):

@@ -199,3 +199,48 @@ def test_the_extraction_starts_only_once_every_engine_voted():
             return await sync.push_chunks(extraction(), manifest, version=1)
 
     assert _run(go()).versions == [1] and _same(module, src)
+
+
+def test_a_push_cancelled_mid_stream_aborts_it_and_the_sender_goes_on():
+    """The caller cancels while the extraction is between chunks: the sender tells the engines
+    (an abort on the data plane), so its group stays in step and the next update lands."""
+    from weightsync.clients import FanOutClient
+
+    module, ep = _engine()
+    src = Net(8)
+    named = list(src.state_dict().items())
+    manifest = [TensorMeta(n, "float32", list(t.shape)) for n, t in named]
+
+    async def slow():
+        chunks = list(make_chunks(named, bucket_size_mb=2.5))
+        yield chunks[0]
+        await asyncio.sleep(30)  # the trainer is busy; the caller gives up meanwhile
+        yield chunks[1]
+
+    async def go():
+        client = FanOutClient([ep], timeout_s=20)
+        strategy = ws.build_strategy({**STREAM})
+        sender = await strategy.create_sender(None, client,
+                                              await strategy.create_sync_info(None, client))
+        try:
+            push = asyncio.ensure_future(sender.send_chunks(slow(), client, manifest=manifest,
+                                                            version=1))
+            await asyncio.sleep(1.0)
+            push.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await push
+            for _ in range(100):  # the engine hears the abort a moment later
+                state = (await client.status())[0]
+                if state["state"] != "receiving":
+                    break
+                await asyncio.sleep(0.05)
+            stats = await sender.send_chunks(make_chunks(named, bucket_size_mb=2.5), client,
+                                             manifest=manifest, version=2)
+            return state, stats
+        finally:
+            await sender.close()
+            await client.close_weight_transfer()
+
+    state, stats = _run(go())
+    assert state["state"] == "torn" and "aborted its stream" in state["last_error"], state
+    assert stats.versions == [2] and _same(module, src)
