@@ -1,9 +1,9 @@
-"""Model-request latency with and without weight syncs, one run, both servers.
+"""Model-request latency with and without weight syncs (or a dead join), one run, both servers.
 
     python benchmarks/bench_load_during_syncs.py [--hidden-size 256] [--layers 4]
         [--scorers 4] [--generators 4] [--max-tokens 8] [--window-s 15] [--rounds 3]
         [--sync-gap-s 0.5] [--strategy broadcast|cuda_ipc|packed_cuda_ipc] [--together]
-        [--scratch DIR] [--json PATH]
+        [--disturb syncs|killed-join|silent-join] [--scratch DIR] [--json PATH]
 
 A reward server (``weightsync serve-reward``) and a policy server (``weightsync serve-policy``)
 on two small random models built here (Qwen2 reward model, tied Llama causal LM; fp32, nothing
@@ -23,7 +23,16 @@ Per server and window kind: requests answered, failed requests (anything but a 2
 max latency, requests per second, and the *syncs* rows' p50 and p99 ratio against the *no syncs*
 rows of the same run (alternating windows: load on a shared machine shifts both alike). Every
 answer is checked: it names a version this run's trainer installed (no syncs: the one version in
-place). What the ratio contains on a CPU box: the pause policy (a request arriving during an
+place).
+
+``--disturb`` picks what the disturbed windows hold instead of syncs (``syncs``, the default):
+``killed-join``: at the window's start a Ludic/TRL trainer process asks the server for a group
+(``POST /init_communicator {host, port, world_size}``) and is SIGKILLed before it joins, so the
+server's workers wait in the group's rendezvous for the whole window
+(``weightsync.bench.dead_join.KilledLudicTrainer``); ``silent-join``: a sender of our dialect
+hosts its store and asks for a ``broadcast`` communicator it never joins
+(``SilentSender``, ``join_timeout_s`` longer than the window). After each such window a
+``/close_communicator`` abandons the join; its answer time is reported (``close_s``). What the ratio contains on a CPU box: the pause policy (a request arriving during an
 update waits at the gate until it is complete, see ``docs/policy_server.md``) and the trainer
 competing with the server for the same cores. The two servers' engines get cores of their own
 (``weightsync.testing.servers.cpu_core_slots``, through ``started_or_attached``); left to
@@ -130,7 +139,41 @@ class Trainer:
             raise RuntimeError(f"{self.url}: a push failed: {self.error!r}") from self.error
 
     def close(self) -> None:
-        self.sync.close()
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None
+
+
+DEAD_JOINS = ("killed-join", "silent-join")
+
+
+def dead_join(kind: str, url: str, window_s: float) -> Any:
+    """Leave ``url``'s workers in a join that never completes (``--disturb``); -> the sender
+    (``SilentSender``) whose answer comes once the join is abandoned, or None."""
+    from weightsync.bench.dead_join import KilledLudicTrainer, SilentSender
+    from weightsync.testing.servers import free_port
+
+    if kind == "killed-join":
+        KilledLudicTrainer(url, API_KEY, port=free_port()).start()
+        return None
+    return SilentSender(url, API_KEY, join_timeout_s=window_s + 60).start()
+
+
+def abandon_join(url: str, sender: Any) -> float:
+    """``POST /close_communicator`` (it abandons the join); -> the seconds it took to answer."""
+    import httpx
+
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/close_communicator", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={}, timeout=120)
+    seconds = time.perf_counter() - t0
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: /close_communicator answered {r.status_code}: {r.text}")
+    if sender is not None:
+        answer = sender.join(60)
+        if answer is None or answer.status_code != 409:
+            raise RuntimeError(f"{url}: the abandoned join answered {answer!r}, not 409")
+    return seconds
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,7 +188,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     strategy = STRATEGIES[args.strategy]
-    outcomes: dict[str, list[Any]] = {"no syncs": [], "syncs": []}
+    disturbed = args.disturb
+    outcomes: dict[str, list[Any]] = {"no syncs": [], disturbed: []}
+    closes: dict[str, list[float]] = {"score": [], "generate": []}
     scratch = (contextlib.nullcontext(tempfile.mkdtemp(prefix="load-", dir=args.scratch))
                if args.scratch else tempfile.TemporaryDirectory())
     with scratch as tmp:
@@ -159,6 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                              "--log-level", "warning",
                                              "--kv-cache-memory-bytes", str(64 << 20)]
                                  ) as (reward_url, policy_url):
+            urls = {"score": reward_url, "generate": policy_url}
             trainers = {"score": Trainer(reward_url, strategy, weight_sets(reward_dir),
                                          args.bucket_mb),
                         "generate": Trainer(policy_url, strategy, weight_sets(policy_dir),
@@ -166,6 +212,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 for t in trainers.values():
                     t.push()  # warm the sync path; not counted
+                if disturbed in DEAD_JOINS:
+                    for t in trainers.values():
+                        t.close()  # the dead joins take the communicator from now on
 
                 def window(kind: str, seconds: float, group: tuple[str, ...]) -> list[Any]:
                     runner = LoadRunner(
@@ -174,7 +223,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         scorers=args.scorers, generators=args.generators,
                         max_tokens=args.max_tokens, model=policy_dir)
                     mine = {k: trainers[k] for k in group}
-                    before = {k: t.version for k, t in mine.items()}
+                    before = {k: runtime_version(urls[k]) for k in group}
+                    joins = ({k: dead_join(kind, urls[k], seconds) for k in group}
+                             if kind in DEAD_JOINS else {})
                     runner.start()
                     if kind == "syncs":
                         deadline = time.monotonic() + seconds
@@ -185,9 +236,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     else:
                         time.sleep(seconds)
                     got = runner.stop()
+                    for k, sender in joins.items():
+                        closes[k].append(abandon_join(urls[k], sender))
                     for k, t in mine.items():
-                        allowed = ({before[k]} if kind == "no syncs"
-                                   else {v for v in t.installed if v >= before[k]})
+                        allowed = ({v for v in t.installed if v >= before[k]} if kind == "syncs"
+                                   else {before[k]})
                         wrong = [o.version for o in got if o.kind == k and o.ok
                                  and o.version not in allowed]
                         if wrong:
@@ -199,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for group in groups:
                     window("no syncs", min(3.0, args.window_s), group)  # warm-up, not counted
                     for rnd in range(args.rounds):
-                        for kind in ("no syncs", "syncs"):
+                        for kind in ("no syncs", disturbed):
                             got = window(kind, args.window_s, group)
                             outcomes[kind].extend(got)
                             print(f"  {'+'.join(group)} round {rnd} {kind:8s}: {len(got)} "
@@ -208,41 +261,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 for t in trainers.values():
                     t.close()
-    return report(args, outcomes, trainers, nbytes={"score": nbytes[reward_dir],
-                                                    "generate": nbytes[policy_dir]})
+    return report(args, outcomes, trainers, closes,
+                  nbytes={"score": nbytes[reward_dir], "generate": nbytes[policy_dir]})
 
 
 def report(args: argparse.Namespace, outcomes: dict[str, list[Any]], trainers: dict[str, Any],
-           nbytes: dict[str, int]) -> dict[str, Any]:
+           closes: dict[str, list[float]], nbytes: dict[str, int]) -> dict[str, Any]:
     from weightsync.bench.serving_load import latency_summary
 
     rows = []
     for kind, server in (("score", "reward"), ("generate", "policy")):
         ref = latency_summary([o for o in outcomes["no syncs"] if o.kind == kind])
-        for phase in ("no syncs", "syncs"):
+        for phase in outcomes:
             s = latency_summary([o for o in outcomes[phase] if o.kind == kind])
             rows.append({
                 "server": server, "client": kind, "window": phase, **s,
                 "p50_ratio": s["p50_ms"] / ref["p50_ms"] if ref["p50_ms"] else None,
                 "p99_ratio": s["p99_ms"] / ref["p99_ms"] if ref["p99_ms"] else None,
             })
-    syncs = {}
+    syncs, abandons = {}, {}
     for kind, server in (("score", "reward"), ("generate", "policy")):
         secs = trainers[kind].push_seconds
-        syncs[server] = {"pushes": len(secs), "median_s": statistics.median(secs) if secs else 0,
-                         "max_s": max(secs, default=0.0), "seconds_all": secs,
-                         "bytes": nbytes[kind],
-                         "busy_fraction": sum(secs) / (args.rounds * args.window_s)}
+        if args.disturb == "syncs":
+            syncs[server] = {"pushes": len(secs),
+                             "median_s": statistics.median(secs) if secs else 0,
+                             "max_s": max(secs, default=0.0), "seconds_all": secs,
+                             "bytes": nbytes[kind],
+                             "busy_fraction": sum(secs) / (args.rounds * args.window_s)}
+        else:
+            abandons[server] = {"close_s": closes[kind]}
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPU cores",
         "command": "python benchmarks/bench_load_during_syncs.py " + " ".join(sys.argv[1:]),
-        "strategy": args.strategy, "bucket_mb": args.bucket_mb,
+        "strategy": args.strategy, "bucket_mb": args.bucket_mb, "disturb": args.disturb,
         "hidden_size": args.hidden_size, "layers": args.layers,
         "scorers": args.scorers, "generators": args.generators, "max_tokens": args.max_tokens,
         "window_s": args.window_s, "rounds": args.rounds, "sync_gap_s": args.sync_gap_s,
         "together": args.together,
-        "rows": rows, "syncs": syncs,
+        "rows": rows, "syncs": syncs, "abandoned_joins": abandons,
     }
 
 
@@ -250,7 +307,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['scorers']} scorers + {result['generators']} generators "
         f"({result['max_tokens']} tokens), {result['rounds']} x {result['window_s']:g} s windows "
-        f"of each kind, strategy {result['strategy']}, "
+        f"of each kind, disturbed by {result.get('disturb', 'syncs')}, strategy "
+        f"{result['strategy']}, "
         f"{'both servers at once' if result['together'] else 'one server at a time'}",
         "",
         "| server | client | window | requests | failed | p50 ms | p99 ms | max ms | req/s "
@@ -262,11 +320,15 @@ def table(result: dict[str, Any]) -> str:
             f"| {r['server']} | {r['client']} | {r['window']} | {r['n']} | {r['failed']} "
             f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} | {r['rps']:.1f} "
             f"| {r['p50_ratio']:.2f} | {r['p99_ratio']:.2f} |")
-    lines += ["", "| server | pushes | median push s | max push s | MB | busy fraction |",
-              "|---|---|---|---|---|---|"]
-    for server, s in result["syncs"].items():
-        lines.append(f"| {server} | {s['pushes']} | {s['median_s']:.3f} | {s['max_s']:.3f} "
-                     f"| {s['bytes'] / 1e6:.1f} | {s['busy_fraction']:.2f} |")
+    if result["syncs"]:
+        lines += ["", "| server | pushes | median push s | max push s | MB | busy fraction |",
+                  "|---|---|---|---|---|---|"]
+        for server, s in result["syncs"].items():
+            lines.append(f"| {server} | {s['pushes']} | {s['median_s']:.3f} | {s['max_s']:.3f} "
+                         f"| {s['bytes'] / 1e6:.1f} | {s['busy_fraction']:.2f} |")
+    for server, a in result.get("abandoned_joins", {}).items():
+        lines.append(f"\n{server}: /close_communicator abandoned each dead join in "
+                     f"{', '.join(f'{x:.3f}' for x in a['close_s'])} s")
     return "\n".join(lines)
 
 
@@ -284,6 +346,10 @@ def main() -> int:
     p.add_argument("--together", action="store_true",
                    help="run both servers' clients and trainers in the same windows (default: "
                         "the reward server's windows first, then the policy server's)")
+    p.add_argument("--disturb", choices=["syncs", *DEAD_JOINS], default="syncs",
+                   help="what the disturbed windows hold: complete pushes (syncs), a Ludic "
+                        "trainer SIGKILLed before it joins its group (killed-join) or a sender "
+                        "that never joins its own (silent-join)")
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="broadcast",
                    help="how the trainers push (broadcast over gloo)")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="chunk size of a push (4)")

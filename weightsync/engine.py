@@ -32,6 +32,10 @@ finish, where it is replayed into the loader. So "torn" means: the loader was gi
 update that then failed. A staged update that fails never gets there (the weights are the last
 version exactly), an in-place one that fails before its first load does not either.
 
+A call cancelled at one of its ``await``s (a server abandoning it: ``weightsync_cancel`` in
+``weightsync.loaders.vllm_worker``) ends like a call that failed there: an init leaves no
+receiver, a chunk fails its update (torn if bytes had landed), the lock is released.
+
 Serving: ``check_serving()`` passes in IDLE and RECEIVING (between chunks of a live update the
 weights may be partly new: a server that serves concurrently holds requests during an update,
 as the reward server's gate does) and raises in FINISHING and TORN (``UpdateIncompleteError``)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import struct
 from collections.abc import Iterable, Iterator
@@ -100,10 +101,54 @@ def load_direct(worker: Any, items: list[tuple[str, Any]]) -> None:
         model.load_weights(iter(items))
 
 
+#: what vLLM's layer-wise reload logs about every layer a partial reload did not carry
+#: (a chunk carries some layers; the others keep their weights): true, but it reads as if the
+#: update failed. Logged by these loggers, silenced while our reloads run.
+_PARTIAL_RELOAD_NOISE = {
+    "vllm.model_executor.model_loader.reload.layerwise": "Failed to load weights",
+    "vllm.model_executor.model_loader.reload.inplace": "were not loaded from checkpoint",
+}
+
+
+class _DropPartialReloadNoise(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in str(record.msg)
+
+
+_NOISE_FILTERS = {name: _DropPartialReloadNoise(text)
+                  for name, text in _PARTIAL_RELOAD_NOISE.items()}
+_noise_explained = False
+
+
+@contextlib.contextmanager
+def quiet_partial_reload() -> Iterator[None]:
+    """Silence ``_PARTIAL_RELOAD_NOISE`` (said once per process, at debug level, why)."""
+    global _noise_explained
+    if not _noise_explained:
+        _noise_explained = True
+        logging.getLogger(__name__).debug(
+            "weightsync: each update chunk reloads only the layers it carries; vLLM's warnings "
+            "about the other layers (%s) are silenced during updates",
+            ", ".join(repr(t) for t in _PARTIAL_RELOAD_NOISE.values()))
+    loggers = [logging.getLogger(name) for name in _NOISE_FILTERS]
+    for lg, f in zip(loggers, _NOISE_FILTERS.values(), strict=True):
+        lg.addFilter(f)
+    try:
+        yield
+    finally:
+        for lg, f in zip(loggers, _NOISE_FILTERS.values(), strict=True):
+            lg.removeFilter(f)
+
+
 def load_reload(worker: Any, items: list[tuple[str, Any]]) -> None:
     """Layer-wise reload of ``items`` (whole layers only, see the module docstring)."""
     if hasattr(worker, "reload_weights"):
-        worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+        with quiet_partial_reload():
+            worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
         return
     try:  # pragma: no cover - older layouts
         from vllm.model_executor.model_loader.reload import reload_weights
@@ -112,7 +157,7 @@ def load_reload(worker: Any, items: list[tuple[str, Any]]) -> None:
             "this vLLM has no layer-wise weight reload; use load_mode='direct' (GPU, "
             "unquantized models only)"
         ) from e
-    with _vllm_config_ctx(worker):  # pragma: no cover
+    with _vllm_config_ctx(worker), quiet_partial_reload():  # pragma: no cover
         reload_weights(worker.vllm_config, get_model(worker), iter(items), None, True)
 
 

@@ -16,6 +16,14 @@ strategy's data plane.
   error codec of ``weightsync.errors``); ``raise_for_results`` on the driver turns the answers
   of all workers back into one exception. The worker's receiver rank is the engine's
   ``rank_offset`` plus the worker's rank inside the engine.
+* ``weightsync_call(method, kwargs, call_id, wait_s)``: the same call, but this RPC returns
+  after at most ``wait_s`` seconds; a call not finished by then answers ``{"ok": True,
+  "pending": call_id, "state"}`` and goes on in the background; ``weightsync_poll(call_id,
+  wait_s)`` gives it up to ``wait_s`` more and answers the same way (the final answer is kept
+  for later polls of the same id, so a driver can poll every worker until all are done);
+  ``weightsync_cancel(call_id, why)`` abandons it (the endpoint sees a cancellation at its
+  current ``await``: a join stops waiting for its rendezvous, a chunk fails as any failed chunk
+  does) and answers its final ``{"ok": False, "error_type": "UpdateRefusedError", ...}``.
 * ``weightsync_world_size()``, ``weightsync_version()``, ``weightsync_state()`` (the endpoint's
   ``status()`` plus rank, world size, load mode and, in direct mode, what the copy plan replays:
   ``copy_plan`` = names replayed, names that always go through ``load_weights``, tensors
@@ -30,6 +38,14 @@ strategy's data plane.
   on), ``close_communicator()`` leaves the group. They run the same endpoint as the calls above
   (``ludic_broadcast``), and raise on failure as the reference's do.
 
+Why the sliced form (``call_id``): vLLM runs one ``collective_rpc`` at a time per worker, and its engine core
+waits for every worker's answer before it schedules the next model step. A call that blocks in
+the worker (a rendezvous waiting for a trainer that never comes, a collective waiting for a dead
+peer) would hold every model request and every other RPC for as long as its timeout. Everything
+that blocks runs on helper threads (``weightsync._runtime.threads.in_thread``); the endpoint's
+own coroutines run on this worker's event loop, in the worker's main thread, but only while an
+RPC drives the loop, so loads never race the model's forward passes.
+
 The endpoint owns the update lifecycle (a failing finish hook leaves it torn, and a torn worker
 refuses to serve); the extension only carries calls to it.
 """
@@ -37,14 +53,26 @@ refuses to serve); the extension only carries calls to it.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from weightsync._runtime import vllm_compat as compat
-from weightsync.errors import WeightSyncError, error_from_dict, error_to_dict, most_telling
+from weightsync.errors import (
+    UpdateRefusedError,
+    WeightSyncError,
+    error_from_dict,
+    error_to_dict,
+    most_telling,
+)
 
 #: the dotted path to give vLLM as ``worker_extension_cls``
 WORKER_EXTENSION = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
+#: final answers kept for polls of the same call id (a driver polls every worker until all are
+#: done, so a worker that finished first is asked again)
+_KEPT_ANSWERS = 32
+#: how long ``weightsync_cancel`` drives the loop for the cancelled call to unwind
+_CANCEL_WAIT_S = 1.0
 
 
 class WeightSyncWorkerExtension:
@@ -54,6 +82,8 @@ class WeightSyncWorkerExtension:
     _ws_loop: asyncio.AbstractEventLoop | None = None
     _ws_trainer_rank: int | None = None  # the trainer's rank in a group joined by init_communicator
     _ws_group_timeout_s: float = 120.0  # joining that group and each of its collectives
+    _ws_calls: dict[str, asyncio.Task] | None = None  # call id -> its task (until collected)
+    _ws_answers: OrderedDict[str, dict] | None = None  # call id -> final answer (recent ones)
 
     def weightsync_setup(self, loader_cfg: dict | None = None) -> dict:
         """(Re)build the endpoint with a loader config (optional; built lazily otherwise). The
@@ -75,22 +105,74 @@ class WeightSyncWorkerExtension:
             self.weightsync_setup()
         return self._ws_endpoint
 
-    def _ws_run(self, coro: Any) -> Any:
+    def _ws_loop_now(self) -> asyncio.AbstractEventLoop:
         if self._ws_loop is None or self._ws_loop.is_closed():
             self._ws_loop = asyncio.new_event_loop()
-        return self._ws_loop.run_until_complete(coro)
+        return self._ws_loop
 
-    def weightsync_call(self, method: str, kwargs: dict | None = None) -> dict:
+    def weightsync_call(self, method: str, kwargs: dict | None = None,
+                        call_id: str | None = None, wait_s: float | None = None) -> dict:
+        """One endpoint call; with ``call_id`` this RPC returns after at most ``wait_s``
+        seconds (see the module docstring), else when the call is done."""
         endpoint = self._ws()
         kwargs = dict(kwargs or {})
         try:
             if method == "init_weight_transfer":
                 rank, _ = compat.worker_rank_and_size(self)
                 kwargs["rank_offset"] = int(kwargs.get("rank_offset", 1)) + rank
-            result = self._ws_run(endpoint.call(method, kwargs))
-            return {"ok": True, "result": result, "state": self.weightsync_state()}
-        except BaseException as e:  # noqa: BLE001 - reported to the driver, never swallowed
+        except Exception as e:  # noqa: BLE001 - reported to the driver, never raised into vLLM
             return {"ok": False, **error_to_dict(e), "state": self.weightsync_state()}
+        loop = self._ws_loop_now()
+        task = loop.create_task(endpoint.call(method, kwargs))
+        if call_id is None:
+            loop.run_until_complete(asyncio.wait({task}))
+            return self._ws_answer(task)
+        if self._ws_calls is None:
+            self._ws_calls, self._ws_answers = {}, OrderedDict()
+        self._ws_calls[str(call_id)] = task
+        return self.weightsync_poll(call_id, wait_s or 0.0)
+
+    def weightsync_poll(self, call_id: str, wait_s: float = 0.0) -> dict:
+        """Drive the worker's loop until call ``call_id`` is done or ``wait_s`` passed; its
+        final answer, or ``{"ok": True, "pending": call_id, "state"}``."""
+        call_id = str(call_id)
+        done = (self._ws_answers or {}).get(call_id)
+        if done is not None:
+            return done
+        task = (self._ws_calls or {}).get(call_id)
+        if task is None:
+            return {"ok": False, "error_type": "UpdateRefusedError",
+                    "error": f"no call {call_id!r} on this worker (never started, or its answer "
+                             f"was collected long ago)", "offenders": [],
+                    "state": self.weightsync_state()}
+        # max(): one pass of the loop even at 0, so work a helper thread finished lands now
+        self._ws_loop_now().run_until_complete(asyncio.wait({task}, timeout=max(wait_s, 1e-4)))
+        if not task.done():
+            return {"ok": True, "pending": call_id, "state": self.weightsync_state()}
+        answer = self._ws_answer(task)
+        del self._ws_calls[call_id]
+        self._ws_answers[call_id] = answer
+        while len(self._ws_answers) > _KEPT_ANSWERS:
+            self._ws_answers.popitem(last=False)
+        return answer
+
+    def weightsync_cancel(self, call_id: str, why: str = "abandoned by the server") -> dict:
+        """Abandon call ``call_id`` (a join nobody completes, a chunk whose sender is gone) and
+        answer its final outcome; a call already done answers as it ended."""
+        task = (self._ws_calls or {}).get(str(call_id))
+        if task is not None and not task.done():
+            task.cancel(why)
+        return self.weightsync_poll(call_id, _CANCEL_WAIT_S)
+
+    def _ws_answer(self, task: asyncio.Task) -> dict:
+        if task.cancelled():
+            why = _cancel_reason(task)
+            e: BaseException = UpdateRefusedError(f"abandoned: {why}")
+            return {"ok": False, **error_to_dict(e), "state": self.weightsync_state()}
+        e = task.exception()
+        if e is not None:
+            return {"ok": False, **error_to_dict(e), "state": self.weightsync_state()}
+        return {"ok": True, "result": task.result(), "state": self.weightsync_state()}
 
     # -- the reference's methods ------------------------------------------------------------------
     def init_communicator(self, host: str, port: int, world_size: int) -> None:
@@ -162,6 +244,15 @@ class WeightSyncWorkerExtension:
     def weightsync_expected_metadata(self) -> list[dict] | None:
         meta = self._ws().loader.expected_metadata()
         return None if meta is None else [m.to_dict() for m in meta.values()]
+
+
+def _cancel_reason(task: asyncio.Task) -> str:
+    """The message ``task.cancel(msg)`` was given (asyncio keeps it on the exception)."""
+    try:
+        task.result()
+    except asyncio.CancelledError as e:
+        return str(e.args[0]) if e.args else "abandoned by the server"
+    return "abandoned by the server"
 
 
 def raise_for_results(results: Sequence[Any], *, engine: str = "vLLM engine") -> list[Any]:

@@ -9,6 +9,8 @@
                          versions, communicator ids, stale updates, prefix-cache reset).
 - ``control_routes.py``  the control-plane routes (one ``APIRouter``), in two dialects: ours and
                          the Ludic/TRL trainers' (``ludic.py``).
+- ``_workers.py``        calls into the vLLM workers that never hold the engine core (a slice,
+                         then "pending" and polls; abandoned on a new init or a close).
 """
 
 from __future__ import annotations

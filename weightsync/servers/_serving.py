@@ -18,7 +18,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
 #: seconds a stopping server gives vLLM's engine core to stop its workers and unlink its
@@ -90,6 +92,26 @@ def ready_line(
     return (f"weightsync {what} ready on {url}: model {model} (weight version {version}); "
             f"{serves}; control plane {CONTROL_SUMMARY}, {token}; update timeout "
             f"{update_timeout_s:g} s, request/update wait {wait_timeout_s:g} s")
+
+
+#: ``--warmup``'s help: what it sends and what it costs at start (measured: docs/reliability.md)
+WARMUP_HELP = (
+    "answer {request} before serving, so vLLM's one-time work for it happens at start, not in a "
+    "user's first request (with a first update waiting behind it); costs at start: {cost} "
+    "(default on; --no-warmup skips it)")
+
+
+async def warm_up(what: str, outputs: Callable[[str], AsyncIterator[Any]],
+                  log: logging.Logger) -> float:
+    """Run one request to its end before the server serves: ``outputs(request_id)`` is the
+    engine's stream for it (``engine.generate`` / ``engine.encode``). Logs and returns the
+    seconds it took."""
+    t0 = time.monotonic()
+    async for _ in outputs(f"weightsync-warmup-{uuid.uuid4().hex[:8]}"):
+        pass
+    seconds = time.monotonic() - t0
+    log.info("warm-up (%s) took %.2fs", what, seconds)
+    return seconds
 
 
 async def serve_app(
@@ -170,6 +192,9 @@ def run_main(serve: Callable[[asyncio.Event], Awaitable[None]], *, what: str, lo
     ``ENGINE_DEATH_LOGGERS``); then leave the process with code 0, or 1 after logging the
     failure (``what`` names the server)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    # our own level, not the root's: a package vLLM's app imports sets the root logger to ERROR
+    # (model_hosting_container_standards), which silenced every line the policy server logs
+    logging.getLogger("weightsync").setLevel(log_level.upper())
 
     async def _run() -> None:
         stop = asyncio.Event()

@@ -26,7 +26,17 @@ What must hold:
   sender can start;
 * with ``pause_generation`` (the policy server) the engine's scheduler is paused from start to
   finish as well, so nothing the gate does not see (a route we do not know) decodes across the
-  change either.
+  change either;
+* no worker call holds the engine: calls go through ``weightsync.servers._workers.WorkerCalls``
+  (a worker answers "pending" after a slice and the call goes on in the worker), so a join that
+  nobody completes does not hold model requests; a new ``init_communicator`` or
+  ``close_communicator`` abandons whatever call is still in progress (a join, a chunk whose
+  sender is gone) instead of waiting for it, and an update refuses to start while a join is
+  under way (409);
+* every control call waits a bounded time: for the control call in progress at most
+  ``wait_timeout_s`` (503 naming that call), for an engine-level call (prefix-cache reset,
+  state) at most ``ENGINE_CALL_TIMEOUT_S`` (504 naming it); a broadcast ``sync_info`` whose
+  rendezvous address accepts no connection is refused (400) before any worker waits for it.
 
 ``serve_during_updates`` (the reference server's behaviour, made safe): requests are not held
 while an update is received. Every update is staged (``WeightUpdateStart.staged``: the engine
@@ -34,13 +44,15 @@ keeps the incoming tensors aside and its weights stay the last complete version)
 write side is taken only at the finish, where in-flight requests drain, the staged tensors are
 loaded, the prefix cache is reset and the version flips; requests are then served by the new
 version. Every answer still carries the version that produced it. Costs one more copy of the
-update's bytes on the engine; while a worker receives a chunk the engine runs no model step (one
-engine core), so answers slow down but are not refused, and run between chunks: a transfer of
-one worker call per chunk (``broadcast`` with ``stream: false``, the IPC strategies) lets them
-through all along, the streamed ``broadcast`` (one call for the whole update) and a Ludic-style
-batch once their bytes are in. ``allow_version_reset``: an update's
+update's bytes on the engine; a worker call of the update holds vLLM's engine core (which
+then runs no model step) for at most one slice at a time (``_workers.RPC_SLICE_S``, 1 s), so
+answers slow down while bytes arrive but are not refused. ``allow_version_reset``: an update's
 version is taken as given even when it is not newer (the reference's rule for a trainer that
 restarted its count; by default such an update is refused with 409).
+
+Logs (logger ``weightsync.servers.control``, prefixed with the server's name): every update's
+start (version, tensors, bytes, the drain), refusal (why), landing (version, chunks, bytes,
+seconds) and abort (why), in our words; see ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -55,7 +67,8 @@ from typing import Any
 
 from weightsync.errors import http_status
 from weightsync.servers._gate import UpdateGate
-from weightsync.types import TrainingMode
+from weightsync.servers._workers import ENGINE_CALL_TIMEOUT_S, WorkerCalls
+from weightsync.types import TrainingMode, request_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +95,7 @@ class _ActiveUpdate:
     started: float = field(default_factory=time.monotonic)
     last_activity: float = field(default_factory=time.monotonic)
     chunks: int = 0
+    nbytes: int = 0  # what the chunks that landed carried
     paused: bool = False  # the engine's scheduler is paused for this update
     holds_gate: bool = True  # False: staged while requests are served (serve_during_updates)
     watchdog: asyncio.Task | None = None
@@ -123,6 +137,7 @@ class UpdateControl:
         self.serve_during_updates = serve_during_updates
         self.allow_version_reset = allow_version_reset
         self.gate = UpdateGate()
+        self.workers = WorkerCalls(engine)
         self.version = 0
         self.worker_states: list[dict] = []
         self.communicator_id = 0  # bumped by every init_communicator; 0: none
@@ -135,11 +150,19 @@ class UpdateControl:
 
     # -- worker calls ------------------------------------------------------------------------
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
-        return await self.engine.collective_rpc(method, args=args)
+        """An engine-level worker RPC that answers at once (state, world size): bounded."""
+        try:
+            return await asyncio.wait_for(self.workers.rpc(method, *args), ENGINE_CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise ServiceError(504, f"the engine did not answer {method} within "
+                                    f"{ENGINE_CALL_TIMEOUT_S:g}s (worker calls in progress: "
+                                    f"{self.workers.describe()})") from None
 
-    async def call_workers(self, method: str, kwargs: dict) -> list[Any]:
-        """``weightsync_call`` on every worker; mirror their state; raise a ``ServiceError``."""
-        answers = await self._rpc("weightsync_call", method, kwargs)
+    async def call_workers(self, method: str, kwargs: dict, *, what: str = "",
+                           background: bool = False) -> list[Any]:
+        """``method`` on every worker's endpoint (``WorkerCalls.call``); mirror their state;
+        raise a ``ServiceError``."""
+        answers = await self.workers.call(method, kwargs, what=what, background=background)
         self._mirror([a.get("state", {}) for a in answers if isinstance(a, dict)])
         for a in answers:
             if not a.get("ok"):
@@ -207,12 +230,16 @@ class UpdateControl:
     # -- communicator ------------------------------------------------------------------------
     async def init_communicator(self, strategy: dict, sync_info: dict, rank_offset: int) -> int:
         """Build the workers' receivers; returns the new communicator id (older senders are
-        refused from now on: their data plane is gone)."""
+        refused from now on: their data plane is gone). The workers join in the background
+        (model requests go on meanwhile); a later ``init_communicator`` or
+        ``close_communicator`` abandons a join still waiting (this call then answers 409)."""
         await self.drop_communicator("the communicator was re-initialised by another sender")
-        async with self._guard():
+        where = await check_rendezvous(sync_info)
+        async with self._guard("init_communicator"):
             await self.call_workers(
                 "init_weight_transfer",
                 {"strategy_cfg": strategy, "sync_info": sync_info, "rank_offset": rank_offset},
+                what=f"init_weight_transfer ({where})", background=True,
             )
             return self._new_communicator_id()
 
@@ -222,15 +249,17 @@ class UpdateControl:
         return self.communicator_id
 
     async def drop_communicator(self, why: str) -> None:
-        """Abort the running update (its data plane is about to go) and forget the id."""
+        """Abandon the worker calls in progress (a join nobody completes, a chunk whose sender
+        is gone), abort the running update (its data plane is about to go), forget the id."""
+        await self.workers.abandon(why)
         if self._active is not None:
             await self._abort_active(why)
         self.communicator_id = 0
 
     async def close_communicator(self) -> None:
         await self.drop_communicator("the communicator was closed")
-        async with self._guard():
-            await self.call_workers("close_weight_transfer", {})
+        async with self._guard("close_communicator"):
+            await self.call_workers("close_weight_transfer", {}, background=True)
 
     def check_communicator(self, communicator_id: int | None) -> None:
         if communicator_id is not None and communicator_id != self.communicator_id:
@@ -284,7 +313,9 @@ class UpdateControl:
         holds_gate = not self.serve_during_updates
         if not holds_gate:
             start.staged = True  # the weights stay the served version until the finish
+        self.refuse_during_join(f"update {start.update_id}")
         await self.expire_stale_update()
+        t0 = time.monotonic()
         if self._active is not None:
             if self._active.update_id == start.update_id:
                 raise ServiceError(409, f"update {start.update_id} was already started")
@@ -297,37 +328,54 @@ class UpdateControl:
                 await self._acquire_write(start.update_id)
         elif holds_gate:
             await self._acquire_write(start.update_id)
+        drained = time.monotonic() - t0
         idle = self.update_timeout_s if start.idle_timeout_s is None else min(
             float(start.idle_timeout_s), self.update_timeout_s)
         active = _ActiveUpdate(start.update_id, mode, idle_timeout_s=idle, holds_gate=holds_gate)
         try:
-            async with self._guard():
+            async with self._guard(f"the start of update {start.update_id}"):
                 await self.call_workers("start_weight_update", {"start": start.to_dict()})
             if self.pause_generation and holds_gate:
                 await self._pause(active)
-        except BaseException:
+        except BaseException as e:
             await self._resume(active)
             if holds_gate:
                 self.gate.release_write(start.update_id)
+            log.warning("%s: update %s refused: %s", self.name, start.update_id, _why(e))
             raise
         self._active = active
         active.last_activity = time.monotonic()
         active.watchdog = asyncio.ensure_future(self._watch(active))
+        log.info("%s: update %s started: version %s -> %s, %s, mode %s%s (requests drained "
+                 "in %.2fs)", self.name, start.update_id, self.version,
+                 self.version + 1 if start.version is None else start.version,
+                 _manifest_text(start),
+                 _mode_name(mode), ", staged" if start.staged else "", drained)
         return {"ok": True, "update_id": start.update_id, "version": self.version}
 
     async def _acquire_write(self, owner: str) -> None:
         try:
             await self.gate.acquire_write(owner, self.wait_timeout_s)
         except TimeoutError:
-            raise ServiceError(503, "requests in flight did not drain in "
-                                    f"{self.wait_timeout_s:g}s ({self.gate.in_flight()}); "
-                                    "retry the update") from None
+            why = (f"requests in flight did not drain in {self.wait_timeout_s:g}s "
+                   f"({self.gate.in_flight()}); retry the update")
+            log.warning("%s: update %s: %s", self.name, owner, why)
+            raise ServiceError(503, why) from None
 
     async def _pause(self, active: _ActiveUpdate) -> None:
         from weightsync._runtime.vllm_compat import pause_generation
 
         await pause_generation(self.engine)
         active.paused = True
+
+    def refuse_during_join(self, what: str) -> None:
+        """409 while the workers join a communicator: an update waits for the join's answer."""
+        join = self.workers.joining()
+        if join is not None:
+            raise ServiceError(409, f"{what}: the workers are still joining a communicator "
+                                    f"({join.describe()}); send the update after "
+                                    f"/init_communicator answered, or POST /init_communicator "
+                                    f"again to abandon that join")
 
     async def _watch(self, active: _ActiveUpdate) -> None:
         """Abort ``active`` once no call came for its idle limit (its sender died or hangs)."""
@@ -356,7 +404,7 @@ class UpdateControl:
             raise ServiceError(400, f"training_mode: {_mode_name(mode)} but update {update_id} "
                                     f"started as {_mode_name(active.training_mode)}")
         try:
-            async with self._guard():
+            async with self._guard(f"chunk {metadata.get('chunk_index')} of update {update_id}"):
                 await self.call_workers("update_named_weights", {"request": metadata})
         except BaseException as e:
             # the engine refuses every later chunk of this update: end it now, so requests are
@@ -366,6 +414,7 @@ class UpdateControl:
                 await self._abort_active(f"chunk {metadata.get('chunk_index')} failed: {why}")
             raise
         active.chunks += 1
+        active.nbytes += request_nbytes(metadata)
         active.last_activity = time.monotonic()
         return {"ok": True, "chunks": active.chunks}
 
@@ -391,17 +440,33 @@ class UpdateControl:
             if self.pause_generation and finish.ok:
                 await self._pause(active)
         try:
-            async with self._guard():
+            async with self._guard(f"the finish of update {finish.update_id}"):
                 results = await self.call_workers("finish_weight_update", {"finish": finish.to_dict()})
             if finish.ok:
                 await self.reset_prefix_cache()
+        except BaseException as e:
+            log.warning("%s: update %s did not land: %s", self.name, finish.update_id, _why(e))
+            raise
         finally:
             self._active = None
             _stop_watch(active)
             await self._resume(active)
             self.gate.release_write(finish.update_id)
         published = int(results[0]) if results and results[0] is not None else self.version
+        if finish.ok:
+            log.info("%s: update %s landed: version %d, %d chunk(s), %s in %.2fs", self.name,
+                     finish.update_id, published, active.chunks, _mb(active.nbytes),
+                     time.monotonic() - active.started)
+        else:
+            log.warning("%s: update %s aborted by its sender after %d chunk(s): %s; %s",
+                        self.name, finish.update_id, active.chunks, finish.error or "no reason",
+                        self._after_abort())
         return {"ok": finish.ok, "version": published, "state": self.torn_reason or "ready"}
+
+    def _after_abort(self) -> str:
+        torn = self.torn_reason
+        return (f"the weights are torn ({torn}): model requests answer 503 until a complete "
+                f"update lands" if torn else f"serving version {self.version} unchanged")
 
     async def _resume(self, active: _ActiveUpdate) -> None:
         if active.paused:
@@ -420,22 +485,22 @@ class UpdateControl:
         active = self._active
         if active is None:
             return
-        log.warning("%s: aborting weight update %s: %s", self.name, active.update_id, why)
+        self._active = None  # one abort per update, whoever else asks meanwhile
         finish = WeightUpdateFinish(
             update_id=active.update_id, num_chunks=active.chunks, ok=False, error=why
         )
         try:
-            async with self._guard():
+            async with self._guard(f"the abort of update {active.update_id}"):
                 await self.call_workers("finish_weight_update", {"finish": finish.to_dict()})
         except ServiceError as e:  # the workers may not know it (never started there)
-            log.warning("abort of %s: %s", active.update_id, e.message)
+            log.warning("%s: abort of update %s: %s", self.name, active.update_id, e.message)
         finally:
-            if self._active is active:
-                self._active = None
             _stop_watch(active)
             await self._resume(active)
             if not keep_gate and active.holds_gate:
                 self.gate.release_write(active.update_id)
+        log.warning("%s: update %s aborted after %d chunk(s) (%s): %s; %s", self.name,
+                    active.update_id, active.chunks, _mb(active.nbytes), why, self._after_abort())
 
     async def abort(self, update_id: str, why: str) -> None:
         """Abort ``update_id`` if it is still the running update (a transfer that failed)."""
@@ -452,9 +517,17 @@ class UpdateControl:
 
     # -- small things ---------------------------------------------------------------------------
     async def reset_prefix_cache(self) -> bool:
+        """The engine's prefix-cache reset, answered within ``ENGINE_CALL_TIMEOUT_S`` (504
+        naming the worker calls in progress otherwise)."""
         from weightsync._runtime.vllm_compat import async_reset_prefix_cache
 
-        return await async_reset_prefix_cache(self.engine)
+        try:
+            return await asyncio.wait_for(async_reset_prefix_cache(self.engine),
+                                          ENGINE_CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise ServiceError(504, f"the engine did not reset its prefix cache within "
+                                    f"{ENGINE_CALL_TIMEOUT_S:g}s (worker calls in progress: "
+                                    f"{self.workers.describe()})") from None
 
     def spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task:
         """Run ``coro`` in the background; it counts in ``/get_num_background_tasks`` until it
@@ -496,12 +569,13 @@ class UpdateControl:
         for t in list(self._background):
             t.cancel()
         try:
-            await asyncio.wait_for(self._rpc("weightsync_call", "close_weight_transfer", {}), 10)
+            await self.workers.abandon("the server is shutting down")
+            await asyncio.wait_for(self.workers.call("close_weight_transfer", {}), 10)
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
 
-    def _guard(self) -> _ControlGuard:
-        return _ControlGuard(self)
+    def _guard(self, what: str) -> _ControlGuard:
+        return _ControlGuard(self, what)
 
 
 def _stop_watch(active: _ActiveUpdate) -> None:
@@ -515,15 +589,80 @@ def _mode_name(mode: TrainingMode | None) -> str:
 
 
 class _ControlGuard:
-    """Serialises control calls and counts them (``/get_num_background_tasks``)."""
+    """Serialises control calls and counts them (``/get_num_background_tasks``); a call waits
+    at most the control's ``wait_timeout_s`` for the one in progress (503 naming it)."""
 
-    def __init__(self, control: UpdateControl) -> None:
+    def __init__(self, control: UpdateControl, what: str) -> None:
         self.c = control
+        self.what = what
 
     async def __aenter__(self) -> None:
         self.c._control_in_flight += 1
-        await self.c._control.acquire()
+        try:
+            await asyncio.wait_for(self.c._control.acquire(), self.c.wait_timeout_s)
+        except BaseException as e:
+            self.c._control_in_flight -= 1
+            if isinstance(e, TimeoutError):
+                raise ServiceError(503, f"{self.what}: waited {self.c.wait_timeout_s:g}s for the "
+                                        f"control call in progress to end (in the workers: "
+                                        f"{self.c.workers.describe()}); retry") from None
+            raise
 
     async def __aexit__(self, *exc: Any) -> None:
         self.c._control.release()
         self.c._control_in_flight -= 1
+
+
+def _why(e: BaseException) -> str:
+    """``e`` on one log line (a refusal lists its offenders on lines of their own)."""
+    text = e.message if isinstance(e, ServiceError) else f"{type(e).__name__}: {e}"
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MB"
+
+
+def _manifest_text(start: Any) -> str:
+    if start.manifest is None:
+        return "no manifest"
+    return f"{len(start.manifest)} tensors, {_mb(sum(m.nbytes for m in start.manifest))}"
+
+
+async def check_rendezvous(sync_info: dict) -> str:
+    """What the workers' join will wait for (for messages). For a ``torch_distributed`` sync
+    info (the ``broadcast`` strategy: the sender hosts the store before it calls
+    ``/init_communicator``) first check that something accepts connections there: 400 naming
+    the address otherwise, so no worker waits ``join_timeout_s`` for a store that is not there.
+    A connection attempt that merely times out (``RENDEZVOUS_CHECK_S``; a slow network) lets the
+    join go ahead. Other sync infos are the workers' to check."""
+    from weightsync.types import TorchDistributedWeightSyncInfo
+
+    kind = sync_info.get("type")
+    if kind != TorchDistributedWeightSyncInfo.TYPE:
+        return f"building the receivers ({kind} sync info)"
+    try:
+        info = TorchDistributedWeightSyncInfo.from_dict(sync_info)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ServiceError(400, f"sync_info: {e}") from None
+    where = f"joining the sender's group at {info.master_addr}:{info.master_port}"
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(info.master_addr, int(info.master_port)),
+            min(RENDEZVOUS_CHECK_S, info.join_timeout_s))
+    except TimeoutError:
+        return where
+    except (OSError, ValueError, UnicodeError) as e:
+        raise ServiceError(400, f"sync_info: nothing accepts connections at "
+                                f"{info.master_addr}:{info.master_port} ({type(e).__name__}: "
+                                f"{e}); the sender hosts its rendezvous store there before it "
+                                f"calls /init_communicator: check master_addr / master_port "
+                                f"(reachable from this server)") from None
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return where
+
+
+#: how long ``check_rendezvous`` tries to connect before it lets the join go ahead
+RENDEZVOUS_CHECK_S = 3.0

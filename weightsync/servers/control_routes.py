@@ -20,7 +20,14 @@ GET  /batch_ready/{batch_id}          --                                        
 ====================================  =================================================  ==========================================
 
 A ``communicator_id`` that is not the current one gets 409 (another sender took the
-receivers), so a stale sender never drives the new data plane. Errors: 400 (bad field; with
+receivers), so a stale sender never drives the new data plane.
+
+Every route answers within a bound, whatever the body (``docs/reliability.md``, section 7):
+``/runtime_version``, ``/get_world_size``, ``/get_num_background_tasks`` and ``/batch_ready``
+call no worker; ``/reset_prefix_cache`` waits at most ``ENGINE_CALL_TIMEOUT_S`` (5 s, then 504
+naming the worker calls in progress); ``/init_communicator`` and ``/close_communicator`` abandon
+a worker call still in progress (a join nobody completes) instead of waiting for it; a control
+call waits at most the server's wait timeout for the one in progress (503 naming it). Errors: 400 (bad field; with
 ``offenders`` when the engine refused tensors), 401 (token), 404, 409 (wrong state), 413 (body
 too large), 503 (torn, or requests did not drain), 504 (timeout). With an API key every route
 but ``/runtime_version`` (and each server's ``/health``) needs ``Authorization: Bearer <key>``

@@ -12,10 +12,16 @@ What the trainer sees (its client is single-threaded: each HTTP call must return
 can join a group or broadcast):
 
 * ``/init_communicator`` answers ``{"status": "ok"}`` at once; the workers join the group in
-  the background (rank ``i`` = worker ``i``, the trainer last) while the trainer joins it;
-* ``/update_param_batch`` answers only after the engine checked the whole manifest against the
-  served model: a bad name / shape / dtype (or a version that does not increase) is a 4xx
-  naming the tensor, nothing changes, and the trainer does not enter its broadcast. Accepted:
+  the background (rank ``i`` = worker ``i``, the trainer last) while the trainer joins it, and
+  model requests are served meanwhile. A trainer that never joins (or dies joining) holds
+  nothing: the join ends at ``group_timeout_s``, or at once when another ``/init_communicator``
+  (for another group: the same one again keeps the join going) or a ``/close_communicator``
+  comes. An abandoned join keeps its port until its timeout (a join on a helper thread cannot
+  be interrupted), so a new group on that address is refused with that reason meanwhile;
+* ``/update_param_batch`` waits at most ``JOIN_SETTLE_S`` for a join still under way (the
+  trainer has joined by then, so ours completes at the same moment), else 409; it answers
+  only after the engine checked the whole manifest against the served model: a bad name /
+  shape / dtype (or a version that does not increase) is a 4xx naming the tensor, nothing changes, and the trainer does not enter its broadcast. Accepted:
   ``{"status": "ok", "batch_id": ...}``, and a background task receives the tensors (one
   broadcast each from the trainer's rank, in the metadata's order), loads them, joins the
   trainer's barrier, publishes ``version`` (default: current + 1), resets the prefix cache;
@@ -39,6 +45,9 @@ from weightsync.types import TrainingMode
 log = logging.getLogger(__name__)
 
 _REMEMBERED_BATCHES = 64
+#: how long ``/update_param_batch`` waits for the workers' join to complete: the trainer posts
+#: it after its own join returned, when ours is done too (up to a poll of the workers later)
+JOIN_SETTLE_S = 5.0
 
 
 class LudicDialect:
@@ -58,21 +67,28 @@ class LudicDialect:
         self.group_timeout_s = group_timeout_s
         self.bucket_size_mb = bucket_size_mb
         self._joining: asyncio.Task | None = None
+        self._group: tuple = ()  # (host, port, world_size, backend) of the last join
         self._communicator_id = 0  # the control's id of the trainer group (0: none)
         self._world_size = 0
         self._batches: OrderedDict[str, bool] = OrderedDict()  # batch id -> handed to workers
 
     # -- /init_communicator {host, port, world_size} ---------------------------------------------
     async def init_communicator(self, body: dict) -> dict:
+        """Answer at once; the join runs in the background (a join still under way from an
+        earlier call is abandoned by it: ``UpdateControl.init_communicator``)."""
         host, port, world_size, backend = await self._parse_init(body)
         from weightsync.strategies.ludic_broadcast import ludic_group
 
-        await self._settle_join()
+        task = self._joining
+        if (task is not None and not task.done()
+                and self._group == (host, port, world_size, backend)):
+            return {"status": "ok"}  # the same group again (a trainer retrying): keep joining
         strategy, sync_info = ludic_group(host, port, world_size, backend=backend,
                                           timeout_s=self.group_timeout_s,
                                           bucket_size_mb=self.bucket_size_mb)
         self._communicator_id = 0
         self._world_size = world_size
+        self._group = (host, port, world_size, backend)
 
         async def join() -> None:
             self._communicator_id = await self.control.init_communicator(strategy, sync_info, 0)
@@ -104,19 +120,17 @@ class LudicDialect:
             raise ServiceError(400, f"backend: must be 'gloo' or 'nccl', got {backend!r}")
         return host, port, world_size, backend
 
-    async def _settle_join(self) -> None:
-        """Wait for a join still under way (its workers are busy until it ends)."""
-        task = self._joining
-        if task is not None and not task.done():
-            await asyncio.wait({task}, timeout=self.group_timeout_s + 10)
-
     async def _require_group(self) -> None:
         task = self._joining
         if task is not None:
-            await self._settle_join()
             if not task.done():
-                raise ServiceError(504, f"the workers did not join the trainer's group within "
-                                        f"{self.group_timeout_s:g}s")
+                await asyncio.wait({task}, timeout=JOIN_SETTLE_S)
+            if not task.done():
+                host, port = self._group[:2]
+                raise ServiceError(409, f"the workers are still joining the trainer's group at "
+                                        f"{host}:{port} (waited {JOIN_SETTLE_S:g}s more): the "
+                                        f"trainer joins it, as rank {self._world_size - 1}, "
+                                        f"before POST /update_param_batch")
             if not task.cancelled() and task.exception() is not None:
                 e = task.exception()
                 why = e.message if isinstance(e, ServiceError) else f"{type(e).__name__}: {e}"

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -127,6 +129,15 @@ class LudicBroadcastStrategy(WeightTransferStrategy):
         if not 0 <= rank_offset < sync_info.world_size - 1:
             raise ValueError(f"engine rank {rank_offset} outside the {sync_info.world_size - 1} "
                              f"engine ranks of the group (the trainer is the last rank)")
+        address = (sync_info.host, int(sync_info.port))
+        with _JOINS_LOCK:
+            if address in _JOINS:
+                raise WeightSyncError(
+                    f"{sync_info.host}:{sync_info.port} is still held by an earlier join of this "
+                    f"engine that was abandoned (it gives the port back at its timeout, "
+                    f"{max(_JOINS[address] - time.monotonic(), 0):.0f}s from now); use another "
+                    f"port")
+            _JOINS[address] = time.monotonic() + sync_info.timeout_s
         group = await in_thread(_join, sync_info, rank_offset)
         return LudicBroadcastReceiver(cfg, group)
 
@@ -237,6 +248,14 @@ class _PyNcclGroup:
         self.comm = None
 
 
+#: the group addresses a join of this process is still waiting on (-> when it gives up). The
+#: join runs on a helper thread that cannot be interrupted: a join the server abandoned (its
+#: trainer never came) keeps its rendezvous until its timeout, and a new join on the same address
+#: would meet the old one's store, not its own, so it is refused with that reason instead
+_JOINS: dict[tuple[str, int], float] = {}
+_JOINS_LOCK = threading.Lock()
+
+
 def _join(info: StatelessGroupSyncInfo, rank: int) -> Any:
     try:
         return _GlooGroup(info, rank) if info.backend == "gloo" else _PyNcclGroup(info, rank)
@@ -248,6 +267,9 @@ def _join(info: StatelessGroupSyncInfo, rank: int) -> Any:
             f"{info.host}:{info.port} ({info.world_size} ranks) within {info.timeout_s:g}s: "
             f"{type(e).__name__}: {e}"
         ) from e
+    finally:
+        with _JOINS_LOCK:
+            _JOINS.pop((info.host, int(info.port)), None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -346,3 +346,37 @@ def test_binds_loopback_only(policy_server):
 def test_restore_base_weights_for_other_tests(restored):
     restored.restore()
     check_against(restored, Reference(restored.model_dir), PROMPTS[0])
+
+
+def test_the_log_says_what_each_update_did_and_vllm_partial_reload_noise_is_gone(restored, ref):
+    """weightsync's own lines (at --log-level info): the warm-up before serving, then per update
+    "started" (versions, tensors, bytes), "landed" (version, chunks, bytes, seconds) or
+    "refused" (why). vLLM's reload warnings about the layers a chunk did not carry ("Failed to
+    load weights", "Following weights were not loaded from checkpoint") never appear, though
+    each chunk of this push reloads only some layers."""
+    import re
+
+    if restored.process is None:
+        pytest.skip("a server started outside the tests: its log is not here")
+    assert re.search(r"warm-up \(one request with logprobs\) took [\d.]+s",
+                     restored.log_text()), restored.log_tail()
+    seen = len(restored.log_text())
+    v0 = restored.version()
+    stats = restored.push(ref.model.state_dict(), strategy={
+        "type": "packed_cuda_ipc", "bucket_size_mb": 0.05})  # many chunks, some layers each
+    assert stats.versions == [v0 + 1]
+    r = httpx.post(restored.url + "/update_param_batch", headers=restored.headers, json={
+        "metadata": {"type": "start", "update_id": "refused-one", "manifest": [
+            {"name": "model.norm.weight", "dtype": "float32", "shape": [65]}]}})
+    assert r.status_code == 400
+    log = restored.log_text()[seen:]
+    started = re.search(rf"update (\w+) started: version {v0} -> {v0 + 1}, (\d+) tensors, "
+                        rf"[\d.]+ MB", log)
+    assert started, log[-3000:]
+    landed = re.search(rf"update {started.group(1)} landed: version {v0 + 1}, (\d+) chunk\(s\), "
+                       rf"[\d.]+ MB in [\d.]+s", log)
+    assert landed and int(landed.group(1)) > 3, log[-3000:]
+    assert re.search(r"update refused-one refused: .*model\.norm\.weight", log), log[-3000:]
+    whole = restored.log_text()
+    assert "Failed to load weights" not in whole
+    assert "were not loaded from checkpoint" not in whole

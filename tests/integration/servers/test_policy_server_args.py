@@ -52,3 +52,12 @@ def test_bad_arguments_exit_2_naming_them(capsys, argv, needle):
         parse(argv)
     assert ei.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_warmup_is_on_unless_turned_off_and_help_says_its_cost(capsys):
+    assert parse(["--model", "m"])[0].warmup is True
+    assert parse(["--model", "m", "--no-warmup"])[0].warmup is False
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--warmup, --no-warmup" in text and "costs at start: 7-13 s on 2 CPU cores" in text

@@ -102,6 +102,15 @@ def test_health_exact(reward_server):
     assert r.status_code == 200 and r.json() == {"status": "ok", "type": "reward_model"}
 
 
+def test_the_server_warmed_up_before_it_served(reward_server):
+    """``--warmup`` (on by default): one text scored before the server answers, logged."""
+    import re
+
+    if reward_server.process is None:
+        pytest.skip("a server started outside the tests: its log is not here")
+    assert re.search(r"warm-up \(one text scored\) took [\d.]+s", reward_server.log_text())
+
+
 def test_scores_equal_transformers_single_and_batched(restored, hf):
     tok, model = hf
     ref = hf_scores(tok, model, TEXTS, batched=False)

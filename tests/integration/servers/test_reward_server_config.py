@@ -20,6 +20,15 @@ def test_presets_load_and_flags_win(monkeypatch):
     assert gpu.host == parse_args(["--model", "m"]).host == "127.0.0.1"
 
 
+def test_warmup_is_on_unless_turned_off_and_help_says_its_cost(capsys):
+    assert parse_args(["--model", "m"]).warmup is True
+    assert parse_args(["--model", "m", "--no-warmup"]).warmup is False
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--warmup, --no-warmup" in text and "costs at start: 0.02 s on 2 CPU cores" in text
+
+
 def test_api_key_from_env_and_required_model(monkeypatch):
     monkeypatch.setenv("WEIGHTSYNC_API_KEY", "k")
     assert parse_args(["--model", "m"]).api_key == "k"

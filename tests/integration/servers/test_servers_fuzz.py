@@ -1,28 +1,31 @@
 """Property-based fuzzing of every HTTP route of the reward server and the policy server (the
-shared session servers): no server error (500), no crash, every rejection a 4xx whose body says
-what was wrong. The only 5xx allowed are the documented answers about a peer, each with its
-reason and error type: 504 when a peer the request named did not answer in time (a broadcast
-``sync_info`` pointing at a rendezvous with nothing behind it), 502 when it is gone, 503 when the
-weights are incomplete or an update holds them.
+shared session servers), with time checked too: 0 answers with a 5xx, 0 requests that take 10 s
+or more, every rejection a 4xx whose body says what was wrong, the server alive afterwards and
+serving exactly what transformers computes for its weights.
 
-Hypothesis draws each request: a route (every route each server serves: our control plane, the
-reward server's ``/score``, vLLM's OpenAI routes on the policy server, ``/health`` and the rest,
-plus paths and methods that do not exist), headers (the right token, none, a wrong one, a
-malformed one) and a body: a mutation of a valid body for that route (keys dropped, values of
-the wrong type, out-of-range numbers, NaN, unknown keys, nested junk), any JSON value, or bytes
-that are not JSON at all. Derandomized (the same requests every run) and without a database, so
-CI runs exactly what ran here. At least ``REQUESTS`` requests per server.
+Hypothesis draws the requests: a route (every route each server serves: our control plane in
+both dialects, ours and the Ludic/TRL trainers' (``{host, port, world_size}`` at the server's
+exact group size, so the workers really start joining; the ``{metadata: [...]}`` batch;
+``/batch_ready``), the reward server's ``/score``, vLLM's OpenAI routes on the policy server,
+``/health`` and the rest, plus paths and methods that do not exist), headers (the right token,
+none, a wrong one, a malformed one) and a body: a mutation of a valid body for that route (keys
+dropped, values of the wrong type, out-of-range numbers, NaN, unknown keys, nested junk), any
+JSON value, or bytes that are not JSON at all. Derandomized (the same ``REQUESTS`` requests every
+run) and without a database, so CI draws exactly what ran here. They are drawn first, then sent
+by ``WORKERS`` threads at once (the fuzz stays cheap in CI, and requests meet each other: a
+join under way, an update holding the gate, model requests waiting for it).
 
-Left out on purpose (each would start a real, long wait that other tests cover, not a bug):
-a Ludic-style ``/init_communicator`` with the server's exact group size (the workers then wait
-``--group-timeout-s`` for a trainer to join: ``test_policy_server_ludic.py``), and a broadcast
-``sync_info`` with a join timeout of more than a second (the workers wait for the rendezvous that
-long: ``test_engine_faults.py``); broadcast ``sync_info``s here ask for at most 0.5 s. A request that
-starts an update is followed by ``/close_communicator`` so the update gate does not hold the
-fuzzed model requests back for a minute.
+What the fuzz changes so that it tests the servers, not its own long waits: a broadcast
+``sync_info`` asks for at most 0.5 s of join and collective time (``/init_communicator`` answers
+when the join ended, after the timeout the caller chose); a Ludic group's port is one of a few
+free ports of this machine (the workers bind it and wait there for a trainer; a port in 1..9
+would let a broadcast ``sync_info`` of the fuzz reach that store). A request that starts an
+update is followed by ``/close_communicator`` so the update gate does not hold the fuzzed model
+requests back for a minute.
 
-After fuzzing, the server still serves (``/health``, a real request), no update is left open,
-and its weights are the ones it had (the same scores / logprobs as before).
+Before: the server gets its base weights back (``restore``). After: it still serves
+(``/health``), no update is open, its version did not move, and a score / completion equals
+transformers on the base weights (fp32, 1e-4).
 """
 
 from __future__ import annotations
@@ -30,17 +33,26 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+
+from weightsync.testing.servers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REQUESTS = int(os.environ.get("WEIGHTSYNC_FUZZ_REQUESTS", "5000"))
+WORKERS = 8  # requests in flight at once
+SLOW_S = 10.0  # no request may take this long
+MAX_FAILURES = 20  # then the rest is not sent
+TOL = 1e-4
 
 # -- bodies -----------------------------------------------------------------------------------------
 
@@ -141,7 +153,7 @@ CONTROL = {
          "sync_info": {"type": "torch_distributed", "master_addr": "127.0.0.1",
                        "master_port": 9, "world_size": 2, "join_timeout_s": 0.2,
                        "timeout_s": 0.2}},
-        {"host": "127.0.0.1", "port": 9, "world_size": 5, "backend": "gloo"},
+        {"host": "127.0.0.1", "port": 9, "world_size": 2, "backend": "gloo"},
     ],
     ("POST", "/update_param_batch"): [
         {"metadata": {"type": "start", "update_id": "u", "manifest": MANIFEST,
@@ -163,7 +175,7 @@ CONTROL = {
     ],
     ("POST", "/close_communicator"): [{"communicator_id": 1}, {}],
     ("POST", "/get_num_background_tasks"): [{}],
-    ("POST", "/reset_prefix_cache"): [{}],
+    ("POST", "/reset_prefix_cache"): [{}, {"junk": [1, 2]}],
     ("GET", "/runtime_version"): [{}],
     ("GET", "/get_world_size"): [{}],
     ("GET", "/health"): [{}],
@@ -254,12 +266,18 @@ def _send(http: httpx.Client, method: str, path: str, headers: dict, body) -> ht
     return http.request(method, path, headers=headers, content=content if method != "GET" else None)
 
 
+#: Ludic groups meet on these (free) ports; see the module docstring
+LUDIC_PORTS = [free_port() for _ in range(3)]
+
+
 def _safe(value):
-    """Keep the fuzz from starting a real long wait (see the module docstring)."""
+    """Keep the fuzz from waiting on itself (see the module docstring)."""
     if not isinstance(value, dict):
         return value
-    if {"host", "port", "world_size"} <= set(value) and value.get("world_size") == 2:
-        value = {**value, "world_size": 3}  # the servers here have 1 worker: 2 would join
+    port = value.get("port")
+    if {"host", "port", "world_size"} <= set(value) and isinstance(port, int) and not isinstance(
+            port, bool) and 0 < port < 65536:
+        value = {**value, "port": LUDIC_PORTS[port % len(LUDIC_PORTS)]}
     info = value.get("sync_info")
     if isinstance(info, dict):
         info = dict(info)
@@ -272,150 +290,202 @@ def _safe(value):
     return value
 
 
-#: the 5xx answers that are not server errors: a peer the request named did not answer (504,
-#: e.g. a rendezvous address with nothing behind it) or is gone (502), or the weights are
-#: incomplete / an update holds them (503); each comes with its reason and error type
-GATEWAY = {502, 503, 504}
-
-
-def _check(r: httpx.Response, what: str) -> None:
-    assert r.status_code < 500 or r.status_code in GATEWAY, (
-        f"{what} -> {r.status_code}: {r.text[:500]}")
-    if r.status_code in GATEWAY:
-        assert r.json().get("error_type"), f"{what} -> {r.status_code}: {r.text[:500]}"
-    if r.status_code >= 400:
-        try:
-            body = r.json()
-        except ValueError:
-            raise AssertionError(f"{what} -> {r.status_code} without a JSON reason: "
-                                 f"{r.text[:300]}") from None
-        reason = body.get("detail") if isinstance(body, dict) else None
-        if reason is None and isinstance(body, dict) and isinstance(body.get("error"), dict):
-            reason = body["error"].get("message")
-        assert reason, f"{what} -> {r.status_code} without a reason: {r.text[:300]}"
+def _problem(r: httpx.Response) -> str:
+    """What is wrong with an answer, or "" (no 5xx; an error says why, as JSON)."""
+    if r.status_code >= 500:
+        return "a 5xx"
+    if r.status_code < 400:
+        return ""
+    try:
+        body = r.json()
+    except ValueError:
+        return "an error without a JSON reason"
+    reason = body.get("detail") if isinstance(body, dict) else None
+    if reason is None and isinstance(body, dict) and isinstance(body.get("error"), dict):
+        reason = body["error"].get("message")
+    return "" if reason else "an error without a reason"
 
 
 class Fuzzer:
+    """Sends drawn requests from many threads; records every status, every request's time and
+    every answer that breaks the rules."""
+
     def __init__(self, server, routes: dict) -> None:
         self.server = server
         self.routes = routes
-        self.http = httpx.Client(base_url=server.url, timeout=120)
         self.auth = {"Authorization": f"Bearer {server.api_key}"}
         self.sent = 0
         self.statuses: dict[int, int] = {}
         self.by_route: dict[str, dict[int, int]] = {}
+        self.slowest: tuple[float, str] = (0.0, "")
+        self.failures: list[str] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()
 
-    def one(self, method, path, headers, body) -> None:
+    @property
+    def http(self) -> httpx.Client:
+        http = getattr(self._local, "http", None)
+        if http is None:  # one connection per thread
+            http = self._local.http = httpx.Client(base_url=self.server.url,
+                                                   timeout=SLOW_S + 20)
+        return http
+
+    def send(self, method, path, headers, body) -> httpx.Response | None:
+        """One request, timed and checked; None if it got no answer."""
+        what = f"{method} {path} {str(body)[:300]}"
+        t0 = time.monotonic()
+        try:
+            r = _send(self.http, method, path, headers, body)
+        except httpx.HTTPError as e:
+            r, problem = None, f"no answer ({type(e).__name__}: {e})"
+        else:
+            problem = _problem(r)
+        seconds = time.monotonic() - t0
+        with self._lock:
+            self.sent += 1
+            self.slowest = max(self.slowest, (seconds, what))
+            if seconds >= SLOW_S:
+                problem = problem or f"took {seconds:.1f}s"
+            if r is not None:
+                self.statuses[r.status_code] = self.statuses.get(r.status_code, 0) + 1
+                seen = self.by_route.setdefault(f"{method} {path.split('?')[0]}", {})
+                seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            if problem:
+                text = "" if r is None else f" -> {r.status_code}: {r.text[:300]}"
+                self.failures.append(f"{problem}: {what}{text}")
+        return r
+
+    def one(self, request) -> None:
+        if len(self.failures) >= MAX_FAILURES:
+            return  # the server is broken: the report has enough, do not wait on it any more
+        method, path, headers, body = request
         if body[0] == "json":
             body = ("json", _safe(body[1]))
             self._prepare(path, body[1])
-        what = f"{method} {path} {str(body)[:300]}"
-        r = _send(self.http, method, path, headers, body)
-        self.sent += 1
-        self.statuses[r.status_code] = self.statuses.get(r.status_code, 0) + 1
-        seen = self.by_route.setdefault(f"{method} {path.split('?')[0]}", {})
-        seen[r.status_code] = seen.get(r.status_code, 0) + 1
-        _check(r, what)
+        self.send(method, path, headers, body)
         if path == "/update_param_batch":
             # an update started (or a Ludic batch): end it, so the gate does not hold the rest
-            done = self.http.post("/close_communicator", json={}, headers=self.auth)
-            assert done.status_code == 200, done.text
+            self.send("POST", "/close_communicator", self.auth, ("json", {}))
 
     def _prepare(self, path: str, body) -> None:
         """A chunk needs receivers and a running update to get past the first check: give it
         both (an IPC communicator and a start of its update id), so the fuzzed chunk reaches
-        the workers' parsing and the endpoint."""
+        the workers' parsing and the endpoint (best effort: other threads change the state
+        meanwhile)."""
         meta = body.get("metadata") if isinstance(body, dict) else None
         if path != "/update_param_batch" or not isinstance(meta, dict) or meta.get("type") in (
                 "start", "finish", None):
             return
         kind = meta.get("type") if meta.get("type") in ("cuda_ipc", "packed_cuda_ipc") else (
             "cuda_ipc")
-        r = self.http.post("/init_communicator", headers=self.auth, json={
-            "strategy": {"type": kind}, "sync_info": {"type": "empty"}})
-        assert r.status_code == 200, r.text
+        self.send("POST", "/init_communicator", self.auth, ("json", {
+            "strategy": {"type": kind}, "sync_info": {"type": "empty"}}))
         uid = meta.get("update_id") if isinstance(meta.get("update_id"), str) else "u"
-        r = self.http.post("/update_param_batch", headers=self.auth, json={
-            "metadata": {"type": "start", "update_id": uid}})
-        assert r.status_code == 200, r.text
+        self.send("POST", "/update_param_batch", self.auth, ("json", {
+            "metadata": {"type": "start", "update_id": uid}}))
 
-    def close(self) -> None:
-        self.http.post("/close_communicator", json={}, headers=self.auth)
-        self.http.close()
+    def run(self, requests: list) -> None:
+        pool = ThreadPoolExecutor(WORKERS)
+        try:
+            list(pool.map(self.one, requests))
+        finally:  # interrupted: requests not sent yet are dropped, not waited for
+            pool.shutdown(cancel_futures=True)
+        self.send("POST", "/close_communicator", self.auth, ("json", {}))
+
+    def oversized(self) -> None:
+        """One body past the 16 MiB limit: 413 with a reason, before the rest is read."""
+        r = self.send("POST", "/update_param_batch", {**self.auth,
+                                                      "Content-Type": "application/json"},
+                      ("raw", b"{" + b" " * (17 << 20) + b"}"))
+        assert r is not None and r.status_code == 413 and "limit" in r.json()["detail"]
 
 
-def _run(fuzzer: Fuzzer) -> None:
+def _draw(routes: dict, api_key: str) -> list:
+    """``REQUESTS`` requests, the same ones every run."""
+    drawn: list = []
+
     @settings(max_examples=REQUESTS, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck),
-              phases=[Phase.explicit, Phase.generate, Phase.shrink])
-    @given(requests(fuzzer.routes, fuzzer.server.api_key))
-    def fuzz(request):
-        fuzzer.one(*request)
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @given(requests(routes, api_key))
+    def collect(request):
+        drawn.append(request)
 
-    fuzz()
-
-
-def _oversized(fuzzer: Fuzzer) -> None:
-    """One body past the 16 MiB limit: 413 with a reason, before the rest is read."""
-    r = fuzzer.http.post("/update_param_batch", content=b"{" + b" " * (17 << 20) + b"}",
-                         headers={**fuzzer.auth, "Content-Type": "application/json"})
-    fuzzer.sent += 1
-    assert r.status_code == 413 and "limit" in r.json()["detail"], r.text[:200]
-
-
-def _alive_and_unchanged(fuzzer: Fuzzer, probe, before) -> None:
-    state = fuzzer.http.get("/runtime_version").json()
-    assert state["update_in_progress"] is None and state["state"] == "ready", state
-    assert fuzzer.http.get("/health").status_code == 200
-    assert probe() == pytest.approx(before, abs=1e-5)
+    collect()
+    return drawn
 
 
 def _report(what: str, fuzzer: Fuzzer, seconds: float) -> None:
-    print(f"{what}: {fuzzer.sent} requests in {seconds:.0f}s, statuses "
+    print(f"{what}: {fuzzer.sent} requests in {seconds:.0f}s ({WORKERS} at a time), slowest "
+          f"{fuzzer.slowest[0]:.2f}s ({fuzzer.slowest[1][:120]}), statuses "
           f"{dict(sorted(fuzzer.statuses.items()))}")
     for route, statuses in sorted(fuzzer.by_route.items()):
         if route.split()[1] in {p for _, p in fuzzer.routes}:
             print(f"  {route}: {dict(sorted(statuses.items()))}")
 
 
-def _fuzz(server, routes: dict, what: str, probe) -> None:
-    """Fuzz ``server`` on ``routes``; before and after, ``probe(http)`` (what the model answers)
-    must agree, the version must not move, and the server must still serve."""
+def _fuzz(server, routes: dict, what: str, probe, expected: list[float]) -> None:
+    """Fuzz ``server`` on ``routes`` (it serves its base weights: ``expected`` is what
+    transformers gives for ``probe``); afterwards ``probe(http)`` must still equal it, the
+    version must not have moved and the server must still serve."""
+    server.restore()
+    http = httpx.Client(base_url=server.url, timeout=60)
+    version = http.get("/runtime_version").json()["version"]
+    assert probe(http) == pytest.approx(expected, abs=TOL)
+    drawn = _draw(routes, server.api_key)
     fuzzer = Fuzzer(server, routes)
-    before = probe(fuzzer.http)
-    version = fuzzer.http.get("/runtime_version").json()["version"]
     t0 = time.monotonic()
-    try:
-        _run(fuzzer)
-        _oversized(fuzzer)
-    finally:
-        fuzzer.close()
-    fuzzer.http = httpx.Client(base_url=server.url, timeout=60)
-    _alive_and_unchanged(fuzzer, lambda: probe(fuzzer.http), before)
-    assert fuzzer.http.get("/runtime_version").json()["version"] == version
+    fuzzer.run(drawn)
+    fuzzer.oversized()
     _report(what, fuzzer, time.monotonic() - t0)
-    assert fuzzer.sent >= REQUESTS
+    assert not fuzzer.failures, (f"{len(fuzzer.failures)} of {fuzzer.sent} requests broke the "
+                                 f"rules; the first ones:\n" + "\n".join(fuzzer.failures[:10]))
+    assert fuzzer.sent >= REQUESTS, fuzzer.sent
     assert {200, 400, 401, 404, 409} <= set(fuzzer.statuses)  # every kind of answer was seen
+    state = http.get("/runtime_version").json()
+    assert state["update_in_progress"] is None and state["state"] == "ready", state
+    assert state["version"] == version
+    assert http.get("/health").status_code == 200
+    assert probe(http) == pytest.approx(expected, abs=TOL)  # right after: transformers' answer
+
+
+TEXTS = ["The model is helpful.", "hi"]
+PROMPT = "The model is helpful"
 
 
 def _scores(http: httpx.Client) -> list[float]:
-    r = http.post("/score", json={"input": ["The model is helpful.", "hi"], "normalize": False})
+    r = http.post("/score", json={"input": TEXTS, "normalize": False})
     assert r.status_code == 200, r.text
     return [d["score"] for d in r.json()["data"]]
 
 
+def _reference_scores(model_dir: str) -> list[float]:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir,
+                                                               dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(**tok(t, return_tensors="pt")).logits[0, 0].item() for t in TEXTS]
+
+
 def _prompt_logprobs(http: httpx.Client) -> list[float]:
     r = http.post("/v1/completions", json={
-        "model": "tiny-policy", "prompt": "The model is helpful", "max_tokens": 1,
-        "temperature": 0, "prompt_logprobs": 0})
+        "model": "tiny-policy", "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+        "prompt_logprobs": 0, "return_token_ids": True})
     assert r.status_code == 200, r.text
-    return [lp for item in r.json()["choices"][0]["prompt_logprobs"][1:]
-            for lp in [next(iter(item.values()))["logprob"]]]
+    choice = r.json()["choices"][0]
+    ids, plp = choice["prompt_token_ids"], choice["prompt_logprobs"]
+    return [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
 
 
 def test_fuzz_reward_server(reward_server):
-    _fuzz(reward_server, {**CONTROL, **REWARD}, "reward server", _scores)
+    _fuzz(reward_server, {**CONTROL, **REWARD}, "reward server", _scores,
+          _reference_scores(reward_server.model_dir))
 
 
 def test_fuzz_policy_server(policy_server):
-    _fuzz(policy_server, {**CONTROL, **POLICY}, "policy server", _prompt_logprobs)
+    from _policy_ref import Reference
+
+    ref = Reference(policy_server.model_dir)
+    _fuzz(policy_server, {**CONTROL, **POLICY}, "policy server", _prompt_logprobs,
+          ref.logprobs(ref.ids(PROMPT)))

@@ -19,6 +19,10 @@ Afterwards, per ``docs/reliability.md``:
 
 "What is served" is checked against transformers on the same weights (reward scores; the
 policy's prompt logprobs), fp32, within 1e-4.
+
+Trainers killed before or while joining (``weightsync.bench.dead_join``) leave the server's
+workers in a rendezvous that never completes: model requests and control routes must not wait
+for it (``docs/reliability.md``, section 7).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import time
 import httpx
 import pytest
 import torch
+
+from weightsync.testing.servers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -252,3 +258,66 @@ def test_trainer_stopped_mid_push_the_server_gives_up_in_time_and_takes_the_next
     assert code == 200 and _diff(got, t.expected[new]) <= TOL
     t.current = new
     print(f"{server}: stopped trainer given up after {gave_up_s:.1f}s: {reason[:200]}")
+
+
+JOIN_WINDOW_S = 4.0  # how long the model requests run while the workers wait in a dead join
+#: ... and the most any of them may take: one answers in ~10 ms, in ~0.3 s at this box's p99
+#: under load; before, each waited for the join's timeout (--group-timeout-s, 120 s)
+MODEL_REQUEST_MAX_S = 10.0
+
+
+def _model_requests_while(t: Target, seconds: float) -> list[float]:
+    """Model requests back to back for ``seconds``; -> each one's time (all must answer 200)."""
+    took = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.monotonic()
+        code, got = t.served()
+        took.append(time.monotonic() - t0)
+        assert code == 200 and _diff(got, t.expected[t.current]) <= TOL, (code, got)
+    return took
+
+
+def _control_answers_at_once(t: Target) -> None:
+    """Every control route answers while the join waits; an update is refused naming it."""
+    auth = {"Authorization": f"Bearer {t.h.api_key}"}
+    for method, path, body in [("GET", "/runtime_version", None), ("GET", "/get_world_size", None),
+                               ("POST", "/reset_prefix_cache", {"junk": 1}),
+                               ("POST", "/get_num_background_tasks", None)]:
+        t0 = time.monotonic()
+        r = httpx.request(method, t.h.url + path, json=body, headers=auth, timeout=30)
+        assert r.status_code == 200 and time.monotonic() - t0 < MODEL_REQUEST_MAX_S, (path, r.text)
+    r = httpx.post(t.h.url + "/update_param_batch", headers=auth, timeout=30,
+                   json={"metadata": {"type": "start", "update_id": "during-join"}})
+    assert r.status_code == 409 and "still joining" in r.json()["detail"], r.text
+
+
+@pytest.mark.parametrize("server", ["reward", "policy"])
+def test_a_trainer_killed_joining_holds_no_model_request(targets, server):
+    """A Ludic/TRL trainer asks for a group and is SIGKILLed before it joins (the server's
+    workers wait in the rendezvous, for the server's --group-timeout-s), then a sender of our
+    dialect is SIGKILLed while the workers join its group. Neither holds the model requests (each
+    answers within 10 s, against a whole join timeout, 120 s, before) or the control routes; a
+    /close_communicator abandons the waiting join at once; the next sender pushes a complete
+    update."""
+    from weightsync.bench.dead_join import KilledLudicTrainer, killed_mid_join
+
+    t = targets[server]
+    v = t.state()["version"]
+    KilledLudicTrainer(t.h.url, t.h.api_key, port=free_port()).start()
+    took = _model_requests_while(t, JOIN_WINDOW_S)
+    assert max(took) < MODEL_REQUEST_MAX_S, max(took)
+    _control_answers_at_once(t)
+    t0 = time.monotonic()
+    r = httpx.post(t.h.url + "/close_communicator", headers={
+        "Authorization": f"Bearer {t.h.api_key}"}, json={}, timeout=30)
+    assert r.status_code == 200 and time.monotonic() - t0 < MODEL_REQUEST_MAX_S, r.text
+
+    assert "JOINING" in killed_mid_join(t.h.url, t.h.api_key)  # died inside the join
+    took = _model_requests_while(t, 1.0)
+    assert max(took) < MODEL_REQUEST_MAX_S, max(took)
+    new = "B" if t.current == "A" else "A"
+    assert t.push(new, "broadcast", v + 1).versions == [v + 1]
+    code, got = t.served()
+    assert code == 200 and _diff(got, t.expected[new]) <= TOL, (code, got)
+    t.current = new
