@@ -85,8 +85,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pytest tests/integration/servers/test_servers_trainer_killed.py "
     "tests/integration/servers/test_servers_load_during_syncs.py "
     "tests/integration/servers/test_servers_fuzz.py tests/integration/test_engine_faults.py": TESTS,
+    "python benchmarks/bench_load_during_syncs.py --disturb killed-join --window-s 15 "
+    "--rounds 3": (
+        "not in CI", "two servers under load for about 4 minutes; the same disturbance "
+                     "(weightsync.bench.dead_join) runs shorter in tests/integration/servers/"
+                     "test_servers_trainer_killed.py::"
+                     "test_a_trainer_killed_joining_holds_no_model_request"),
     "pytest tests/unit/test_update_sink.py tests/unit/test_config_timeouts.py "
-    "tests/unit/test_engine_endpoint.py tests/unit/test_validation.py tests/unit/test_types.py":
+    "tests/unit/test_engine_endpoint.py tests/unit/test_validation.py tests/unit/test_types.py "
+    "tests/unit/loaders/test_vllm_worker.py tests/unit/servers/test_control_rendezvous.py":
         TESTS,
 }
 HOW = {"run", "quickstart", "covered", "not in CI", "tests"}
