@@ -636,7 +636,7 @@ async def check_rendezvous(sync_info: dict) -> str:
     the address otherwise, so no worker waits ``join_timeout_s`` for a store that is not there.
     A connection attempt that merely times out (``RENDEZVOUS_CHECK_S``; a slow network) lets the
     join go ahead. Other sync infos are the workers' to check."""
-    from weightsync.types import TorchDistributedWeightSyncInfo
+    from weightsync.strategies.broadcast import TorchDistributedWeightSyncInfo
 
     kind = sync_info.get("type")
     if kind != TorchDistributedWeightSyncInfo.TYPE:

@@ -21,7 +21,7 @@ from weightsync._runtime.process_group import build_group
 from weightsync.engine import WeightUpdateEndpoint
 from weightsync.loaders.torch_module import TorchModuleWeightLoader
 from weightsync.loaders.vllm_worker import WeightSyncWorkerExtension
-from weightsync.types import TorchDistributedWeightSyncInfo
+from weightsync.strategies.broadcast import TorchDistributedWeightSyncInfo
 
 pytestmark = pytest.mark.timeout(60)
 
