@@ -24,8 +24,9 @@ update is followed by ``/close_communicator`` so the update gate does not hold t
 requests back for a minute.
 
 Before: the server gets its base weights back (``restore``). After: it still serves
-(``/health``), no update is open, its version did not move, and a score / completion equals
-transformers on the base weights (fp32, 1e-4).
+(``/health``), no update is open, and a score / completion equals transformers on the base
+weights (fp32, 1e-4): no fuzzed request changed a weight (the version may have risen: a start
+and a finish of zero chunks from two threads are a complete update that carries no tensor).
 """
 
 from __future__ import annotations
@@ -425,8 +426,8 @@ def _report(what: str, fuzzer: Fuzzer, seconds: float) -> None:
 
 def _fuzz(server, routes: dict, what: str, probe, expected: list[float]) -> None:
     """Fuzz ``server`` on ``routes`` (it serves its base weights: ``expected`` is what
-    transformers gives for ``probe``); afterwards ``probe(http)`` must still equal it, the
-    version must not have moved and the server must still serve."""
+    transformers gives for ``probe``); afterwards ``probe(http)`` must still equal it and the
+    server must still serve."""
     server.restore()
     http = httpx.Client(base_url=server.url, timeout=60)
     version = http.get("/runtime_version").json()["version"]
@@ -443,7 +444,9 @@ def _fuzz(server, routes: dict, what: str, probe, expected: list[float]) -> None
     assert {200, 400, 401, 404, 409} <= set(fuzzer.statuses)  # every kind of answer was seen
     state = http.get("/runtime_version").json()
     assert state["update_in_progress"] is None and state["state"] == "ready", state
-    assert state["version"] == version
+    # versions only rise; one may have: a fuzzed start and a fuzzed finish of zero chunks, sent
+    # by two threads, make a complete update that carries no tensor (the weights stay the same)
+    assert state["version"] >= version, state
     assert http.get("/health").status_code == 200
     assert probe(http) == pytest.approx(expected, abs=TOL)  # right after: transformers' answer
 
