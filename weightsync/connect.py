@@ -95,12 +95,15 @@ def connect(
     src_rank: int = 0,
     is_sender: bool | None = None,
     names: Sequence[str] | None = None,
+    delta: bool = False,
 ) -> Connecting:
     """Connect the trainer to ``engines`` (see the module docstring). Await the result for a
-    ``SyncSession``, or use it as ``async with connect(...) as sync``."""
+    ``SyncSession``, or use it as ``async with connect(...) as sync``. ``delta``: every push
+    sends only what changed since the engines' version (``push(..., delta=)`` per push)."""
     return Connecting(lambda: SyncSession.open(
         engines, strategy, api_key=api_key, extractor=extractor, device=device,
         timeout_s=timeout_s, rank=rank, src_rank=src_rank, is_sender=is_sender, names=names,
+        delta=delta,
     ))
 
 
@@ -140,7 +143,7 @@ class SyncSession:
     def __init__(
         self, *, client: FanOutClient | None, strategy_cfg: dict[str, Any],
         extractor_cfg: dict[str, Any] | None, device: str | None, rank: int, src_rank: int,
-        is_sender: bool, extractor: Any = None,
+        is_sender: bool, extractor: Any = None, delta: bool = False,
     ) -> None:
         self.client = client
         self.strategy_cfg = strategy_cfg
@@ -153,12 +156,14 @@ class SyncSession:
         # (key, extractor, the model it is for: kept alive so its id is not reused)
         self._extractor: tuple[tuple, Any, Any] | None = None
         self.given_extractor = extractor  # an extractor object given to connect, used as is
+        self.delta = bool(delta)  # pushes are delta updates unless a push says otherwise
+        self.tracker: Any = None  # weightsync.delta.DeltaTracker, made at the first delta push
 
     @classmethod
     async def open(
         cls, engines: Any, strategy: Any, *, api_key: str | None, extractor: Any,
         device: str | None, timeout_s: float | None, rank: int | None, src_rank: int,
-        is_sender: bool | None, names: Sequence[str] | None,
+        is_sender: bool | None, names: Sequence[str] | None, delta: bool = False,
     ) -> SyncSession:
         strategy_cfg = resolve_strategy(strategy)
         if timeout_s is not None:
@@ -186,7 +191,7 @@ class SyncSession:
                 f"give both the same rank / src_rank (or is_sender)")
         session = cls(client=client, strategy_cfg=strategy_cfg, extractor_cfg=extractor_cfg,
                       device=device, rank=rank, src_rank=int(src_rank), is_sender=sender,
-                      extractor=given)
+                      extractor=given, delta=delta)
         if sender and (device is not None or not strategy_needs_backend(strategy_cfg)):
             try:
                 await session._ensure_sender(device)
@@ -204,26 +209,31 @@ class SyncSession:
         training_mode: TrainingMode | str | None = None,
         head_name_patterns: Sequence[str] | None = None,
         dtype: Any = None,
+        delta: bool | None = None,
     ) -> SyncStats | None:
         """One update of every engine (see the module docstring). ``dtype``: cast floating
-        tensors to it before sending (e.g. the engine's served dtype). Returns the stats on the
+        tensors to it before sending (e.g. the engine's served dtype). ``delta`` (default: the
+        session's): send only what changed since the version the engines serve
+        (``weightsync.delta``; ``stats.delta`` says how it went). Returns the stats on the
         sending rank, None on the others."""
         if self.closed:
             raise RuntimeError("this weight-sync session is closed; connect again")
         from weightsync.types import str_to_dtype
 
+        as_delta = self.delta if delta is None else bool(delta)
         mode = TrainingMode.parse(training_mode) if training_mode is not None else None
         heads = _head_patterns(mode, head_name_patterns)
         cast = str_to_dtype(dtype) if isinstance(dtype, str) else dtype
         if _is_tensor_mapping(model_or_state_dict):
             if not self.is_sender:
                 return None
-            return await self._push_tensors(model_or_state_dict, version, mode, heads, cast)
-        return await self._push_model(model_or_state_dict, version, mode, heads, cast)
+            return await self._push_tensors(model_or_state_dict, version, mode, heads, cast,
+                                            as_delta)
+        return await self._push_model(model_or_state_dict, version, mode, heads, cast, as_delta)
 
     async def _push_model(
         self, model: Any, version: int | None, mode: TrainingMode | None,
-        heads: list[str] | None, dtype: Any,
+        heads: list[str] | None, dtype: Any, delta: bool,
     ) -> SyncStats | None:
         from weightsync.extractors.auto import device_of
         from weightsync.pipeline import send_extracted
@@ -237,7 +247,7 @@ class SyncSession:
 
         async def send(stream: Any) -> SyncStats:
             await self._ensure_sender(_device_name(device_of(model)))
-            return await self._send(stream(), manifest, version, mode, heads)
+            return await self._send(stream(), manifest, version, mode, heads, delta)
 
         return await send_extracted(ext, model, dtype, send)
 
@@ -271,7 +281,7 @@ class SyncSession:
 
     async def _push_tensors(
         self, tensors: Any, version: int | None, mode: TrainingMode | None,
-        heads: list[str] | None, dtype: Any,
+        heads: list[str] | None, dtype: Any, delta: bool,
     ) -> SyncStats:
         from weightsync.extractors.auto import device_of
         from weightsync.naming import NamingError, engine_names
@@ -289,7 +299,7 @@ class SyncSession:
             self.strategy_cfg.get("bucket_size_mb", DEFAULT_BUCKET_MB))))
         manifest = [m for c in chunks for m in c.metas()]
         return await self._send_made(chunks, manifest, version, mode, heads,
-                                     _device_name(device_of(named)))
+                                     _device_name(device_of(named)), delta)
 
     async def push_chunks(
         self,
@@ -316,25 +326,52 @@ class SyncSession:
                 f"the sending rank has chunks to send (use push for a sharded model)")
         mode = TrainingMode.parse(training_mode) if training_mode is not None else None
         heads = _head_patterns(mode, head_name_patterns)
-        return await self._send_made(chunks, list(manifest), version, mode, heads, device)
+        return await self._send_made(chunks, list(manifest), version, mode, heads, device,
+                                     self.delta)
 
     async def _send_made(
         self, chunks: Any, manifest: list[TensorMeta], version: int | None,
-        mode: TrainingMode | None, heads: list[str] | None, device: str | None,
+        mode: TrainingMode | None, heads: list[str] | None, device: str | None, delta: bool,
     ) -> SyncStats:
         _check_mode(manifest, mode, heads)
         await self._ensure_sender(device)
-        return await self._send(chunks, manifest, version, mode, heads)
+        return await self._send(chunks, manifest, version, mode, heads, delta)
 
     async def _send(
         self, chunks: Any, manifest: list[Any], version: int | None, mode: TrainingMode | None,
-        heads: list[str] | None,
+        heads: list[str] | None, delta: bool,
+    ) -> SyncStats:
+        """One update through the sender: plain, or through the delta tracker (which sends
+        the delta, or a full update the engines keep as the base of later deltas)."""
+        if not delta:
+            if self.tracker is not None:
+                self.tracker.forget()
+            return await self._send_once(chunks, manifest, version, mode, heads, None)
+        if self.tracker is None:
+            from weightsync.delta import DeltaTracker
+
+            self.tracker = DeltaTracker(
+                bucket_size_mb=float(self.strategy_cfg.get("bucket_size_mb", DEFAULT_BUCKET_MB)),
+                checksum=bool(self.strategy_cfg.get("checksum", False)))
+
+        async def send(wire: Any, metas: list[Any], delta: dict) -> SyncStats:
+            return await self._send_once(wire, metas, version, mode, heads, delta)
+
+        try:
+            return await self.tracker.send(send, chunks, manifest)
+        except BaseException:
+            self.tracker.forget()
+            raise
+
+    async def _send_once(
+        self, chunks: Any, manifest: list[Any], version: int | None, mode: TrainingMode | None,
+        heads: list[str] | None, delta: dict | None,
     ) -> SyncStats:
         assert self.client is not None and self.sender is not None
         try:
             stats = await self.sender.send_chunks(
                 chunks, self.client, version=version, manifest=manifest, training_mode=mode,
-                head_name_patterns=heads,
+                head_name_patterns=heads, delta=delta,
             )
         except BaseException as e:
             if isinstance(e, CommunicatorReplacedError) or not isinstance(e, _REFUSALS):

@@ -55,6 +55,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from weightsync.delta.store import DeltaLoader, DeltaStore
 from weightsync.errors import (
     UpdateIncompleteError,
     UpdateRefusedError,
@@ -109,12 +110,16 @@ class EndpointStatus:
     update: UpdateProgress | None
     has_receiver: bool
     sync_info: dict[str, Any] | None = None  # what the receiver was built from
+    #: what the engine keeps for delta updates (``weightsync.delta.store``): ``{"version",
+    #: "shadow_bytes"}``, or None when it keeps nothing
+    delta: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "state": self.state.value, "version": self.version,
                 "last_error": self.last_error,
                 "update": self.update.to_dict() if self.update else None,
-                "has_receiver": self.has_receiver, "sync_info": self.sync_info}
+                "has_receiver": self.has_receiver, "sync_info": self.sync_info,
+                "delta": self.delta}
 
 
 @dataclass
@@ -123,6 +128,7 @@ class _Update:
 
     start: WeightUpdateStart
     sink: UpdateSink  # what the receiver loads into (checksums; in place or staged)
+    delta: DeltaLoader | None = None  # a delta update: the sink loads into it
     chunks_done: int = 0
     failed: str = ""  # why a chunk of this update failed; later chunks are refused
 
@@ -161,6 +167,7 @@ class WeightUpdateEndpoint:
         # the last manifest parsed (raw, parsed) and the last one accepted (parsed, mode, heads)
         self._last_manifest: tuple[list, list[TensorMeta]] | None = None
         self._accepted: tuple[list[TensorMeta], Any, Any] | None = None
+        self._deltas = DeltaStore(name)  # what delta updates need (weightsync.delta.store)
 
     # -- read-only views ------------------------------------------------------------------------
     @property
@@ -187,6 +194,8 @@ class WeightUpdateEndpoint:
             update=self._update.progress() if self._update is not None else None,
             has_receiver=self._receiver is not None,
             sync_info=self._sync_info if self._receiver is not None else None,
+            delta=None if self._deltas.version is None else {
+                "version": self._deltas.version, "shadow_bytes": self._deltas.nbytes},
         )
 
     def check_serving(self) -> None:
@@ -240,6 +249,7 @@ class WeightUpdateEndpoint:
                         f"{self._update.chunks_done} chunk(s) loaded"
                     )
             self._update = None
+            self._deltas.drop()
             self._state = EndpointState.CLOSED
 
     # -- one update ---------------------------------------------------------------------------
@@ -257,7 +267,13 @@ class WeightUpdateEndpoint:
                     f"does not stage updates (no memory for a second copy); send it with "
                     f"staged: false"
                 )
-            if msg.manifest is not None and not self._accepted_before(msg):
+            delta = None
+            if msg.delta is not None:  # validated as its targets; refused if it cannot apply
+                delta = self._deltas.begin(msg, self.loader, served=self._version,
+                                           idle=self._state is EndpointState.IDLE)
+                self._validate(delta.targets, msg, whole_update=True)
+                delta.check_base()
+            elif msg.manifest is not None and not self._accepted_before(msg):
                 self._validate(msg.manifest, msg, whole_update=True)
                 self._accepted = (msg.manifest, msg.training_mode, msg.head_name_patterns)
             if msg.version and msg.version <= self._version and not msg.allow_version_reset:
@@ -267,8 +283,10 @@ class WeightUpdateEndpoint:
                     f"to publish the next one; a server started with --allow-version-reset "
                     f"takes it as given)"
                 )
-            await self.loader.start_update(msg)  # may refuse too (nothing loaded yet)
-            self._update = _Update(msg, UpdateSink(self.loader, staged=staged, name=self.name))
+            # may refuse too (nothing loaded yet); a delta's loader sees its targets
+            await self.loader.start_update(delta.loader_start(msg) if delta else msg)
+            self._update = _Update(
+                msg, UpdateSink(delta or self.loader, staged=staged, name=self.name), delta)
             if self._state is EndpointState.IDLE:
                 self._state = EndpointState.RECEIVING
 
@@ -307,7 +325,8 @@ class WeightUpdateEndpoint:
             try:
                 try:
                     if not req.validated:
-                        self._check_chunk(req.metas(), update.start)
+                        self._check_chunk(update.delta.targets_of(req.metas()) if update.delta
+                                          else req.metas(), update.start)
                     update.sink.begin_chunk(req)  # a name this update already carried: no
                 except WeightMismatchError:
                     await self._refuse(receiver, req)  # its peers still get a no
@@ -356,6 +375,8 @@ class WeightUpdateEndpoint:
             self._state = EndpointState.FINISHING
             try:
                 await update.sink.commit()  # a staged update lands now (in place: nothing left)
+                if update.delta is not None:
+                    await update.delta.complete()
                 await self.loader.finish_update(msg)
             except BaseException as e:
                 self._update = None
@@ -372,6 +393,10 @@ class WeightUpdateEndpoint:
             version = int(msg.version or update.start.version or self._version + 1)
             self._version = version if update.start.allow_version_reset else max(
                 version, self._version)
+            if update.delta is not None:
+                self._deltas.published(self._version)
+            else:
+                self._deltas.drop()  # what it kept is not what the engine serves any more
             self._state = EndpointState.IDLE
             self._last_error = ""
             return self._version
@@ -528,6 +553,7 @@ class WeightUpdateEndpoint:
             raise UpdateRefusedError(f"{self.name}: the endpoint is closed; cannot {method}")
 
     def _mark_torn(self, why: str) -> None:
+        self._deltas.drop()
         self._state = EndpointState.TORN
         self._last_error = why
         log.error("%s: %s", self.name, why)

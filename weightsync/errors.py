@@ -130,6 +130,12 @@ class CommunicatorReplacedError(UpdateRefusedError):
     """The engine's receivers now belong to another sender (or were closed); connect again."""
 
 
+class DeltaBaseMismatchError(UpdateRefusedError):
+    """The engine cannot apply a delta update: it does not serve the delta's base version, or
+    no longer holds what the delta needs (``weightsync.delta``). Raised at the start, before
+    any byte moves; the sender then sends a full update."""
+
+
 class ChecksumMismatchError(WeightSyncError):
     """The bytes an engine received are not the bytes the sender sent (``weightsync.integrity``):
     the update fails like any other fault. ``offenders`` lists one line per tensor."""
@@ -152,7 +158,7 @@ ERROR_TYPES: dict[str, type[BaseException]] = {
     for cls in (
         WeightSyncError, WeightMismatchError, WeightSyncTimeout, UpdateIncompleteError,
         EngineDiedError, EngineUnreachableError, UpdateRefusedError, CommunicatorReplacedError,
-        ChecksumMismatchError,
+        DeltaBaseMismatchError, ChecksumMismatchError,
         CollectiveError, CollectiveTimeout, EngineSilentError, ValueError, TypeError,
     )
 }

@@ -460,18 +460,20 @@ class WeightTransferSender(abc.ABC):
         training_mode: TrainingMode | str | None = None,
         head_name_patterns: list[str] | None = None,
         extras: dict | None = None,
+        delta: dict | None = None,
     ) -> SyncStats:
         """One whole update. ``manifest`` (derived from a list of chunks when not given) lets
         every engine refuse bad names/shapes/dtypes before any byte moves; ``training_mode`` and
         ``head_name_patterns`` travel in the start (the engines enforce the mode's name policy);
-        ``extras`` is free-form data for custom loaders."""
+        ``extras`` is free-form data for custom loaders; ``delta`` makes it a delta update
+        (``weightsync.delta``: the chunks are its wire tensors)."""
         if manifest is None and isinstance(chunks, (list, tuple)):
             manifest = [m for c in chunks for m in c.metas()]
         stats = SyncStats(update_id=uuid.uuid4().hex)
         t0 = time.perf_counter()
         cfg = getattr(self, "cfg", None)
         start = self.start_message(stats.update_id, version, manifest, training_mode,
-                                   head_name_patterns, extras)
+                                   head_name_patterns, extras, delta=delta)
         stream = self._coalesce(chunks, held=isinstance(chunks, (list, tuple)))
         if self.single_call and getattr(inference_client, "supports_apply_update", False):
             only, stream = await peek_single(stream)
@@ -503,7 +505,7 @@ class WeightTransferSender(abc.ABC):
     def start_message(
         self, update_id: str, version: int | None, manifest: list[TensorMeta] | None,
         training_mode: TrainingMode | str | None, head_name_patterns: list[str] | None,
-        extras: dict | None,
+        extras: dict | None, *, delta: dict | None = None,
     ) -> WeightUpdateStart:
         """The update's start, with this sender's per-update options (``staged``, the idle
         limit it promises)."""
@@ -513,7 +515,7 @@ class WeightTransferSender(abc.ABC):
             training_mode=training_mode,
             head_name_patterns=list(head_name_patterns) if head_name_patterns else None,
             extras=extras or {}, staged=bool(getattr(cfg, "staged", False)),
-            idle_timeout_s=getattr(cfg, "idle_timeout_s", None),
+            idle_timeout_s=getattr(cfg, "idle_timeout_s", None), delta=delta,
         )
 
     async def _send_single(

@@ -558,6 +558,9 @@ class WeightUpdateStart(_Tagged):
     # abandons the update (None: the engine's own limit)
     idle_timeout_s: float | None = None
     allow_version_reset: bool = False
+    # a delta update (``weightsync.delta``: ``{base_version, targets}``); the manifest then
+    # lists its wire tensors. None: a plain update
+    delta: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.training_mode is not None:
@@ -591,6 +594,8 @@ class WeightUpdateStart(_Tagged):
             self.head_name_patterns = list(self.head_name_patterns)
         if not isinstance(self.extras, dict):
             raise ValueError(f"extras must be an object, got {type(self.extras).__name__}")
+        if self.delta is not None and not isinstance(self.delta, dict):
+            raise ValueError(f"delta must be an object or null, got {type(self.delta).__name__}")
 
 
 @dataclass(kw_only=True)
@@ -635,6 +640,9 @@ class SyncStats:
     seconds: float = 0.0
     versions: list[int | None] = field(default_factory=list)
     engines: list[str] = field(default_factory=list)
+    #: a push with ``delta``: how it went (``weightsync.delta.tracker``): ``base_version``,
+    #: ``full_bytes`` (the bytes of a full update), ``encodings``, ``fallback``, seconds spent
+    delta: dict[str, Any] | None = None
 
     @property
     def gbps(self) -> float:
