@@ -475,7 +475,10 @@ class WeightTransferSender(abc.ABC):
         start = self.start_message(stats.update_id, version, manifest, training_mode,
                                    head_name_patterns, extras, delta=delta)
         stream = self._coalesce(chunks, held=isinstance(chunks, (list, tuple)))
-        if self.single_call and getattr(inference_client, "supports_apply_update", False):
+        # a delta's start goes out alone: every engine accepts its base before any applies it
+        against_base = delta is not None and delta.get("base_version") is not None
+        if self.single_call and not against_base and getattr(
+                inference_client, "supports_apply_update", False):
             only, stream = await peek_single(stream)
             if only is not None:
                 return await self._send_single(only, inference_client, start, stats, t0)
