@@ -15,9 +15,10 @@ Per target the encoder picks, by exact byte count, the smallest of:
   ``indices`` (int32, or int64 past 2**31 elements), ``gaps`` (the distance from the previous
   changed element minus one, as 16-bit words; only when every distance is at most 65536) or
   ``mask`` (one bit per element, packed in bytes). Values: ``values`` (the new elements, in the
-  target's dtype) or ``bitdiff`` (the difference of the new and old bit patterns as int8, for
-  2- and 4-byte dtypes when every difference fits: a value that moved by one unit in the last
-  place costs one byte).
+  target's dtype) or ``bitdiff`` (for 2- and 4-byte dtypes: the difference of the new and old
+  bit patterns as int8, so a value that moved by one unit in the last place costs one byte;
+  a difference that does not fit is written as -128 and its new value travels whole in a third
+  wire tensor, ``<name>#delta.esc``, in order).
 
 Changes are found bit by bit (an integer view of both tensors), so reconstruction is exact:
 ``apply(base, target, parts)`` turns the base's bits into the new tensor's bits, nothing else.
@@ -46,6 +47,8 @@ ENCODINGS = (UNCHANGED, DENSE, *(f"{p}+{v}" for p in POSITIONS for v in VALUES))
 
 POS_SUFFIX = "#delta.pos"
 VAL_SUFFIX = "#delta.val"
+ESC_SUFFIX = "#delta.esc"
+_ESCAPE = -128
 _MAX_GAP = 1 << 16
 _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -53,15 +56,17 @@ _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 @dataclass(frozen=True)
 class DeltaTarget:
     """One engine tensor in a delta update: its metadata, how it travels and how many of its
-    elements changed (``nnz``; 0 for ``unchanged``, every element for ``dense``). ``checksum``:
-    the new tensor's 64-bit checksum (``weightsync.integrity``), when the sender was asked for
-    checksums; the engine then checks what it reconstructed."""
+    elements changed (``nnz``; 0 for ``unchanged``, every element for ``dense``); ``escapes``:
+    how many of a ``bitdiff`` target's values travel whole. ``checksum``: the new tensor's
+    64-bit checksum (``weightsync.integrity``), when the sender was asked for checksums; the
+    engine then checks what it reconstructed."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     encoding: str
     nnz: int = 0
+    escapes: int = 0
     checksum: int | None = None
 
     @property
@@ -87,19 +92,22 @@ class DeltaTarget:
         if self.encoding == DENSE:
             return [self.meta]
         numel = self.meta.numel
-        return [TensorMeta(self.name + POS_SUFFIX, *_positions_meta(self.positions, self.nnz, numel)),
-                TensorMeta(self.name + VAL_SUFFIX, *_values_meta(self.values, self.nnz, self.dtype))]
+        out = [TensorMeta(self.name + POS_SUFFIX, *_positions_meta(self.positions, self.nnz, numel)),
+               TensorMeta(self.name + VAL_SUFFIX, *_values_meta(self.values, self.nnz, self.dtype))]
+        if self.escapes:
+            out.append(TensorMeta(self.name + ESC_SUFFIX, self.dtype, [self.escapes]))
+        return out
 
     def to_list(self) -> list[Any]:
-        return [self.name, self.dtype, list(self.shape), self.encoding, self.nnz, self.checksum]
+        return [self.name, self.dtype, list(self.shape), self.encoding, self.nnz, self.escapes,
+                self.checksum]
 
     @classmethod
     def from_list(cls, item: Any) -> DeltaTarget:
-        if not isinstance(item, (list, tuple)) or len(item) not in (5, 6):
+        if not isinstance(item, (list, tuple)) or len(item) != 7:
             raise ValueError(f"delta target must be [name, dtype, shape, encoding, nnz, "
-                             f"checksum], got {str(item)[:120]}")
-        name, dtype, shape, encoding, nnz = item[:5]
-        checksum = item[5] if len(item) == 6 else None
+                             f"escapes, checksum], got {str(item)[:120]}")
+        name, dtype, shape, encoding, nnz, escapes, checksum = item
         meta = TensorMeta.from_dict({"name": name, "dtype": dtype, "shape": shape})
         if encoding not in ENCODINGS:
             raise ValueError(f"delta target {name!r}: unknown encoding {encoding!r}; known: "
@@ -107,9 +115,14 @@ class DeltaTarget:
         if not is_int(nnz) or not 0 <= nnz <= meta.numel:
             raise ValueError(f"delta target {name!r}: nnz must be an int in [0, {meta.numel}], "
                              f"got {nnz!r}")
+        if not is_int(escapes) or not 0 <= escapes <= nnz or (
+                escapes and not encoding.endswith("+bitdiff")):
+            raise ValueError(f"delta target {name!r}: escapes must be an int in [0, nnz] (only "
+                             f"for a bitdiff encoding), got {escapes!r}")
         if checksum is not None and not (is_int(checksum) and -(1 << 63) <= checksum < (1 << 63)):
             raise ValueError(f"delta target {name!r}: checksum must be a signed 64-bit int")
-        return cls(meta.name, meta.dtype, tuple(meta.shape), encoding, int(nnz), checksum)
+        return cls(meta.name, meta.dtype, tuple(meta.shape), encoding, int(nnz), int(escapes),
+                   checksum)
 
 
 @dataclass
@@ -174,8 +187,9 @@ def full_spec(manifest: Iterable[TensorMeta]) -> DeltaSpec:
 
 
 def target_of(wire_name: str) -> tuple[str, str]:
-    """``(target name, part)`` of a wire tensor: part ``pos``, ``val`` or ``""`` (dense)."""
-    for suffix, part in ((POS_SUFFIX, "pos"), (VAL_SUFFIX, "val")):
+    """``(target name, part)`` of a wire tensor: part ``pos``, ``val``, ``esc`` or ``""``
+    (dense)."""
+    for suffix, part in ((POS_SUFFIX, "pos"), (VAL_SUFFIX, "val"), (ESC_SUFFIX, "esc")):
         if wire_name.endswith(suffix):
             return wire_name[: -len(suffix)], part
     return wire_name, ""
@@ -209,27 +223,36 @@ def encode(name: str, new: torch.Tensor, base: torch.Tensor | None,
     if int(idx[0]) < _MAX_GAP and (nnz == 1 or int((idx[1:] - idx[:-1]).max()) <= _MAX_GAP):
         pos_sizes["gaps"] = 2 * nnz
     val_sizes = {"values": item * nnz}
-    diff = None
+    codes = None
+    escaped = 0
     if item in (2, 4):
         diff = new_bits[idx].to(torch.int64) - old_bits[idx].to(torch.int64)
-        if int(diff.min()) >= -128 and int(diff.max()) <= 127:
-            val_sizes["bitdiff"] = nnz
+        fits = (diff > _ESCAPE) & (diff <= 127)
+        escaped = nnz - int(fits.sum())
+        codes = torch.where(fits, diff, _ESCAPE).to(torch.int8)
+        val_sizes["bitdiff"] = nnz + item * escaped
     pos = min(pos_sizes, key=lambda k: (pos_sizes[k], POSITIONS.index(k)))
     val = min(val_sizes, key=lambda k: (val_sizes[k], VALUES.index(k)))
     if pos_sizes[pos] + val_sizes[val] >= numel * item:
         return dense, {name: new}
-    target = DeltaTarget(name, dtype, shape, f"{pos}+{val}", nnz)
     flat = new.reshape(-1)
     pos_t = {"indices": lambda: idx.to(_index_dtype(numel)),
              "gaps": lambda: _gaps(idx),
              "mask": lambda: _pack_bits(changed)}[pos]()
-    val_t = flat[idx] if val == "values" else diff.to(torch.int8)  # type: ignore[union-attr]
-    return target, {name + POS_SUFFIX: pos_t, name + VAL_SUFFIX: val_t}
+    if val == "values":
+        return (DeltaTarget(name, dtype, shape, f"{pos}+values", nnz),
+                {name + POS_SUFFIX: pos_t, name + VAL_SUFFIX: flat[idx]})
+    assert codes is not None
+    wire = {name + POS_SUFFIX: pos_t, name + VAL_SUFFIX: codes}
+    if escaped:
+        wire[name + ESC_SUFFIX] = flat[idx[codes == _ESCAPE]]
+    return DeltaTarget(name, dtype, shape, f"{pos}+bitdiff", nnz, escaped), wire
 
 
 def apply(dst: torch.Tensor, target: DeltaTarget, parts: Mapping[str, torch.Tensor]) -> None:
     """Turn ``dst`` (contiguous, holding the base) into the new tensor, in place. ``parts``:
-    the target's wire tensors by part (``"pos"``, ``"val"``; ``""`` for a dense one)."""
+    the target's wire tensors by part (``"pos"``, ``"val"``, ``"esc"``; ``""`` for a dense
+    one)."""
     import torch
 
     if target.encoding == UNCHANGED:
@@ -252,8 +275,16 @@ def apply(dst: torch.Tensor, target: DeltaTarget, parts: Mapping[str, torch.Tens
     if target.values == "values":
         flat[idx] = val.to(dst.dtype)
         return
+    fits = val != _ESCAPE
+    escaped = idx[~fits]
+    if escaped.numel() != target.escapes:
+        raise ValueError(f"{target.name}: {escaped.numel()} escaped values, {target.escapes} "
+                         f"announced")
     bits = _bits(dst)
-    bits[idx] = (bits[idx].to(torch.int64) + val.to(torch.int64)).to(bits.dtype)
+    kept = idx[fits]
+    bits[kept] = (bits[kept].to(torch.int64) + val[fits].to(torch.int64)).to(bits.dtype)
+    if target.escapes:
+        flat[escaped] = parts["esc"].to(dst.device, dst.dtype)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -194,9 +194,10 @@ class DeltaLoader(WeightLoader):
                 rebuilt[name] = t
                 continue
             parts = self._parts.setdefault(name, {})
-            # a half waits for its other half: copy it, the tensor may be a reused buffer
-            parts[part] = t if len(parts) else t.detach().clone()
-            if len(parts) < 2:
+            need = 3 if target.escapes else 2
+            # a part waits for the others: copy it, the tensor may be a reused buffer
+            parts[part] = t if len(parts) == need - 1 else t.detach().clone()
+            if len(parts) < need:
                 continue
             del self._parts[name]
             dst = self._base_of(target)

@@ -61,6 +61,15 @@ def test_denser_changes_use_the_mask_and_whole_values_where_bits_jump():
     assert _roundtrip(base, jumped).encoding == "mask+values"
 
 
+def test_a_few_large_jumps_travel_whole_beside_one_byte_differences():
+    base = (torch.randn(64, 512) * 0.02).to(torch.bfloat16)
+    new = _nudged(base, 0.01)
+    new.view(-1)[[3, 4000, 9000]] = torch.tensor([-0.5, 1e-30, 7.0], dtype=torch.bfloat16)
+    t = _roundtrip(base, new)
+    assert t.encoding == "gaps+bitdiff" and t.escapes == 3
+    assert [m.name for m in t.wire_metas()][-1] == "w#delta.esc"
+
+
 def test_long_runs_of_unchanged_elements_use_absolute_indices():
     base = torch.zeros(300_000, dtype=torch.bfloat16)
     new = base.clone()
@@ -92,7 +101,7 @@ def test_no_base_or_another_layout_is_dense():
 
 
 def test_spec_round_trips_and_names_what_is_wrong():
-    spec = DeltaSpec(3, [DeltaTarget("a.weight", "bfloat16", (4, 8), "gaps+bitdiff", 5, 17),
+    spec = DeltaSpec(3, [DeltaTarget("a.weight", "bfloat16", (4, 8), "gaps+bitdiff", 5, 1, 17),
                          DeltaTarget("a.bias", "bfloat16", (4,), UNCHANGED),
                          DeltaTarget("b.weight", "float32", (2, 2), DENSE, 4)])
     again = DeltaSpec.from_dict(spec.to_dict())
@@ -100,18 +109,21 @@ def test_spec_round_trips_and_names_what_is_wrong():
     assert [m.to_dict() for m in again.wire_metas()] == [
         {"name": "a.weight#delta.pos", "dtype": "int16", "shape": [5]},
         {"name": "a.weight#delta.val", "dtype": "int8", "shape": [5]},
+        {"name": "a.weight#delta.esc", "dtype": "bfloat16", "shape": [1]},
         {"name": "b.weight", "dtype": "float32", "shape": [2, 2]}]
-    assert spec.wire_bytes == 5 * 2 + 5 + 16 and spec.full_bytes == 64 + 8 + 16
+    assert spec.wire_bytes == 5 * 2 + 5 + 2 + 16 and spec.full_bytes == 64 + 8 + 16
     full = full_spec([TensorMeta("x", "bfloat16", [3])])
     assert full.base_version is None and full.wire_metas() == [TensorMeta("x", "bfloat16", [3])]
     bad = [
-        ({"base_version": -1, "targets": [["x", "bfloat16", [3], "dense", 3]]}, "base_version"),
+        ({"base_version": -1, "targets": [["x", "bfloat16", [3], "dense", 3, 0, None]]}, "base_version"),
         ({"base_version": 1, "targets": []}, "non-empty"),
-        ({"base_version": 1, "targets": [["x", "bfloat16", [3], "zip", 3]]}, "unknown encoding"),
-        ({"base_version": 1, "targets": [["x", "bfloat16", [3], "dense", 4]]}, "nnz"),
-        ({"base_version": 1, "targets": [["x", "bf17", [3], "dense", 3]]}, "bf17"),
-        ({"base_version": 1, "targets": [["x", "bfloat16", [3], "dense", 3]] * 2}, "repeat"),
-        ({"base_version": None, "targets": [["x", "bfloat16", [3], "unchanged", 0]]},
+        ({"base_version": 1, "targets": [["x", "bfloat16", [3], "zip", 3, 0, None]]}, "unknown encoding"),
+        ({"base_version": 1, "targets": [["x", "bfloat16", [3], "dense", 4, 0, None]]}, "nnz"),
+        ({"base_version": 1, "targets": [["x", "bf17", [3], "dense", 3, 0, None]]}, "bf17"),
+        ({"base_version": 1, "targets": [["x", "bfloat16", [3], "dense", 3, 0, None]] * 2}, "repeat"),
+        ({"base_version": 1, "targets": [["x", "bfloat16", [3], "gaps+values", 2, 1, None]]},
+         "escapes"),
+        ({"base_version": None, "targets": [["x", "bfloat16", [3], "unchanged", 0, 0, None]]},
          "every target dense"),
     ]
     for d, match in bad:
