@@ -214,6 +214,36 @@ def error_from_dict(
     return cls(f"{prefix}{msg}")
 
 
+#: how ``error_to_text`` marks the wire dict inside a message
+_TEXT_MARK = ("[weightsync-error ", " weightsync-error]")
+
+
+def error_to_text(e: BaseException) -> str:
+    """A readable message for ``e`` that also carries its wire dict, for a transport that
+    passes on nothing but a message (vLLM's ``collective_rpc`` and its HTTP routes turn a
+    worker's exception into text); ``error_from_text`` reads it back."""
+    import json
+
+    return f"{type(e).__name__}: {e} {_TEXT_MARK[0]}{json.dumps(error_to_dict(e))}{_TEXT_MARK[1]}"
+
+
+def error_from_text(text: str, *, engine: str | None = None,
+                    method: str | None = None) -> BaseException | None:
+    """The exception ``error_to_text`` wrote somewhere into ``text`` (a decoded message, not
+    one still escaped inside a JSON body), or None when there is none."""
+    import json
+
+    start = text.find(_TEXT_MARK[0])
+    end = text.rfind(_TEXT_MARK[1])
+    if start < 0 or end < start:
+        return None
+    try:
+        d = json.loads(text[start + len(_TEXT_MARK[0]):end])
+    except ValueError:
+        return None
+    return error_from_dict(d, engine=engine, method=method) if isinstance(d, dict) else None
+
+
 def http_status(e: BaseException | type[BaseException] | str) -> int:
     """The HTTP status that answers ``e`` (an exception, its class or its ``error_type``)."""
     cls = ERROR_TYPES.get(e, WeightSyncError) if isinstance(e, str) else (

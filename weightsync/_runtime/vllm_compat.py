@@ -488,3 +488,61 @@ def retie(worker: Any, groups: list[list[str]], loaded: Iterable[str]) -> None:
             if method is not None and hasattr(method, "process_weights_after_loading"):
                 with _vllm_config_ctx(worker), torch.no_grad():
                     method.process_weights_after_loading(module)
+
+
+# --------------------------------------------------------------------------------------------
+# weightsync as a backend of vLLM's own weight-transfer API (vllm.distributed.weight_transfer)
+# --------------------------------------------------------------------------------------------
+
+#: the backend name: ``weight_transfer_config={"backend": "weightsync"}``
+TRANSFER_BACKEND = "weightsync"
+
+
+def register_transfer_backend() -> bool:
+    """Register ``weightsync`` with vLLM's ``WeightTransferEngineFactory`` (the worker side,
+    ``weightsync.loaders.vllm_transfer_engine``) and ``WeightTransferTrainerFactory`` (the
+    trainer side, ``weightsync.vllm_backend``), by module path: nothing is imported until vLLM
+    builds one. Idempotent; False when this vLLM has no such API (older than 0.32)."""
+    try:
+        from vllm.distributed.weight_transfer.factory import (
+            WeightTransferEngineFactory,
+            WeightTransferTrainerFactory,
+        )
+    except ImportError:
+        return False
+    for factory, module, cls in (
+        (WeightTransferEngineFactory, "weightsync.loaders.vllm_transfer_engine",
+         "WeightSyncTransferEngine"),
+        (WeightTransferTrainerFactory, "weightsync.vllm_backend", "WeightSyncTrainerEngine"),
+    ):
+        with contextlib.suppress(ValueError):  # registered already
+            factory.register_engine(TRANSFER_BACKEND, module, cls)
+    return True
+
+
+class WorkerView:
+    """What ``VLLMWeightLoader`` reads from a vLLM worker, built from what vLLM hands a
+    ``WeightTransferEngine`` (its config, device and model; the engine never sees the worker
+    itself): ``model_config``, ``vllm_config``, ``parallel_config``, ``device``, ``rank`` and
+    ``model_runner.get_model()``. Without ``reload_weights`` the loader's reload mode uses
+    ``vllm.model_executor.model_loader.reload`` directly, as the worker would."""
+
+    def __init__(self, vllm_config: Any, model_config: Any, device: Any, model: Any) -> None:
+        import types
+
+        self.vllm_config = vllm_config
+        self.model_config = model_config
+        self.parallel_config = vllm_config.parallel_config
+        self.device = device
+        self.model_runner = types.SimpleNamespace(get_model=lambda: model)
+        self.rank = _engine_rank()
+
+
+def _engine_rank() -> int:
+    """This worker's rank among the workers of its engine (TP x PP); 0 when unknown."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - no group (a single worker, a test)
+        return 0

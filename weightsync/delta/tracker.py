@@ -102,7 +102,6 @@ class DeltaTracker:
                       ) -> tuple[DeltaSpec, list[tuple[str, torch.Tensor]]]:
         """Every chunk against ``self.base`` (which becomes the new tensors): the spec of a
         delta against version ``base`` and its wire tensors."""
-        from weightsync.delta.codec import apply, target_of
         from weightsync.pipeline import aiter_chunks
 
         targets: list[DeltaTarget] = []
@@ -110,10 +109,9 @@ class DeltaTracker:
         async for chunk in aiter_chunks(chunks):
             for name, t in zip(chunk.names, chunk.tensors, strict=True):
                 target, parts = encode(name, t.detach(), self.base.get(name))
-                if target.sparse:
-                    apply(self.base[name], target, {target_of(k)[1]: v for k, v in parts.items()})
-                elif target.encoding != UNCHANGED:
-                    self._keep(name, t)
+                if target.encoding != UNCHANGED:
+                    self._keep(name, t)  # the base becomes the new tensor
+                if target.encoding == "dense":
                     parts = {name: self.base[name]}
                 targets.append(target)
                 wire.extend(parts.items())
