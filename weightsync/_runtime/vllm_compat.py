@@ -150,14 +150,17 @@ def load_reload(worker: Any, items: list[tuple[str, Any]]) -> None:
         with quiet_partial_reload():
             worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
         return
-    try:  # pragma: no cover - older layouts
-        from vllm.model_executor.model_loader.reload import reload_weights
-    except ImportError as e:  # pragma: no cover
-        raise RuntimeError(
-            "this vLLM has no layer-wise weight reload; use load_mode='direct' (GPU, "
-            "unquantized models only)"
-        ) from e
-    with _vllm_config_ctx(worker), quiet_partial_reload():  # pragma: no cover
+    try:  # a WorkerView (vLLM 0.32 keeps it in .inplace), or older layouts
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    except ImportError:  # pragma: no cover
+        try:
+            from vllm.model_executor.model_loader.reload import reload_weights
+        except ImportError as e:
+            raise RuntimeError(
+                "this vLLM has no layer-wise weight reload; use load_mode='direct' (GPU, "
+                "unquantized models only)"
+            ) from e
+    with _vllm_config_ctx(worker), quiet_partial_reload():
         reload_weights(worker.vllm_config, get_model(worker), iter(items), None, True)
 
 
