@@ -142,3 +142,55 @@ def test_vllms_finish_closes_an_update_the_trainer_left_open(lm):
                 {"name": "model.norm.weight#delta.val", "dtype": "int8", "shape": [1]}],
                 "delta": {"base_version": 99, "targets": [
                     ["model.norm.weight", "float32", [64], "gaps+bitdiff", 1, 0, None]]}}}}})
+
+
+def test_vllm_servers_own_http_routes_move_weights_over_weightsync(lm, tmp_path):
+    """vLLM's OpenAI server in dev mode (``--weight-transfer-config '{"backend":
+    "weightsync"}'``), driven through vLLM's ``HTTPVLLMWeightSyncClient`` (its routes
+    ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+    ``/finish_weight_update``); completions then equal transformers'; a refusal comes back as
+    weightsync's typed error out of the route's JSON answer."""
+    import requests
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+
+    from weightsync.testing.servers import ServerProcess
+    from weightsync.vllm_backend import WeightSyncTrainerInitInfo
+
+    _, base, new = lm
+    server = ServerProcess(
+        base, module="vllm.entrypoints.openai.api_server", scratch_dir=str(tmp_path),
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+        extra_args=["--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+                    "--kv-cache-memory-bytes", str(64 << 20),
+                    "--weight-transfer-config", '{"backend": "weightsync"}'])
+    server.start_healthy()
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(new).eval()
+    engine = None
+    try:
+        engine = WeightTransferTrainerFactory.trainer_init(
+            WeightSyncTrainerInitInfo(strategy=STRATEGY, world_size=2, rank=0),
+            client=HTTPVLLMWeightSyncClient(server.url), source=ModuleSource(model))
+        stats = engine.send_weights()
+        assert stats.versions == [1]
+        assert requests.get(f"{server.url}/weight_info", timeout=10).json() == {
+            "weight_version": "1"}
+        answers = [requests.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": base, "prompt": p, "max_tokens": 8, "temperature": 0, "logprobs": 1,
+            "return_tokens_as_token_ids": True}).json() for p in PROMPTS]
+        tokens = [[int(t.removeprefix("token_id:")) for t in a["choices"][0]["logprobs"]["tokens"]]
+                  for a in answers]
+        assert tokens == hf_greedy(model, tok)[0]
+
+        engine.source = [*ModuleSource(model), ("model.norm.weight", torch.zeros(3))]
+        with pytest.raises(WeightMismatchError, match="model.norm.weight"):
+            engine.send_weights()
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        server.stop()
