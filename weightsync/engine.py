@@ -36,6 +36,12 @@ A call cancelled at one of its ``await``s (a server abandoning it: ``weightsync_
 ``weightsync.loaders.vllm_worker``) ends like a call that failed there: an init leaves no
 receiver, a chunk fails its update (torn if bytes had landed), the lock is released.
 
+A start that carries a ``delta`` (``weightsync.delta``) is validated as the tensors it
+updates and refused (``DeltaBaseMismatchError``, nothing changes) unless the engine serves the
+delta's base version and keeps what applying it needs (``weightsync.delta.store.DeltaStore``,
+one per endpoint: valid after every complete update with a ``delta``, dropped by any other
+update and by torn weights); its chunks are received into a ``DeltaLoader`` in the sink.
+
 Serving: ``check_serving()`` passes in IDLE and RECEIVING (between chunks of a live update the
 weights may be partly new: a server that serves concurrently holds requests during an update,
 as the reward server's gate does) and raises in FINISHING and TORN (``UpdateIncompleteError``)

@@ -21,9 +21,10 @@ them (after the bytes moved) and keeps no version. Ours validates the manifest b
 moves, keeps the model servable between chunks (each chunk is reloaded whole-layer by
 whole-layer), marks a half-applied update torn, and publishes a version only on a complete
 update; its transports are our strategies (gloo/NCCL broadcast, CUDA IPC or shared memory).
-The loader reuses vLLM's machinery underneath (``load_weights``, ``reload_weights``); plugging
-our receivers into vLLM's engine would mean registering a ``WeightTransferEngine`` subclass
-with ``WeightTransferEngineFactory`` so that vLLM's own HTTP routes drive them (not done).
+The loader reuses vLLM's machinery underneath (``load_weights``, ``reload_weights``). Code
+written to vLLM's API gets all of this through the ``weightsync`` backend of that API
+(``weightsync.loaders.vllm_transfer_engine``, ``weightsync.vllm_backend``), which runs this
+loader behind the same endpoint.
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ import asyncio
 
 import pytest
 import torch
+from _greedy import PROMPTS, vllm_greedy
 
 import weightsync as ws
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["The model is", "Weights move from", "Question: name a colour. Answer:"]
 EXT = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
 
 
@@ -61,15 +61,6 @@ def _step(model, tok, opt, step: int) -> None:
     model(**batch, labels=labels).loss.backward()
     opt.step()
     opt.zero_grad()
-
-
-def vllm_greedy(llm, n=6):
-    from vllm import SamplingParams
-
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, logprobs=1),
-                        use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], [
-        [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]
 
 
 def hf_first_tokens(model, tok, n=1):

@@ -8,13 +8,13 @@ import asyncio
 
 import pytest
 import torch
+from _greedy import hf_greedy, vllm_greedy
 
 from weightsync import WeightChunk, build_strategy
 from weightsync.errors import WeightMismatchError
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["The model is", "Weights move from", "Question: name a colour. Answer:"]
 EXT = "weightsync.loaders.vllm_worker.WeightSyncWorkerExtension"
 
 
@@ -34,33 +34,6 @@ def lm(tmp_path_factory):
         yield llm, base, new
     finally:
         shutdown_llm(llm)
-
-
-def vllm_greedy(llm, n=8):
-    from vllm import SamplingParams
-
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, logprobs=1),
-                        use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], [
-        [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs
-    ]
-
-
-def hf_greedy(model_dir, n=8):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    tokens, logprobs = [], []
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=n, do_sample=False, output_scores=True,
-                                 return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
-        gen = out.sequences[0, ids.shape[1]:].tolist()
-        tokens.append(gen)
-        logprobs.append([s.log_softmax(-1)[0, t].item() for s, t in zip(out.scores, gen, strict=True)])
-    return tokens, logprobs
 
 
 def state_dict(model_dir):
