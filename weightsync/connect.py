@@ -32,7 +32,10 @@ name -> tensor is sent as given (names normalised to engine names, chunked by th
 bucket size). The training mode (``TrainingMode`` / ``"head_only"`` / ...) is checked here
 before anything moves, travels in the update's start, and the engines enforce it; head-only
 pushes of a model send only the head. Returns ``SyncStats`` (bytes, chunks, tensors, seconds,
-the version each engine serves, the engines' names). ``push_chunks(chunks, manifest, ...)`` sends
+the version each engine serves, the engines' names). ``connect(..., delta=True)`` (or ``push(...,
+delta=True)``) sends only what changed since the version the engines serve, exactly, with a
+full update when an engine cannot apply it (``weightsync.delta``; ``stats.delta`` says how it
+went). ``push_chunks(chunks, manifest, ...)`` sends
 chunks the caller made (engine names, an iterable or a stream) the same way, on the sending
 rank.
 

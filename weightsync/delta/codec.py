@@ -81,10 +81,6 @@ class DeltaTarget:
     def values(self) -> str:
         return self.encoding.split("+")[1]
 
-    @property
-    def sparse(self) -> bool:
-        return "+" in self.encoding
-
     def wire_metas(self) -> list[TensorMeta]:
         """What travels for this target (empty for ``unchanged``)."""
         if self.encoding == UNCHANGED:
@@ -140,10 +136,6 @@ class DeltaSpec:
 
     def target_metas(self) -> list[TensorMeta]:
         return [t.meta for t in self.targets]
-
-    @property
-    def wire_bytes(self) -> int:
-        return sum(m.nbytes for m in self.wire_metas())
 
     @property
     def full_bytes(self) -> int:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from weightsync.delta.codec import UNCHANGED, DeltaSpec, DeltaTarget, encode, full_spec
+from weightsync.delta.codec import DENSE, UNCHANGED, DeltaSpec, DeltaTarget, encode, full_spec
 from weightsync.errors import DeltaBaseMismatchError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -54,10 +54,6 @@ class DeltaTracker:
         self.checksum = bool(checksum)
         self.base: dict[str, torch.Tensor] = {}
         self.version: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.base.values())
 
     def forget(self) -> None:
         """The engines got something else (a push without delta): the next push is full."""
@@ -111,7 +107,7 @@ class DeltaTracker:
                 target, parts = encode(name, t.detach(), self.base.get(name))
                 if target.encoding != UNCHANGED:
                     self._keep(name, t)  # the base becomes the new tensor
-                if target.encoding == "dense":
+                if target.encoding == DENSE:
                     parts = {name: self.base[name]}
                 targets.append(target)
                 wire.extend(parts.items())
@@ -124,7 +120,7 @@ class DeltaTracker:
         if not wire:  # nothing changed: the smallest tensor goes dense, so a version is published
             i = min(range(len(targets)), key=lambda k: targets[k].meta.nbytes)
             t = targets[i]
-            targets[i] = DeltaTarget(t.name, t.dtype, t.shape, "dense", t.meta.numel)
+            targets[i] = DeltaTarget(t.name, t.dtype, t.shape, DENSE, t.meta.numel)
             wire = [(t.name, self.base[t.name])]
         if self.checksum:
             targets = self._with_checksums(targets)
