@@ -59,3 +59,15 @@ def test_an_unreachable_engine_is_not_a_dead_one(cls):
     assert type(back) is cls and http_status(err) == 502
     # it explains the collectives that broke on the other engines, as a dead engine does
     assert most_telling([TimeoutError("e0: slow"), err]) is err
+
+
+def test_an_error_carried_as_text_comes_back_typed():
+    """vLLM passes a worker's exception on as text (``collective_rpc``, its routes' JSON): the
+    wire dict rides inside the message and the same typed error comes back out of it."""
+    from weightsync.errors import error_from_text, error_to_text
+
+    e = WeightMismatchError(["model.norm.weight: shape [3] but target has [64]"])
+    text = f"RuntimeError: Worker failed with error '{error_to_text(e)}', please check the log"
+    back = error_from_text(text, engine="vLLM engine", method="start_weight_update")
+    assert isinstance(back, WeightMismatchError) and back.offenders == e.offenders
+    assert error_from_text("RuntimeError: something else") is None
