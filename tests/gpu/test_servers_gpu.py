@@ -94,17 +94,12 @@ def test_broadcast_into_policy_server_on_gpu1(tmp_path):
     from _vllm_helpers import close, hf_prompt_logprobs, prompt_ids
     from transformers import AutoModelForCausalLM
 
-    from weightsync.testing.servers import PolicyServerProcess
     from weightsync.testing.tiny_models import build_tiny_causal_lm
 
     base = build_tiny_causal_lm(tmp_path / "base", seed=0)
     new = build_tiny_causal_lm(tmp_path / "new", seed=5)
     ids = prompt_ids(base)
-    server = PolicyServerProcess(
-        base, log_path=str(tmp_path / "policy.log"), env=GPU1,
-        extra_args=["--api-key", API_KEY, "--dtype", "bfloat16", "--max-model-len", "256",
-                    "--gpu-memory-utilization", "0.45", "--enforce-eager"],
-    ).start_healthy()
+    server = _policy_server(tmp_path, base)
     url = server.url
 
     def served() -> list[float]:
@@ -121,6 +116,17 @@ def test_broadcast_into_policy_server_on_gpu1(tmp_path):
         assert close(after, hf_prompt_logprobs(new, ids)), after
     finally:
         server.stop()
+
+
+def _policy_server(tmp_path, model_dir) -> object:
+    """``serve-policy`` on GPU 1 (45 % of its memory), started and healthy."""
+    from weightsync.testing.servers import PolicyServerProcess
+
+    return PolicyServerProcess(
+        model_dir, log_path=str(tmp_path / "policy.log"), env=GPU1,
+        extra_args=["--api-key", API_KEY, "--dtype", "bfloat16", "--max-model-len", "256",
+                    "--gpu-memory-utilization", "0.45", "--enforce-eager"],
+    ).start_healthy()
 
 
 def _served_logprobs(url: str, model_name: str, ids: list[list[int]]) -> list[float]:
@@ -234,17 +240,13 @@ def test_ludic_pynccl_trainer_pushes_into_the_policy_server_timed_beside_ours(tm
     from transformers import AutoModelForCausalLM
 
     import weightsync as ws
-    from weightsync.testing.servers import PolicyServerProcess, free_port
+    from weightsync.testing.servers import free_port
     from weightsync.testing.tiny_models import build_tiny_causal_lm
 
     base = build_tiny_causal_lm(tmp_path / "base", seed=0)
     new = build_tiny_causal_lm(tmp_path / "new", seed=5)
     ids = prompt_ids(base)
-    server = PolicyServerProcess(
-        base, log_path=str(tmp_path / "policy.log"), env=GPU1,
-        extra_args=["--api-key", API_KEY, "--dtype", "bfloat16", "--max-model-len", "256",
-                    "--gpu-memory-utilization", "0.45", "--enforce-eager"],
-    ).start_healthy()
+    server = _policy_server(tmp_path, base)
     times: dict[str, list[float]] = {"ludic_pynccl": [], "ours": []}
     try:
         torch.cuda.set_device(0)
