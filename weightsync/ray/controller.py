@@ -97,7 +97,7 @@ async def wire_sync_group_async(
         )
         for t in trainers[1:]
     ]
-    results = await _gather(calls, timeout * 2, what="setup_weight_sync")
+    results = await gather_refs(calls, timeout * 2, what="setup_weight_sync")
     info = results[0]
     return SyncGroup(
         trainers=trainers, engines=list(engines), strategy_cfg=strategy_cfg,
@@ -116,12 +116,12 @@ async def run_sync_async(group: SyncGroup | Any, version: int | None = None) -> 
     calls = [trainers[0].sync_weights.remote(version)] + [
         t.sync_weights.remote(version) for t in trainers[1:]
     ]
-    results = await _gather(calls, timeout, what="sync_weights")
+    results = await gather_refs(calls, timeout, what="sync_weights")
     return results[0]
 
 
 async def close_sync_group_async(group: SyncGroup) -> None:
-    await _gather(
+    await gather_refs(
         [t.close_weight_sync.remote() for t in group.trainers], group.timeout_s,
         what="close_weight_sync",
     )
@@ -129,17 +129,17 @@ async def close_sync_group_async(group: SyncGroup) -> None:
 
 def wire_sync_group(trainer: Any, engines: list[Any], cfg: Any, **kwargs: Any) -> SyncGroup:
     """Blocking ``wire_sync_group_async`` (call from a driver without a running loop)."""
-    return _run(wire_sync_group_async(trainer, engines, cfg, **kwargs))
+    return run_blocking(wire_sync_group_async(trainer, engines, cfg, **kwargs))
 
 
 def run_sync(group: SyncGroup | Any, version: int | None = None) -> dict[str, Any]:
     """Blocking ``run_sync_async``."""
-    return _run(run_sync_async(group, version))
+    return run_blocking(run_sync_async(group, version))
 
 
 def close_sync_group(group: SyncGroup) -> None:
     """Blocking ``close_sync_group_async``."""
-    _run(close_sync_group_async(group))
+    run_blocking(close_sync_group_async(group))
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,14 +158,14 @@ async def _engine_names(engines: list[Any], timeout: float) -> list[str]:
                 f"weightsync.ray.WeightSyncEngineMixin"
             ) from None
     try:
-        names = await _gather(refs, timeout, what="get_weight_sync_name")
+        names = await gather_refs(refs, timeout, what="get_weight_sync_name")
     except Exception:
         return [actor_label(h, i) for i, h in enumerate(engines)]
     return [f"engine{i} {n}" if not str(n).startswith("engine") else str(n)
             for i, n in enumerate(names)]
 
 
-async def _gather(refs: list[Any], timeout: float | None, *, what: str) -> list[Any]:
+async def gather_refs(refs: list[Any], timeout: float | None, *, what: str) -> list[Any]:
     """Await Ray refs; on a Ray task error re-raise the actor's own exception."""
     import ray.exceptions as rex
 
@@ -183,13 +183,16 @@ async def _gather(refs: list[Any], timeout: float | None, *, what: str) -> list[
         raise
 
 
-def _run(coro: Any) -> Any:
+def run_blocking(coro: Any) -> Any:
+    """Run ``coro`` to completion from code without a running event loop (the blocking twins
+    of this package's async calls); inside a running loop it refuses, naming the *_async
+    variant to use."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
     coro.close()
     raise RuntimeError(
-        "called a blocking weightsync.ray.controller function from a running event loop; "
-        "use the *_async variant"
+        "called a blocking weightsync.ray function from a running event loop; use the *_async "
+        "variant"
     )
