@@ -62,12 +62,13 @@ class RewardManagerBase(ABC):
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            try:
-                self._loop = asyncio.get_running_loop()
-            except RuntimeError:
+        """The running event loop (the worker's); outside one, a loop of this manager's own."""
+        try:
+            return asyncio.get_running_loop()
+        except RuntimeError:
+            if self._loop is None or self._loop.is_closed():
                 self._loop = asyncio.new_event_loop()
-        return self._loop
+            return self._loop
 
     @classmethod
     def init_class(cls, config: Any, tokenizer: Any) -> None:

@@ -188,12 +188,8 @@ def reward_loop_config(src: Any) -> Any:
     from omegaconf import OmegaConf
 
     typed = RewardLoopConfig.from_any(src)
-    data = {} if isinstance(src, RewardLoopConfig) else dict(_plain(src))
-    data.update(typed.to_dict())
-    if typed.policy_path is not None:
-        actor = dict(data.get("actor_rollout_ref") or {})
-        actor["model"] = {**dict(actor.get("model") or {}), "path": typed.policy_path}
-        data["actor_rollout_ref"] = actor
+    data = typed.to_dict() if isinstance(src, RewardLoopConfig) else dict(_plain(src))
+    data.update({k: v for k, v in typed.to_dict().items() if k != "actor_rollout_ref"})
     return OmegaConf.create(data)
 
 

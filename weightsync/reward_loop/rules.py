@@ -88,7 +88,7 @@ def final_number(text: str, method: str = "strict") -> str | None:
     """The answer of a GSM8K-style text: after the last ``####`` (strict) or the last number
     (flexible); None when there is none."""
     if method == "strict":
-        found = re.findall(r"####\s*(" + _NUMBER + ")", text)
+        found = re.findall(r"####\s*\$?\s*(" + _NUMBER + ")", text)
     elif method == "flexible":
         found = re.findall(_NUMBER, text)
     else:

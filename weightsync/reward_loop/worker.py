@@ -76,11 +76,12 @@ class RewardLoopWorker:
             for t in tasks:
                 if not t.done():
                     t.cancel()
-        for i, t in enumerate(tasks):
-            if not t.cancelled() and t.exception() is not None:
-                e = t.exception()
-                raise RewardLoopError(f"sample {i} of a batch of {len(data)}: "
-                                      f"{type(e).__name__}: {e}") from e
+        failed = [(i, t.exception()) for i, t in enumerate(tasks)
+                  if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:
+            i, e = failed[0]
+            raise RewardLoopError(f"sample {i} of a batch of {len(data)}: "
+                                  f"{type(e).__name__}: {e}") from e
         return [t.result() for t in tasks]
 
     async def compute_score(self, data: Any) -> dict:
