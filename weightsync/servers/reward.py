@@ -5,11 +5,21 @@
     weightsync serve-reward --config weightsync/configs/reward_server.yaml --model DIR
 
 Runs in its own process: vLLM's ``AsyncLLM`` (pooling runner, ``WeightSyncWorkerExtension`` in
-every worker) and a FastAPI app served by uvicorn on one asyncio loop. Routes: ``GET /health``
--> ``{"status": "ok", "type": "reward_model"}``, ``POST /score`` (``weightsync.servers.scoring``)
-and the control plane shared with the policy server (``weightsync.servers.control_routes``,
-both our dialect and the reward spec's ``{host, port, world_size}`` / ``{metadata: [...],
-version, training_mode}`` form); the update rules live in ``weightsync.servers.control``.
+every worker) and vLLM's own OpenAI app for that engine (``weightsync.servers.pooling_app``:
+``/classify``, ``/pooling``, ``/v1/score``, ``/rerank``, ``/v1/models``, ``/tokenize``, ... as
+vLLM defines them), served by uvicorn on one asyncio loop. Ours, ahead of vLLM's: ``GET
+/health`` -> ``{"status": "ok", "type": "reward_model"}``, ``POST /score``
+(``weightsync.servers.scoring``), OpenRLHF's ``POST /get_reward``
+(``weightsync.servers.openrlhf``), sleep mode (``/sleep``, ``/wake_up``, ``/is_sleeping``:
+``weightsync.servers.sleep``) and the control plane shared with the policy server
+(``weightsync.servers.control_routes``, both our dialect and the reward spec's ``{host, port,
+world_size}`` / ``{metadata: [...], version, training_mode}`` form); the update rules live in
+``weightsync.servers.control``. Every route that runs the model holds the update gate and
+answers with ``x-weight-version`` (``weightsync.servers.versioned`` around vLLM's routes).
+
+Models: a ``*ForSequenceClassification`` checkpoint, or with ``--convert classify`` a causal
+LM whose checkpoint carries a score head (``score.weight``), or any conversion vLLM offers
+through ``--hf-overrides`` (e.g. ``classifier_from_token`` / ``method``).
 
 Defaults by device: on CPU ``dtype=float32``, eager mode, and a small fixed KV cache
 (``kv_cache_memory_bytes``; without it vLLM CPU asks for most of a NUMA node); on GPU the
@@ -75,6 +85,9 @@ class RewardServerConfig:
     group_timeout_s: float = 120.0  # a Ludic-style trainer group: joining and each collective
     max_body_bytes: int = 16 << 20
     serve_during_updates: bool = False  # stage updates, keep scoring with the last version, flip
+    convert: str | None = None  # vLLM's --convert: "classify" for a causal LM with a score head
+    hf_overrides: dict[str, Any] | None = None  # vLLM's --hf-overrides (e.g. reward conversion)
+    enable_sleep_mode: bool = False  # vLLM's sleep mode (CUDA/ROCm): /sleep, /wake_up
     allow_version_reset: bool = False  # take an update's version as given (may go backwards)
     seed: int = 0
     log_level: str = "info"
@@ -108,6 +121,15 @@ def engine_args(cfg: RewardServerConfig) -> Any:
     )
     if cfg.served_model_name:
         kwargs["served_model_name"] = cfg.served_model_name
+    if cfg.convert:
+        kwargs["convert"] = cfg.convert
+    if cfg.hf_overrides:
+        kwargs["hf_overrides"] = dict(cfg.hf_overrides)
+    if cfg.enable_sleep_mode:
+        if cpu:
+            raise ValueError("enable_sleep_mode: vLLM's sleep mode needs CUDA or ROCm; this "
+                             "server runs on cpu (drop --enable-sleep-mode)")
+        kwargs["enable_sleep_mode"] = True
     if cfg.max_model_len:
         kwargs["max_model_len"] = cfg.max_model_len
     if cfg.max_num_seqs:
@@ -169,23 +191,35 @@ class RewardServer:
     control: Any
     ludic: Any
     scorer: Any
+    vllm_app: Any  # vLLM's OpenAI app for the engine (weightsync.servers.pooling_app)
+    sleep_mode: Any
 
     def app(self) -> Any:
-        from fastapi import FastAPI
+        """What uvicorn serves: vLLM's app with our routes ahead of its own, gated and tagged
+        with the weight version (ours gate themselves and are left alone)."""
+        from fastapi import APIRouter
 
-        from weightsync.servers.control_routes import control_router, mount
+        from weightsync.servers.control_routes import CONTROL_PATHS, control_router, mount
+        from weightsync.servers.openrlhf import get_reward_router
         from weightsync.servers.scoring import score_router
+        from weightsync.servers.sleep import sleep_router
+        from weightsync.servers.versioned import VersionedResponses
 
-        app = FastAPI(title="weightsync reward server", docs_url=None, redoc_url=None)
+        app, limit = self.vllm_app, self.cfg.max_body_bytes
+        health = APIRouter()
 
-        @app.get("/health")
-        async def health() -> dict:
+        @health.get("/health")
+        async def healthy() -> dict:
             return {"status": "ok", "type": "reward_model"}
 
-        mount(app, score_router(self.scorer, max_body_bytes=self.cfg.max_body_bytes))
+        mount(app, health)
+        mount(app, score_router(self.scorer, max_body_bytes=limit))
+        mount(app, get_reward_router(self.scorer, max_body_bytes=limit))
+        mount(app, sleep_router(self.sleep_mode, api_key=self.cfg.api_key))
         mount(app, control_router(self.control, self.ludic, api_key=self.cfg.api_key,
-                                  max_body_bytes=self.cfg.max_body_bytes))
-        return app
+                                  max_body_bytes=limit))
+        own = ("/score", "/get_reward", "/sleep", "/wake_up")
+        return VersionedResponses(app, control=self.control, exempt=CONTROL_PATHS + own)
 
 
 async def build_server(cfg: RewardServerConfig) -> RewardServer:
@@ -194,13 +228,15 @@ async def build_server(cfg: RewardServerConfig) -> RewardServer:
 
     from weightsync.servers.control import UpdateControl
     from weightsync.servers.ludic import LudicDialect
+    from weightsync.servers.pooling_app import pooling_app
     from weightsync.servers.scoring import PoolingSetup, RewardScorer
+    from weightsync.servers.sleep import SleepAwareControl, SleepMode
 
     engine = AsyncLLM.from_engine_args(engine_args(cfg))
     model_config = engine.model_config
     name = cfg.served_model_name or model_config.served_model_name or cfg.model
-    control = UpdateControl(
-        engine,
+    sleep_mode = SleepMode(engine, enabled=cfg.enable_sleep_mode, device=cfg.resolved_device())
+    control_kwargs: dict[str, Any] = dict(
         name=f"reward server {name}",
         wait_timeout_s=cfg.score_wait_timeout_s,
         update_timeout_s=cfg.update_timeout_s,
@@ -208,6 +244,8 @@ async def build_server(cfg: RewardServerConfig) -> RewardServer:
         serve_during_updates=cfg.serve_during_updates,
         allow_version_reset=cfg.allow_version_reset,
     )
+    control = (SleepAwareControl(engine, sleep_mode, **control_kwargs) if cfg.enable_sleep_mode
+               else UpdateControl(engine, **control_kwargs))
     ludic = LudicDialect(control, backend="gloo" if cfg.resolved_device() == "cpu" else "nccl",
                          group_timeout_s=cfg.group_timeout_s)
     scorer = RewardScorer(
@@ -224,7 +262,9 @@ async def build_server(cfg: RewardServerConfig) -> RewardServer:
 
         await warm_up("one text scored", lambda rid: engine.encode(
             "Hello", PoolingParams(task="classify"), rid), log)
-    return RewardServer(cfg, engine, control, ludic, scorer)
+    app = await pooling_app(engine, model=cfg.model, served_model_name=cfg.served_model_name,
+                            convert=cfg.convert)
+    return RewardServer(cfg, engine, control, ludic, scorer, app, sleep_mode)
 
 
 async def serve(
@@ -242,10 +282,11 @@ async def serve(
             model=str(server.scorer.model_name), version=server.control.version,
             api_key=cfg.api_key, update_timeout_s=cfg.update_timeout_s,
             wait_timeout_s=cfg.score_wait_timeout_s,
-            serves=f"POST /score ({server.scorer.num_labels} label(s))",
+            serves=f"POST /score and /get_reward ({server.scorer.num_labels} label(s)), "
+                   "vLLM's /classify, /pooling, /v1/score, /v1/models",
         )
         await serve_app(server.app(), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                        lifespan="off", ready=ready, stop=stop, announce=announce)
+                        lifespan="on", ready=ready, stop=stop, announce=announce)
     finally:
         await server.control.shutdown()
         await stop_engine(server.engine)
@@ -313,10 +354,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a score request waits for an update to finish, and an "
                         f"update for the scores in flight (default {d.score_wait_timeout_s:g} s)")
     p.add_argument("--seed", type=int, help=f"engine seed (default {d.seed})")
-    add_server_arguments(p, d, open_routes="/score and /health")
+    p.add_argument("--convert", choices=["classify"],
+                   help="vLLM's model conversion: classify serves a causal LM (*ForCausalLM) "
+                        "whose checkpoint has a score head (score.weight) as a reward model "
+                        "(default: none, the checkpoint must be *ForSequenceClassification)")
+    p.add_argument("--hf-overrides", type=_json_object, metavar="JSON",
+                   help="vLLM's --hf-overrides, a JSON object merged into the model's config, "
+                        "e.g. a reward conversion from a causal LM's logits: "
+                        '\'{"classifier_from_token": ["no", "yes"], "method": '
+                        '"from_2_way_softmax"}\' (default: none)')
+    p.add_argument("--enable-sleep-mode", action="store_true", default=None,
+                   help="vLLM's sleep mode, for colocation (GPU only: CUDA or ROCm): POST "
+                        "/sleep frees the weights' and KV cache's GPU memory, /wake_up (or the "
+                        "next request or push) brings them back (default: off)")
+    add_server_arguments(p, d, open_routes="/score, /get_reward, vLLM's routes and /health")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help=WARMUP_HELP.format(**WARMUP))
     return p
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object, got {type(value).__name__}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
