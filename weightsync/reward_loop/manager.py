@@ -132,7 +132,7 @@ class RewardLoopManager:
         finally:
             if asleep:
                 await asyncio.to_thread(rmm.sleep)
-        self.check_versions(outputs)
+        check_versions(outputs, allow_mixed=self.config.reward_model.router.allow_mixed_versions)
         return outputs
 
     # -- sample by sample ------------------------------------------------------------------------
@@ -147,23 +147,6 @@ class RewardLoopManager:
         finally:
             self._in_flight[i] -= 1
         return out
-
-    def check_versions(self, outputs: list[dict]) -> None:
-        """Raise ``VersionMixError`` when ``outputs`` came from several reward-model versions
-        (unless ``reward_model.router.allow_mixed_versions``)."""
-        if self.config.reward_model.router.allow_mixed_versions:
-            return
-        by_version: dict[Any, list[int]] = {}
-        for i, out in enumerate(outputs):
-            version = (out.get("reward_extra_info") or {}).get("rm_version")
-            if version is not None:
-                by_version.setdefault(version, []).append(i)
-        if len(by_version) > 1:
-            listed = "; ".join(f"version {v}: samples {idx[:8]}{' ...' if len(idx) > 8 else ''}"
-                               for v, idx in sorted(by_version.items()))
-            raise VersionMixError(f"one batch was scored by reward-model weight versions "
-                                  f"{sorted(by_version)} ({listed}); push to every server before "
-                                  "scoring, or set reward_model.router.allow_mixed_versions")
 
     # -- worker placement and shutdown ---------------------------------------------------------
     def worker_nodes(self) -> list[str]:
@@ -183,3 +166,21 @@ class RewardLoopManager:
 
 async def _gather(refs: list[Any]) -> list[Any]:
     return await gather_refs(refs, None, what="reward loop")
+
+
+def check_versions(outputs: list[dict], *, allow_mixed: bool = False) -> None:
+    """Raise ``VersionMixError`` when ``outputs`` (per-sample results) came from several
+    reward-model weight versions (``reward_extra_info["rm_version"]``), unless ``allow_mixed``."""
+    if allow_mixed:
+        return
+    by_version: dict[Any, list[int]] = {}
+    for i, out in enumerate(outputs):
+        version = (out.get("reward_extra_info") or {}).get("rm_version")
+        if version is not None:
+            by_version.setdefault(version, []).append(i)
+    if len(by_version) > 1:
+        listed = "; ".join(f"version {v}: samples {idx[:8]}{' ...' if len(idx) > 8 else ''}"
+                           for v, idx in sorted(by_version.items()))
+        raise VersionMixError(f"one batch was scored by reward-model weight versions "
+                              f"{sorted(by_version)} ({listed}); push to every server before "
+                              "scoring, or set reward_model.router.allow_mixed_versions")

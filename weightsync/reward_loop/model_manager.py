@@ -11,7 +11,9 @@ What it does besides routing:
 
 - ``push(weights, version=None)``: one update to **every** server in one ``weightsync.connect``
   fan-out (so they serve the same version: the router refuses a mix); ``version`` None takes
-  the highest version any server serves plus one. The session is kept for the next push.
+  the highest version any server serves plus one. The session is kept for the next push (a
+  push that fails closes it: the next one connects afresh; a push refused because another
+  sender took a server's receivers meanwhile is made again at once on a fresh session).
 - ``sleep(level)`` / ``wake_up()``: colocate mode (``reward_model.rollout.free_cache_engine``):
   every server's vLLM sleep mode through its control plane (``POST /sleep``, ``/wake_up``); a
   server that cannot sleep (vLLM's sleep mode needs CUDA or ROCm) answers 501 and the error
@@ -26,6 +28,7 @@ methods. ``shutdown()`` stops the router and closes the push session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from weightsync._runtime.threads import LoopThread
@@ -96,18 +99,37 @@ class RewardModelManager:
 
     async def _push(self, weights: Any, version: int | None, strategy: Any,
                     push_kwargs: dict) -> Any:
-        import weightsync as ws
+        from weightsync.errors import CommunicatorReplacedError
 
         if version is None:
             current = [v for v in (await self.router.refresh()).values() if v is not None]
             version = max(current, default=0) + 1
+        try:
+            try:
+                return await self._push_once(weights, version, strategy, push_kwargs)
+            except CommunicatorReplacedError:
+                # another sender took a server's receivers since the last push: refused at the
+                # start, nothing moved; connect afresh once
+                return await self._push_once(weights, version, strategy, push_kwargs)
+        finally:
+            await self.router.refresh()
+
+    async def _push_once(self, weights: Any, version: int, strategy: Any,
+                         push_kwargs: dict) -> Any:
+        import weightsync as ws
+
         if self._session is None:
             self._session = await ws.connect(self.server_urls, strategy=strategy or "broadcast",
                                              api_key=self.api_key)
         try:
             return await self._session.push(weights, version=version, **push_kwargs)
-        finally:
-            await self.router.refresh()
+        except BaseException:
+            # the session may be unusable (a server lost its receivers, a transport broke):
+            # the next push connects afresh
+            session, self._session = self._session, None
+            with contextlib.suppress(Exception):
+                await session.close()
+            raise
 
     # -- colocate mode: sleep and wake -----------------------------------------------------------
     def sleep(self, level: int | None = None) -> list[dict]:

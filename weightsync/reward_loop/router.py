@@ -33,7 +33,8 @@ Answers are passed on whole (a streamed answer is buffered), with the server's s
 Router errors answer ``{"detail": ..., "server": url | null}``.
 """
 
-from __future__ import annotations
+# no ``from __future__ import annotations``: FastAPI reads the proxy's ``Request`` annotation
+# at definition time, and ``Request`` is imported inside ``RewardRouter.app``.
 
 import asyncio
 import contextlib
