@@ -166,7 +166,8 @@ async def _engine_names(engines: list[Any], timeout: float) -> list[str]:
 
 
 async def gather_refs(refs: list[Any], timeout: float | None, *, what: str) -> list[Any]:
-    """Await Ray refs; on a Ray task error re-raise the actor's own exception."""
+    """Await Ray refs; on a Ray task error (or an actor whose constructor failed) re-raise the
+    actor's own exception."""
     import ray.exceptions as rex
 
     from weightsync.errors import WeightSyncTimeout
@@ -180,6 +181,11 @@ async def gather_refs(refs: list[Any], timeout: float | None, *, what: str) -> l
         cause = e.cause
         if isinstance(cause, BaseException):
             raise cause from None
+        raise
+    except rex.RayActorError as e:  # an actor whose constructor raised: raise what it raised
+        failed = [a for a in e.args if isinstance(a, rex.RayTaskError)]
+        if failed and isinstance(failed[0].cause, BaseException):
+            raise failed[0].cause from None
         raise
 
 

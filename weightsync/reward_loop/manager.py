@@ -36,6 +36,10 @@ from weightsync.ray.controller import gather_refs, run_blocking
 from weightsync.reward_loop.data import RewardBatch, response_part
 
 
+#: CPUs each worker actor asks Ray for (it mostly waits on HTTP; see _init_reward_loop_workers)
+WORKER_CPUS = 0.01
+
+
 class VersionMixError(RuntimeError):
     """One batch was scored by different reward-model weight versions."""
 
@@ -88,7 +92,8 @@ class RewardLoopManager:
         self.reward_loop_workers = []
         for i in range(int(self.config.reward_model.num_workers)):
             self.reward_loop_workers.append(actor_cls.options(
-                name=f"reward_loop_worker_{tag}_{i}", num_cpus=0,
+                # a nominal CPU share: with none, Ray 2.60 does not apply a soft node affinity
+                name=f"reward_loop_worker_{tag}_{i}", num_cpus=WORKER_CPUS,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(
                     node_id=node_ids[i % len(node_ids)], soft=True),
             ).remote(self.config, self.reward_router_address))
