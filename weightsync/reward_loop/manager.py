@@ -35,7 +35,6 @@ from typing import Any
 from weightsync.ray.controller import gather_refs, run_blocking
 from weightsync.reward_loop.data import RewardBatch, response_part
 
-
 #: CPUs each worker actor asks Ray for (it mostly waits on HTTP; see _init_reward_loop_workers)
 WORKER_CPUS = 0.01
 

@@ -133,21 +133,25 @@ class SleepMode:
         waiting), refuse when a level-2 sleep left no weights, count the request in flight."""
         async with self._changed:
             await self._changed.wait_for(lambda: not self._changing)
+            if not self.weights_valid:
+                raise ServiceError(409, "the weights were dropped by a level-2 sleep and no "
+                                        "full update has landed since: push the weights "
+                                        "(training mode full) before scoring")
             mine = bool(self.asleep)  # this request wakes the engine; later ones wait for it
-            self._changing = self._changing or mine
+            if mine:
+                self._changing = True
+            else:
+                self._in_flight += 1
         if mine:
+            woke = False
             try:
                 await self._wake(list(TAGS))
+                woke = True
             finally:
-                async with self._changed:
+                async with self._changed:  # counted before a sleep can slip in
                     self._changing = False
+                    self._in_flight += int(woke)
                     self._changed.notify_all()
-        if not self.weights_valid:
-            raise ServiceError(409, "the weights were dropped by a level-2 sleep and no full "
-                                    "update has landed since: push the weights (training mode "
-                                    "full) before scoring")
-        async with self._changed:
-            self._in_flight += 1
         try:
             yield
         finally:
