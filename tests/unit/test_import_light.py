@@ -16,6 +16,8 @@ from weightsync import *  # noqa: F403 - every public name
 import weightsync.registry, weightsync.config, weightsync.engine, weightsync.validation
 import weightsync.extractors, weightsync.loaders, weightsync.strategies, weightsync.reward
 import weightsync.clients, weightsync.connect, weightsync.pipeline
+import weightsync.reward_loop
+from weightsync.reward_loop import *  # noqa: F403 - names resolve lazily
 print(json.dumps(sorted(m for m in HEAVY if m in sys.modules)))
 """
 

@@ -95,6 +95,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tests/unit/test_engine_endpoint.py tests/unit/test_validation.py tests/unit/test_types.py "
     "tests/unit/loaders/test_vllm_worker.py tests/unit/servers/test_control_rendezvous.py":
         TESTS,
+    "python examples/reward_loop/grpo_step.py": (
+        "covered", "tests/integration/examples/test_examples_reward_loop.py::"
+                   "test_grpo_step_combines_rule_and_model (against the session's servers)"),
+    "weightsync serve-reward --model models/rm-as-causal-lm --convert classify --port 8001": (
+        "covered", "tests/integration/reward_loop/test_router.py: its second server is the tiny "
+                   "reward model relabelled as a causal LM, served with --convert classify on a "
+                   "free port"),
 }
 HOW = {"run", "quickstart", "covered", "not in CI", "tests"}
 
