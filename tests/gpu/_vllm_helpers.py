@@ -129,3 +129,16 @@ def start_llm(model_dir: str, gpus: str, *, tp: int = 1, memory: float = 0.3,
         return LLM(model=model_dir, dtype="bfloat16", tensor_parallel_size=tp, max_model_len=256,
                    gpu_memory_utilization=memory, enforce_eager=True,
                    worker_extension_cls=extension or BENCH_EXTENSION, seed=0)
+
+
+def push_broadcast(url: str, model: Any, api_key: str) -> Any:
+    """One push of ``model`` to the server at ``url`` through the front door (``broadcast``; the
+    backend follows the tensors: NCCL for CUDA); returns the ``SyncStats``."""
+    import weightsync as ws
+
+    async def go():
+        async with ws.connect([url], strategy="broadcast", api_key=api_key,
+                              timeout_s=120) as sync:
+            return await sync.push(model)
+
+    return asyncio.run(go())

@@ -7,7 +7,6 @@ is set; the numbers are printed either way."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
@@ -37,14 +36,9 @@ def _scores(url: str) -> list[float]:
 
 
 def _push(url: str, model) -> object:
-    import weightsync as ws
+    from _vllm_helpers import push_broadcast
 
-    async def go():
-        async with ws.connect([url], strategy="broadcast", api_key=API_KEY,
-                              timeout_s=120) as sync:
-            return await sync.push(model)
-
-    return asyncio.run(go())
+    return push_broadcast(url, model, API_KEY)
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -36,14 +36,9 @@ def _need_two_gpus() -> None:
 
 
 def _push(url: str, model) -> object:
-    import weightsync as ws
+    from _vllm_helpers import push_broadcast
 
-    async def go():
-        async with ws.connect([url], strategy="broadcast", api_key=API_KEY,
-                              timeout_s=120) as sync:
-            return await sync.push(model)
-
-    return asyncio.run(go())
+    return push_broadcast(url, model, API_KEY)
 
 
 def test_broadcast_into_reward_server_on_gpu1(tmp_path):
