@@ -45,7 +45,8 @@ def _config(policy_dir, reward_server, num_workers):
 
 async def _rollouts_scored_as_they_finish(policy_server, tokenizer, manager):
     """64 completions from the policy server, 8 at a time; each is scored the moment it
-    finishes. -> (the batch in prompt order, per-sample results, rollout and scoring times)."""
+    finishes, and the last 8 start only once 8 scores are back. -> (the batch in prompt order,
+    per-sample results, rollout and scoring times)."""
     from weightsync.reward_loop.data import RewardBatch
 
     prompts = [f"Q{i}: what is {i} + {i}? Answer after ####." for i in range(N)]
@@ -54,8 +55,12 @@ async def _rollouts_scored_as_they_finish(policy_server, tokenizer, manager):
     done_at, scored_at = [0.0] * N, [0.0] * N
     responses: list[str] = [""] * N
     results: list[dict] = [{}] * N
+    eight_scored = asyncio.Event()
     async with httpx.AsyncClient(timeout=300) as client:
         async def one(i):
+            if i >= N - 8:  # the last rollouts start only once 8 samples were scored: the
+                # manager must score while the batch is still being produced
+                await asyncio.wait_for(eight_scored.wait(), 120)
             async with sem:
                 r = await client.post(policy_server.url + "/v1/completions", json={
                     "model": "tiny-policy", "prompt": prompts[i], "max_tokens": 12,
@@ -66,6 +71,8 @@ async def _rollouts_scored_as_they_finish(policy_server, tokenizer, manager):
                                             data_sources="openai/gsm8k", ground_truths=[truths[i]])
             results[i] = await manager.score_sample(sample)
             scored_at[i] = time.monotonic()
+            if sum(1 for t in scored_at if t) >= 8:
+                eight_scored.set()
 
         await asyncio.gather(*(one(i) for i in range(N)))
     batch = RewardBatch.from_texts(tokenizer, prompts, responses, data_sources="openai/gsm8k",
@@ -90,9 +97,9 @@ def test_two_workers_round_robin_score_while_rollouts_run_equal_to_one(
 
         batch, streamed, done_at, scored_at = asyncio.run(
             _rollouts_scored_as_they_finish(policy_server, tokenizer, two))
-        # scored while rollouts were still being produced: the first scores came back before
-        # the last rollout finished
-        assert sum(s < max(done_at) for s in scored_at) >= 8, (min(scored_at), max(done_at))
+        # scored while rollouts were still being produced: 8 scores came back before the last
+        # rollouts had even started
+        assert sum(s < min(done_at[N - 8:]) for s in scored_at) >= 8
 
         one = RewardLoopManager(_config(tiny_policy_model_dir, reward_server, 1))
         whole = one.compute_scores(batch)
