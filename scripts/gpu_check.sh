@@ -22,6 +22,10 @@
 #                                          torch module, no vLLM) on qwen2-7b, 1 and 2 chunks in flight
 #   bash scripts/gpu_check.sh bench-integrity weightsync bench --device cuda --integrity on qwen2-7b and
 #                                          qwen2-0.5b: what checksum: true and staged: true cost
+#   bash scripts/gpu_check.sh sleep        serve-reward's sleep mode (level 1 and 2): wake seconds, GiB
+#                                          freed, a push while asleep, then scores = transformers
+#   bash scripts/gpu_check.sh extras       the Megatron extractor (TP=2, NCCL) and the SGLang loader
+#                                          against real engines (their wheels staged first)
 #   bash scripts/gpu_check.sh hybrid       FSDP2 over 2 ranks + a TP=2 vLLM engine on the same 2 GPUs,
 #                                          each TP worker fed by CUDA IPC from the rank on its GPU
 #   bash scripts/gpu_check.sh four-gpu     trainer -> TP=2 engine over NCCL, fan-out to two engines,
@@ -164,6 +168,16 @@ case "$stage" in
     need_vllm; need_gpus 2
     pytest_stage hybrid 560 tests/gpu/test_hybrid_gpu.py
     ;;
+  sleep)
+    need_vllm; need_gpus 2
+    pytest_stage sleep 560 tests/gpu/test_reward_sleep_gpu.py
+    ;;
+  extras)
+    # needs the extra wheels staged beside vLLM (megatron-core + mbridge; sglang): each test
+    # skips, saying so, when its package does not import
+    pytest_stage extras 560 tests/gpu/test_gpu_megatron_extractor.py \
+        tests/gpu/test_gpu_sglang_loader.py
+    ;;
   four-gpu)
     need_vllm; need_gpus 4
     bench qwen2-7b_tp2 300 --shape qwen2-7b --tp 2 --rows broadcast,ludic,native_nccl --check-logprobs
@@ -171,7 +185,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {perf|tests|tests-vllm|tests-servers|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {perf|tests|tests-vllm|tests-servers|sleep|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac
