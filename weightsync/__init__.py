@@ -32,6 +32,7 @@ from weightsync.extractors.deepspeed import DeepSpeedWeightExtractor
 from weightsync.extractors.fsdp import FSDPWeightExtractor
 from weightsync.extractors.hf import HFHeadWeightExtractor, HFWeightExtractor
 from weightsync.extractors.lora import LoraMergeWeightExtractor
+from weightsync.extractors.lora_adapter import LoRAAdapterWeightExtractor
 from weightsync.extractors.megatron import MegatronWeightExtractor
 from weightsync.interfaces import (
     InferenceEngineClient,
@@ -45,6 +46,7 @@ from weightsync.loaders.remote import RemoteWeightLoader
 from weightsync.loaders.sglang import SGLangWeightLoader
 from weightsync.loaders.torch_module import TorchModuleWeightLoader
 from weightsync.loaders.vllm import VLLMWeightLoader
+from weightsync.lora_adapter import LoRAAdapterSpec, lora_request
 from weightsync.registry import register_extractor, register_loader, register_strategy
 from weightsync.strategies.broadcast import (
     BroadcastConfig,
@@ -88,7 +90,8 @@ __all__ = [
     "BroadcastTransferSender", "BroadcastTransferStrategy", "BroadcastWeightUpdateRequest",
     "CudaIpcTransferReceiver", "CudaIpcTransferSender", "CudaIpcTransferStrategy",
     "DeepSpeedWeightExtractor", "FSDPWeightExtractor", "HFHeadWeightExtractor",
-    "HFWeightExtractor", "LoraMergeWeightExtractor", "MegatronWeightExtractor",
+    "HFWeightExtractor", "LoRAAdapterSpec", "LoRAAdapterWeightExtractor",
+    "LoraMergeWeightExtractor", "MegatronWeightExtractor",
     "PackedCudaIpcTransferReceiver",
     "PackedCudaIpcTransferSender", "PackedCudaIpcTransferStrategy", "RemoteWeightLoader",
     "SGLangWeightLoader", "TorchModuleWeightLoader", "VLLMWeightLoader",
@@ -103,5 +106,5 @@ __all__ = [
     "WeightSyncTimeout", "WeightTransferReceiver", "WeightTransferSender",
     "WeightTransferStrategy", "WeightUpdateEndpoint", "WeightUpdateFinish", "WeightUpdateRequest",
     "WeightUpdateStart", "build_extractor", "build_loader", "build_strategy", "connect",
-    "connect_sync", "load_config", "register_extractor", "register_loader", "register_strategy",
+    "connect_sync", "load_config", "lora_request", "register_extractor", "register_loader", "register_strategy",
 ]

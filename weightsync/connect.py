@@ -244,13 +244,16 @@ class SyncSession:
         ext = self._extractor_for(model, mode, heads)
         if not getattr(ext, "lockstep", False) and not self.is_sender:
             return None  # nothing to gather: the sending rank pushes alone
+        adapter = _adapter_of(ext, model, delta)
         # the same on every rank, and made on every rank (megatron's first one is an export)
         manifest = ext.metadata(model, dtype)
-        _check_mode(manifest, mode, heads)  # every rank refuses alike, before any gather
+        if adapter is None:
+            _check_mode(manifest, mode, heads)  # every rank refuses alike, before any gather
 
         async def send(stream: Any) -> SyncStats:
             await self._ensure_sender(_device_name(device_of(model)))
-            return await self._send(stream(), manifest, version, mode, heads, delta)
+            return await self._send(stream(), manifest, version, mode, heads, delta,
+                                    lora_adapter=adapter)
 
         return await send_extracted(ext, model, dtype, send)
 
@@ -342,10 +345,15 @@ class SyncSession:
 
     async def _send(
         self, chunks: Any, manifest: list[Any], version: int | None, mode: TrainingMode | None,
-        heads: list[str] | None, delta: bool,
+        heads: list[str] | None, delta: bool, *, lora_adapter: dict | None = None,
     ) -> SyncStats:
         """One update through the sender: plain, or through the delta tracker (which sends
-        the delta, or a full update the engines keep as the base of later deltas)."""
+        the delta, or a full update the engines keep as the base of later deltas).
+        ``lora_adapter``: a LoRA adapter-only update (plain; the base weights and so the delta
+        tracker's base do not change)."""
+        if lora_adapter is not None:
+            return await self._send_once(chunks, manifest, version, mode, heads, None,
+                                         lora_adapter=lora_adapter)
         if not delta:
             if self.tracker is not None:
                 self.tracker.forget()
@@ -368,13 +376,14 @@ class SyncSession:
 
     async def _send_once(
         self, chunks: Any, manifest: list[Any], version: int | None, mode: TrainingMode | None,
-        heads: list[str] | None, delta: dict | None,
+        heads: list[str] | None, delta: dict | None, *, lora_adapter: dict | None = None,
     ) -> SyncStats:
         assert self.client is not None and self.sender is not None
+        extra = {"lora_adapter": lora_adapter} if lora_adapter is not None else {}
         try:
             stats = await self.sender.send_chunks(
                 chunks, self.client, version=version, manifest=manifest, training_mode=mode,
-                head_name_patterns=heads, delta=delta,
+                head_name_patterns=heads, delta=delta, **extra,
             )
         except BaseException as e:
             if isinstance(e, CommunicatorReplacedError) or not isinstance(e, _REFUSALS):
@@ -501,6 +510,18 @@ def _head_patterns(mode: TrainingMode | None, given: Sequence[str] | None) -> li
 
         return list(DEFAULT_HEAD_NAME_PATTERNS)
     return None
+
+
+def _adapter_of(ext: Any, model: Any, delta: bool) -> dict | None:
+    """The ``lora_adapter`` of an update made by an adapter extractor (``lora_adapter``), else
+    None; refused with ``delta`` (an adapter is sent whole: it is small)."""
+    spec_of = getattr(ext, "adapter_spec", None)
+    if spec_of is None:
+        return None
+    if delta:
+        raise ValueError("push: delta=True with the lora_adapter extractor; an adapter update is "
+                         "sent whole (it is small), push it with delta=False")
+    return spec_of(model).to_dict()
 
 
 def _check_mode(manifest: list[Any], mode: TrainingMode | None, heads: list[str] | None) -> None:

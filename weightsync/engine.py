@@ -135,6 +135,8 @@ class _Update:
     start: WeightUpdateStart
     sink: UpdateSink  # what the receiver loads into (checksums; in place or staged)
     delta: DeltaLoader | None = None  # a delta update: the sink loads into it
+    # the loader of this update: the engine's, or an adapter's (a LoRA adapter-only update)
+    loader: WeightLoader | None = None
     chunks_done: int = 0
     failed: str = ""  # why a chunk of this update failed; later chunks are refused
 
@@ -274,11 +276,16 @@ class WeightUpdateEndpoint:
                     f"staged: false"
                 )
             delta = None
+            loader = self._loader_for(msg)
             if msg.delta is not None:  # validated as its targets; refused if it cannot apply
                 delta = self._deltas.begin(msg, self.loader, served=self._version,
                                            idle=self._state is EndpointState.IDLE)
                 self._validate(delta.targets, msg, whole_update=True)
                 delta.check_base()
+            elif loader is not self.loader:  # an adapter: its own names, every start checked
+                if msg.manifest is not None:
+                    self._validate(msg.manifest, msg, whole_update=True, loader=loader)
+                staged = True  # installed whole at finish: the engine serves the last version
             elif msg.manifest is not None and not self._accepted_before(msg):
                 self._validate(msg.manifest, msg, whole_update=True)
                 self._accepted = (msg.manifest, msg.training_mode, msg.head_name_patterns)
@@ -290,9 +297,9 @@ class WeightUpdateEndpoint:
                     f"takes it as given)"
                 )
             # may refuse too (nothing loaded yet); a delta's loader sees its targets
-            await self.loader.start_update(delta.loader_start(msg) if delta else msg)
+            await loader.start_update(delta.loader_start(msg) if delta else msg)
             self._update = _Update(
-                msg, UpdateSink(delta or self.loader, staged=staged, name=self.name), delta)
+                msg, UpdateSink(delta or loader, staged=staged, name=self.name), delta, loader)
             if self._state is EndpointState.IDLE:
                 self._state = EndpointState.RECEIVING
 
@@ -383,7 +390,7 @@ class WeightUpdateEndpoint:
                 await update.sink.commit()  # a staged update lands now (in place: nothing left)
                 if update.delta is not None:
                     await update.delta.complete()
-                await self.loader.finish_update(msg)
+                await (update.loader or self.loader).finish_update(msg)
             except BaseException as e:
                 self._update = None
                 update.sink.discard()
@@ -487,23 +494,42 @@ class WeightUpdateEndpoint:
         return last is not None and last[0] is msg.manifest and last[1:] == (
             msg.training_mode, msg.head_name_patterns)
 
+    def _loader_for(self, msg: WeightUpdateStart) -> WeightLoader:
+        """The engine's loader, or for a LoRA adapter-only update (``lora_adapter`` in the
+        start) the adapter loader the engine's loader gives (refused: nothing changes)."""
+        if msg.lora_adapter is None:
+            return self.loader
+        from weightsync.lora_adapter import LoRAAdapterSpec
+
+        if msg.delta is not None:
+            raise UpdateRefusedError(f"{self.name}: update {msg.update_id} is a delta and a LoRA "
+                                     f"adapter update; send an adapter whole (it is small)")
+        try:
+            spec = LoRAAdapterSpec.from_dict(msg.lora_adapter)
+        except ValueError as e:
+            raise UpdateRefusedError(f"{self.name}: update {msg.update_id}: {e}") from None
+        return self.loader.adapter_loader(spec)
+
     def _validate(
-        self, metas: list[TensorMeta], start: WeightUpdateStart, *, whole_update: bool
+        self, metas: list[TensorMeta], start: WeightUpdateStart, *, whole_update: bool,
+        loader: WeightLoader | None = None,
     ) -> None:
         """The loader's check and the training mode's name policy, as one error that lists
-        every offender of both."""
+        every offender of both (an adapter update has no training-mode policy: it carries
+        adapter tensors by definition)."""
         from weightsync.validation import size_offenders
 
+        loader = loader or self.loader
         offenders: list[str] = []
         target = "target model"
         try:
-            self.loader.validate(metas)
+            loader.validate(metas)
         except WeightMismatchError as e:
             offenders += e.offenders
             target = e.target
         if not offenders:
-            offenders += size_offenders(metas, self.loader.expected_metadata(), whole_update=True)
-        if start.training_mode is not None:
+            offenders += size_offenders(metas, loader.expected_metadata(), whole_update=True)
+        if start.training_mode is not None and start.lora_adapter is None:
             from weightsync.validation import training_mode_offenders
 
             offenders += training_mode_offenders(
@@ -519,8 +545,10 @@ class WeightUpdateEndpoint:
         in the receiver)."""
         from weightsync.validation import size_offenders, training_mode_offenders
 
-        offenders = size_offenders(metas, self.loader.expected_metadata())
-        if start.training_mode is not None:
+        update = self._update
+        loader = update.loader if update is not None and update.loader else self.loader
+        offenders = size_offenders(metas, loader.expected_metadata())
+        if start.training_mode is not None and start.lora_adapter is None:
             offenders += training_mode_offenders(
                 [m.name for m in metas], start.training_mode, start.head_name_patterns
             )

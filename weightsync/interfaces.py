@@ -56,6 +56,8 @@ from weightsync.types import (
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from weightsync.lora_adapter import LoRAAdapterSpec
+
 log = logging.getLogger(__name__)
 
 
@@ -406,6 +408,17 @@ class WeightLoader(abc.ABC):
         work has completed): what ``load_weights`` would do after copying (bookkeeping, tied
         copies) happens here."""
 
+    def adapter_loader(self, spec: LoRAAdapterSpec) -> WeightLoader:
+        """The loader of one LoRA adapter-only update (``weightsync.lora_adapter``): the
+        endpoint gives it an update whose start carries ``lora_adapter`` (staged, installed at
+        finish). The default refuses: this engine serves no LoRA adapters."""
+        from weightsync.errors import UpdateRefusedError
+
+        raise UpdateRefusedError(
+            f"{type(self).__name__} takes no LoRA adapter updates (adapter {spec.name!r}); a "
+            f"vLLM engine started with enable_lora=True does, or push merged weights (the "
+            f"lora_merge extractor)")
+
     async def start_update(self, start: WeightUpdateStart) -> None:  # noqa: B027
         """Hook before the first chunk of an update."""
 
@@ -461,19 +474,23 @@ class WeightTransferSender(abc.ABC):
         head_name_patterns: list[str] | None = None,
         extras: dict | None = None,
         delta: dict | None = None,
+        lora_adapter: dict | None = None,
     ) -> SyncStats:
         """One whole update. ``manifest`` (derived from a list of chunks when not given) lets
         every engine refuse bad names/shapes/dtypes before any byte moves; ``training_mode`` and
         ``head_name_patterns`` travel in the start (the engines enforce the mode's name policy);
         ``extras`` is free-form data for custom loaders; ``delta`` makes it a delta update
-        (``weightsync.delta``: the chunks are its wire tensors)."""
+        (``weightsync.delta``: the chunks are its wire tensors); ``lora_adapter``
+        (``LoRAAdapterSpec.to_dict()``) makes it a LoRA adapter-only update (the chunks are the
+        adapter's ``lora_A`` / ``lora_B``; ``weightsync.lora_adapter``)."""
         if manifest is None and isinstance(chunks, (list, tuple)):
             manifest = [m for c in chunks for m in c.metas()]
         stats = SyncStats(update_id=uuid.uuid4().hex)
         t0 = time.perf_counter()
         cfg = getattr(self, "cfg", None)
         start = self.start_message(stats.update_id, version, manifest, training_mode,
-                                   head_name_patterns, extras, delta=delta)
+                                   head_name_patterns, extras, delta=delta,
+                                   lora_adapter=lora_adapter)
         stream = self._coalesce(chunks, held=isinstance(chunks, (list, tuple)))
         # a delta's start goes out alone: every engine accepts its base before any applies it
         against_base = delta is not None and delta.get("base_version") is not None
@@ -508,7 +525,7 @@ class WeightTransferSender(abc.ABC):
     def start_message(
         self, update_id: str, version: int | None, manifest: list[TensorMeta] | None,
         training_mode: TrainingMode | str | None, head_name_patterns: list[str] | None,
-        extras: dict | None, *, delta: dict | None = None,
+        extras: dict | None, *, delta: dict | None = None, lora_adapter: dict | None = None,
     ) -> WeightUpdateStart:
         """The update's start, with this sender's per-update options (``staged``, the idle
         limit it promises)."""
@@ -519,6 +536,7 @@ class WeightTransferSender(abc.ABC):
             head_name_patterns=list(head_name_patterns) if head_name_patterns else None,
             extras=extras or {}, staged=bool(getattr(cfg, "staged", False)),
             idle_timeout_s=getattr(cfg, "idle_timeout_s", None), delta=delta,
+            lora_adapter=lora_adapter,
         )
 
     async def _send_single(

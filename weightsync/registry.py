@@ -76,6 +76,7 @@ EXTRACTORS = Registry(
         "hf": "weightsync.extractors.hf:HFWeightExtractor",
         "hf_head": "weightsync.extractors.hf:HFHeadWeightExtractor",
         "lora_merge": "weightsync.extractors.lora:LoraMergeWeightExtractor",
+        "lora_adapter": "weightsync.extractors.lora_adapter:LoRAAdapterWeightExtractor",
         "fsdp": "weightsync.extractors.fsdp:FSDPWeightExtractor",
         "deepspeed": "weightsync.extractors.deepspeed:DeepSpeedWeightExtractor",
         "megatron": "weightsync.extractors.megatron:MegatronWeightExtractor",

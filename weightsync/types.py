@@ -561,6 +561,9 @@ class WeightUpdateStart(_Tagged):
     # a delta update (``weightsync.delta``: ``{base_version, targets}``); the manifest then
     # lists its wire tensors. None: a plain update
     delta: dict[str, Any] | None = None
+    # a LoRA adapter-only update (``weightsync.lora_adapter``: ``{name, config}``); the manifest
+    # then lists the adapter's lora_A / lora_B tensors. None: an update of the model's weights
+    lora_adapter: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.training_mode is not None:
@@ -594,6 +597,9 @@ class WeightUpdateStart(_Tagged):
             self.head_name_patterns = list(self.head_name_patterns)
         if not isinstance(self.extras, dict):
             raise ValueError(f"extras must be an object, got {type(self.extras).__name__}")
+        if self.lora_adapter is not None and not isinstance(self.lora_adapter, dict):
+            raise ValueError(f"lora_adapter must be an object ({{name, config}}) or null, got "
+                             f"{type(self.lora_adapter).__name__}")
         if self.delta is not None and not isinstance(self.delta, dict):
             raise ValueError(f"delta must be an object or null, got {type(self.delta).__name__}")
 

@@ -10,12 +10,14 @@ import torch
 PROMPTS = ["The model is", "Weights move from", "Question: name a colour. Answer:"]
 
 
-def vllm_greedy(llm: Any, n: int = 8) -> tuple[list[list[int]], list[list[float]]]:
-    """vLLM's greedy tokens for ``PROMPTS`` and the logprob of each."""
+def vllm_greedy(llm: Any, n: int = 8, *, lora_request: Any = None,
+                ) -> tuple[list[list[int]], list[list[float]]]:
+    """vLLM's greedy tokens for ``PROMPTS`` and the logprob of each (``lora_request``: served
+    by that adapter)."""
     from vllm import SamplingParams
 
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, logprobs=1),
-                        use_tqdm=False)
+                        use_tqdm=False, lora_request=lora_request)
     return [list(o.outputs[0].token_ids) for o in outs], [
         [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]
 

@@ -6,6 +6,8 @@ strategy, extractor and loader: ``docs/architecture.md``):
 - ``hf``, ``hf_head`` (:mod:`weightsync.extractors.hf`): plain torch modules / HF models, the
   whole state or only the head (reward models trained head-only).
 - ``lora_merge`` (:mod:`weightsync.extractors.lora`): PEFT models, merged weights.
+- ``lora_adapter`` (:mod:`weightsync.extractors.lora_adapter`): PEFT models, the adapter's
+  ``lora_A`` / ``lora_B`` only, into an engine's LoRA runtime (``weightsync.lora_adapter``).
 - ``fsdp`` (:mod:`weightsync.extractors.fsdp`): FSDP2 (DTensor) models, gathered per module.
 - ``deepspeed`` (:mod:`weightsync.extractors.deepspeed`): ZeRO-1/2/3 models.
 - ``megatron`` (:mod:`weightsync.extractors.megatron`): Megatron-Core models, exported under HF

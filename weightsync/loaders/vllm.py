@@ -182,6 +182,14 @@ class VLLMWeightLoader(WeightLoader):
 
         return self.plan.direct_target(meta.name, str_to_dtype(meta.dtype), meta.shape)
 
+    def adapter_loader(self, spec: Any) -> WeightLoader:
+        """A LoRA adapter-only update into this worker's LoRA runtime
+        (``weightsync.loaders.vllm_lora``; refused if the engine was started without LoRA)."""
+        from weightsync.loaders.vllm_lora import VLLMLoRAAdapterLoader
+
+        return VLLMLoRAAdapterLoader(self.worker, spec, base_meta=self._meta,
+                                     model_name=self.model_name)
+
     def loaded_in_place(self, names: Sequence[str]) -> None:
         if self.plan is not None:
             self.plan.direct += len(names)

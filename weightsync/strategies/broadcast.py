@@ -302,6 +302,7 @@ class BroadcastTransferSender(WeightTransferSender):
         head_name_patterns: list[str] | None = None,
         extras: dict | None = None,
         delta: dict | None = None,
+        lora_adapter: dict | None = None,
     ) -> SyncStats:
         """One update. With ``stream`` (default) and a manifest: the streamed protocol
         (``strategies/_stream.py``): three control calls per update (the start, the whole
@@ -314,12 +315,13 @@ class BroadcastTransferSender(WeightTransferSender):
             return await super().send_chunks(
                 chunks, inference_client, version=version, manifest=manifest,
                 training_mode=training_mode, head_name_patterns=head_name_patterns,
-                extras=extras, delta=delta)
+                extras=extras, delta=delta, lora_adapter=lora_adapter)
         self._check_usable()
         stats = SyncStats(update_id=uuid.uuid4().hex)
         t0 = time.perf_counter()
         start = self.start_message(stats.update_id, version, manifest, training_mode,
-                                   head_name_patterns, extras, delta=delta)
+                                   head_name_patterns, extras, delta=delta,
+                                   lora_adapter=lora_adapter)
         request = BroadcastWeightUpdateRequest(
             names=[m.name for m in manifest], dtypes=[m.dtype for m in manifest],
             shapes=[list(m.shape) for m in manifest], src_rank=0, packed=False, stream=True,
