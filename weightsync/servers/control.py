@@ -61,7 +61,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,7 @@ class _ActiveUpdate:
     paused: bool = False  # the engine's scheduler is paused for this update
     holds_gate: bool = True  # False: staged while requests are served (serve_during_updates)
     watchdog: asyncio.Task | None = None
+    adapter: str | None = None  # a LoRA adapter-only update: the adapter's name
 
 
 class UpdateControl:
@@ -147,6 +148,9 @@ class UpdateControl:
         self._control_in_flight = 0
         self._world_size: int | None = None
         self._background: set[asyncio.Task] = set()
+        #: called with an adapter's name once a LoRA adapter-only update of it landed (the
+        #: policy server lets requests name it from then on)
+        self.adapter_published: Callable[[str], None] | None = None
 
     # -- worker calls ------------------------------------------------------------------------
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
@@ -331,7 +335,8 @@ class UpdateControl:
         drained = time.monotonic() - t0
         idle = self.update_timeout_s if start.idle_timeout_s is None else min(
             float(start.idle_timeout_s), self.update_timeout_s)
-        active = _ActiveUpdate(start.update_id, mode, idle_timeout_s=idle, holds_gate=holds_gate)
+        active = _ActiveUpdate(start.update_id, mode, idle_timeout_s=idle, holds_gate=holds_gate,
+                               adapter=_adapter_name(start))
         try:
             async with self._guard(f"the start of update {start.update_id}"):
                 await self.call_workers("start_weight_update", {"start": start.to_dict()})
@@ -444,6 +449,8 @@ class UpdateControl:
                 results = await self.call_workers("finish_weight_update", {"finish": finish.to_dict()})
             if finish.ok:
                 await self.reset_prefix_cache()
+                if active.adapter and self.adapter_published is not None:
+                    self.adapter_published(active.adapter)
         except BaseException as e:
             log.warning("%s: update %s did not land: %s", self.name, finish.update_id, _why(e))
             raise
@@ -576,6 +583,15 @@ class UpdateControl:
 
     def _guard(self, what: str) -> _ControlGuard:
         return _ControlGuard(self, what)
+
+
+def _adapter_name(start: Any) -> str | None:
+    """The adapter a LoRA adapter-only update is for (None: an update of the weights)."""
+    if start.lora_adapter is None:
+        return None
+    from weightsync.lora_adapter import DEFAULT_ADAPTER_NAME
+
+    return str(start.lora_adapter.get("name") or DEFAULT_ADAPTER_NAME)
 
 
 def _stop_watch(active: _ActiveUpdate) -> None:

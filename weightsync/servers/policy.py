@@ -20,6 +20,11 @@ Arguments: ours are ``--host`` (127.0.0.1), ``--port`` (8000), ``--api-key`` (de
 CPU, unless given: ``--dtype float32``, ``--enforce-eager``, ``--kv-cache-memory-bytes``
 256 MiB (vLLM CPU otherwise asks for most of a NUMA node).
 
+LoRA adapters (``--enable-lora``, ``--max-lora-rank``, ``--max-cpu-loras``): a trainer pushes
+only its adapter (the ``lora_adapter`` extractor, ``weightsync.lora_adapter``); once the update
+landed, requests whose ``"model"`` is the adapter's name are served by its latest version,
+requests naming the base model by the base weights.
+
 Updates (the pause policy): an update waits until the requests in flight have finished on the
 old weights (drain), new requests wait at the gate until it is done, then run on the new
 weights; the engine's scheduler is paused meanwhile as well. A request's latency therefore
@@ -202,6 +207,7 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
         serve_during_updates=cfg.serve_during_updates,
         allow_version_reset=cfg.allow_version_reset,
     )
+    control.adapter_published = _adapter_names_for(app.state)
     await control.refresh_state()
     await control.world_size()  # asked once here: /get_world_size never waits for workers
     if cfg.warmup:
@@ -254,6 +260,21 @@ def unserved_paths(state: Any) -> tuple[str, ...]:
 def _drop_routes(app: Any, paths: tuple[str, ...]) -> None:
     app.router.routes[:] = [r for r in app.router.routes
                             if getattr(r, "path", None) not in paths]
+
+
+def _adapter_names_for(state: Any) -> Any:
+    """After a LoRA adapter-only update landed: requests whose ``model`` names the adapter are
+    served by it (vLLM's table of adapter names, as its ``/v1/load_lora_adapter`` fills it;
+    the adapter itself is in every worker already, from memory, so vLLM reads no file).
+    ``/v1/models`` lists it."""
+    def publish(name: str) -> None:
+        from weightsync.lora_adapter import lora_request
+
+        models = getattr(state, "openai_serving_models", None)
+        if models is not None and name not in models.lora_requests:
+            models.lora_requests[name] = lora_request(name)
+
+    return publish
 
 
 def _health_router(engine: Any) -> Any:

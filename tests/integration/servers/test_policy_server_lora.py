@@ -1,0 +1,97 @@
+"""LoRA adapter-only updates into ``weightsync serve-policy --enable-lora`` (real vLLM CPU, real
+HTTP): the trainer pushes only its adapter (``ws.connect(url, extractor="lora_adapter")``);
+``/v1/models`` then lists it, requests with ``"model": <adapter>`` are served by its latest
+version (prompt logprobs, greedy tokens and their logprobs equal the merged model in
+transformers, fp32), requests naming the base model by the base weights; a refused adapter
+changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import httpx
+import pytest
+import torch
+from _policy_ref import PROMPTS, TOL, Reference, completion_lps, max_diff, prompt_lps, served
+
+import weightsync as ws
+from weightsync.errors import UpdateRefusedError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_policy_model_dir, tmp_path_factory):
+    from conftest import start_policy_server, stop_server
+
+    log_path = str(tmp_path_factory.mktemp("policy-lora") / "server.log")
+    handle = start_policy_server(tiny_policy_model_dir, log_path, extra=[
+        "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1", "--max-cpu-loras", "2"])
+    try:
+        yield handle
+    finally:
+        stop_server(handle)
+
+
+def _policy(model_dir: str, *, r: int = 8, seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    ref = Reference(model_dir)
+    model = get_peft_model(copy.deepcopy(ref.model), LoraConfig(
+        r=r, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    merged = Reference(model_dir)
+    merged.model = copy.deepcopy(model).merge_and_unload().eval()
+    return model, merged, ref
+
+
+def _push(server, model, name: str = "policy"):
+    async def go():
+        async with ws.connect([server.url], "broadcast", api_key=server.api_key,
+                              extractor={"type": "lora_adapter", "adapter_name": name}) as sync:
+            return await sync.push(model)
+
+    return asyncio.run(go())
+
+
+def _check(server, ref: Reference, prompt: str, model: str) -> int:
+    body, r = served(server, prompt, model=model)
+    ids = body["choices"][0]["prompt_token_ids"]
+    assert max_diff(prompt_lps(body), ref.logprobs(ids)) <= TOL
+    gen = body["choices"][0]["token_ids"]
+    assert gen == ref.greedy(ids)
+    assert max_diff(completion_lps(body), ref.logprobs(ids + gen)[len(ids) - 1:]) <= TOL
+    return int(r.headers["x-weight-version"])
+
+
+def test_requests_naming_the_adapter_get_its_latest_version(lora_server):
+    model, merged, base = _policy(lora_server.model_dir, seed=1)
+    stats = _push(lora_server, model)
+    assert stats.num_tensors == 2 * 3 * 2  # A and B of 3 modules in 2 layers
+    names = [m["id"] for m in httpx.get(lora_server.url + "/v1/models").json()["data"]]
+    assert "policy" in names and "tiny-policy" in names
+    for p in PROMPTS:
+        version = _check(lora_server, merged, p, "policy")
+        _check(lora_server, base, p, "tiny-policy")  # the base weights are untouched
+    model2, merged2, _ = _policy(lora_server.model_dir, seed=2)
+    stats2 = _push(lora_server, model2)
+    assert stats2.versions == [version + 1]
+    for p in PROMPTS:
+        _check(lora_server, merged2, p, "policy")
+
+
+def test_a_refused_adapter_changes_nothing(lora_server):
+    model, merged, _ = _policy(lora_server.model_dir, seed=3)
+    _push(lora_server, model)
+    too_big, _, _ = _policy(lora_server.model_dir, r=32, seed=4)
+    with pytest.raises(UpdateRefusedError, match="rank"):
+        _push(lora_server, too_big)
+    for p in PROMPTS:
+        _check(lora_server, merged, p, "policy")
+    state = httpx.get(lora_server.url + "/runtime_version").json()
+    assert state["version"] >= 1
