@@ -1,0 +1,116 @@
+"""LoRA adapter-only updates, the parts that need no engine: the wire spec, the extractor (a
+real PEFT model), and an engine whose loader takes no adapters refusing one before anything
+changes. The vLLM side is ``tests/integration/loaders/test_vllm_lora_adapter.py``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import weightsync as ws
+from weightsync.errors import UpdateRefusedError
+from weightsync.lora_adapter import LoRAAdapterSpec, adapter_id, module_of
+
+CFG = {"r": 4, "lora_alpha": 8, "target_modules": ["q"]}
+
+
+def test_adapter_ids_are_stable_positive_and_differ_by_name():
+    assert adapter_id("policy") == adapter_id("policy")
+    assert adapter_id("policy") != adapter_id("policy2")
+    assert all(1 <= adapter_id(n) < 2**31 for n in ("", "a", "policy", "x" * 300))
+    assert ws.LoRAAdapterSpec("policy", CFG).adapter_id == adapter_id("policy")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"name": "", "config": CFG}, "lora_adapter.name must be a non-empty string"),
+    ({"name": "p", "config": {**CFG, "r": 0}}, "lora_adapter.config.r must be an int > 0"),
+    ({"name": "p", "config": {**CFG, "r": True}}, "lora_adapter.config.r must be an int > 0"),
+    ({"name": "p", "config": {**CFG, "lora_alpha": "8"}}, "lora_alpha must be a number"),
+    ({"name": "p", "config": {**CFG, "target_modules": []}}, "target_modules must name modules"),
+    ({"name": "p", "config": CFG, "rank": 4}, r"unknown field\(s\) \['rank'\]"),
+    ("policy", "must be a mapping with name and config"),
+])
+def test_bad_specs_are_refused_naming_the_field(bad, message):
+    with pytest.raises(ValueError, match=message):
+        LoRAAdapterSpec.from_dict(bad)
+
+
+def test_spec_round_trips_and_reads_rank_patterns():
+    spec = LoRAAdapterSpec.from_dict({"name": "p", "config": {
+        **CFG, "target_modules": ("q", "v"), "rank_pattern": {"v": 2}}})
+    assert spec.config["target_modules"] == ["q", "v"]
+    assert LoRAAdapterSpec.from_dict(spec.to_dict()) == spec
+    assert (spec.rank_of("model.layers.0.q"), spec.rank_of("model.layers.0.v")) == (4, 2)
+
+
+def test_module_of_parses_peft_names_only():
+    assert module_of("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight") == (
+        "model.layers.0.self_attn.q_proj", "A")
+    assert module_of("base_model.model.x.lora_B.weight") == ("x", "B")
+    assert module_of("model.layers.0.self_attn.q_proj.weight") is None
+    assert module_of("base_model.model.x.lora_A.default.weight") is None
+
+
+def test_start_refuses_a_lora_adapter_that_is_not_an_object():
+    with pytest.raises(ValueError, match=r"lora_adapter must be an object \(\{name, config\}\)"):
+        ws.WeightUpdateStart.from_dict({"update_id": "u", "lora_adapter": ["policy"]})
+
+
+def _peft(**kw):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    return get_peft_model(LlamaForCausalLM(cfg), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], lora_dropout=0.0, **kw))
+
+
+def test_extractor_sends_only_the_adapter_under_peft_names_and_its_config():
+    model = _peft()
+    ext = ws.build_extractor({"type": "lora_adapter", "adapter_name": "mine"})
+    metas = ext.metadata(model)
+    assert {m.name for m in metas} == {
+        f"base_model.model.model.layers.{i}.{mod}.lora_{ab}.weight"
+        for i in range(2) for mod in ("self_attn.q_proj", "mlp.down_proj") for ab in "AB"}
+    shapes = {m.name: m.shape for m in metas}
+    assert shapes["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"] == [4, 32]
+    assert shapes["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"] == [32, 4]
+    spec = ext.adapter_spec(model)
+    assert (spec.name, spec.config["r"], spec.config["lora_alpha"]) == ("mine", 4, 8)
+    assert sorted(spec.config["target_modules"]) == ["down_proj", "q_proj"]
+
+    async def chunks():
+        return [c async for c in ext.extract_weights(model)]
+
+    made = asyncio.run(chunks())
+    got = {n: t for c in made for n, t in zip(c.names, c.tensors, strict=True)}
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj
+    sent = got["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"]
+    assert sent.data_ptr() == layer.lora_B["default"].weight.data_ptr()  # the model's, no copy
+    assert all(c.borrowed for c in made)
+
+
+def test_extractor_refuses_dora_and_models_without_the_adapter():
+    with pytest.raises(ValueError, match="uses DoRA, which vLLM does not serve"):
+        ws.build_extractor({"type": "lora_adapter"}).metadata(_peft(use_dora=True))
+    with pytest.raises(ValueError, match="no PEFT adapter 'other'"):
+        ws.build_extractor({"type": "lora_adapter", "peft_adapter": "other"}).metadata(_peft())
+
+
+def test_an_engine_without_adapters_refuses_an_adapter_update_and_changes_nothing():
+    module = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    ep = ws.WeightUpdateEndpoint(ws.TorchModuleWeightLoader(module=module), name="eng")
+    start = ws.WeightUpdateStart(update_id="u", version=1, lora_adapter={"name": "p",
+                                                                         "config": CFG})
+    with pytest.raises(UpdateRefusedError, match="takes no LoRA adapter updates"):
+        asyncio.run(ep.start_weight_update(start.to_dict()))
+    bad = ws.WeightUpdateStart(update_id="v", lora_adapter={"name": "p", "config": {"r": 1}})
+    with pytest.raises(UpdateRefusedError, match="lora_adapter.config.lora_alpha"):
+        asyncio.run(ep.start_weight_update(bad.to_dict()))
+    assert (ep.version, ep.state) == (0, "idle")
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
