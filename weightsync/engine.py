@@ -142,7 +142,10 @@ class _Update:
 
     @property
     def touched(self) -> bool:
-        """The engine's weights were (possibly partly) written by this update."""
+        """The engine's weights were (possibly partly) written by this update (never, for a
+        loader that changes what is served only in its finish, all or nothing)."""
+        if self.loader is not None and self.loader.changes_at_finish_only:
+            return False
         return self.sink.touched
 
     def progress(self) -> UpdateProgress:

@@ -381,6 +381,11 @@ class WeightLoader(abc.ABC):
     buffers that are reused after it returns.
     """
 
+    #: True for a loader that only keeps what ``load_weights`` gives it and changes what the
+    #: engine serves in ``finish_update`` alone, all or nothing (an adapter loader): a failed
+    #: update then leaves the engine serving its last version, never torn
+    changes_at_finish_only: bool = False
+
     @abc.abstractmethod
     async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None: ...
 

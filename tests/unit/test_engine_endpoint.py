@@ -24,6 +24,7 @@ from weightsync.engine import WeightUpdateEndpoint
 from weightsync.errors import UpdateIncompleteError, WeightMismatchError, WeightSyncError
 from weightsync.interfaces import (
     InferenceEngineClient,
+    WeightLoader,
     WeightTransferReceiver,
     WeightTransferSender,
     WeightTransferStrategy,
@@ -843,3 +844,62 @@ def test_training_mode_policy(mode, names, needle):
     assert training_mode_offenders(["backbone.weight", "score.weight"], "full",
                                    whole_update=True) == []
     assert training_mode_offenders(["score.weight"], ws.TrainingMode.HEAD_ONLY) == []
+
+
+# -- LoRA adapter-only updates: the adapter's own loader, staged, never torn ----------------------
+
+
+class _AdapterLoader(WeightLoader):
+    """An adapter loader as ``weightsync.loaders.vllm_lora`` is one: keeps what it is given,
+    swaps the adapter in at ``finish_update`` or not at all."""
+
+    changes_at_finish_only = True
+
+    def __init__(self, fail: str) -> None:
+        self.kept: dict[str, torch.Tensor] = {}
+        self.installed: dict[str, torch.Tensor] | None = None
+        self.fail = fail
+
+    async def load_weights(self, named_tensors):
+        self.kept.update({k: v.clone() for k, v in named_tensors.items()})
+
+    async def finish_update(self, finish):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        self.installed = dict(self.kept)
+
+
+class _LoaderWithAdapters(TorchModuleWeightLoader):
+    def __init__(self, module, fail: str = "") -> None:
+        super().__init__(module=module)
+        self.fail = fail
+        self.adapters: list[_AdapterLoader] = []
+
+    def adapter_loader(self, spec):
+        self.adapters.append(_AdapterLoader(self.fail))
+        return self.adapters[-1]
+
+
+@pytest.mark.parametrize("fail", ["", "the install failed"])
+def test_adapter_update_lands_in_the_adapter_loader_and_a_failed_one_is_not_torn(fail):
+    e = Engine()
+    loader = _LoaderWithAdapters(e.module, fail)
+    e.ep = WeightUpdateEndpoint(loader, name="eng0")
+    _run(e.ep.init_weight_transfer({"type": STRATEGY}, ws.EmptyWeightSyncInfo().to_dict(), 1))
+    before = e.snapshot()
+    a = {"base_model.model.0.lora_A.weight": torch.ones(2, 4)}
+    spec = {"name": "p", "config": {"r": 2, "lora_alpha": 4, "target_modules": ["0"]}}
+    e.start("u1", None, [ws.TensorMeta(n, "float32", list(t.shape)) for n, t in a.items()],
+            lora_adapter=spec)
+    e.chunk("u1", 0, a)
+    assert loader.adapters[-1].kept == {}  # staged: the adapter loader sees it at the finish
+    if fail:
+        with pytest.raises(RuntimeError, match=fail):
+            e.finish("u1", None, 1)
+        assert (e.ep.version, e.ep.state) == (0, "idle")  # the last version still serves
+        e.ep.check_serving()
+    else:
+        assert e.finish("u1", None, 1) == 1
+        assert torch.equal(loader.adapters[-1].installed["base_model.model.0.lora_A.weight"],
+                           a["base_model.model.0.lora_A.weight"])
+    _assert_weights(e.module, before)  # the engine's own weights never see an adapter

@@ -53,6 +53,8 @@ class VLLMLoRAAdapterLoader(WeightLoader):
     ``base_meta``: the served checkpoint's names and shapes (``VLLMWeightLoader``'s expected
     metadata), for the adapter's shapes; None skips the shape check."""
 
+    changes_at_finish_only = True  # the adapter is swapped in by finish_update, or not at all
+
     def __init__(self, worker: Any, spec: LoRAAdapterSpec, *,
                  base_meta: Mapping[str, TensorMeta] | None, model_name: str) -> None:
         manager = lora_manager(worker)
@@ -147,6 +149,8 @@ class VLLMLoRAAdapterLoader(WeightLoader):
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
+        # everything that can fail is done; the swap below only moves entries between vLLM's
+        # tables (an adapter not pushed from memory is evicted if the cache is full)
         adapters = manager._adapter_manager
         adapters.remove_adapter(lora.id)
         if len(adapters) + 1 > adapters.capacity:
