@@ -24,6 +24,9 @@
 #                                          qwen2-0.5b: what checksum: true and staged: true cost
 #   bash scripts/gpu_check.sh sleep        serve-reward's sleep mode (level 1 and 2): wake seconds, GiB
 #                                          freed, a push while asleep, then scores = transformers
+#   bash scripts/gpu_check.sh lora         LoRA adapter-only pushes (qwen2-0.5b, qwen2-7b, rank 16) vs a
+#                                          full push vs vLLM's file-based adapter load, greedy tokens
+#                                          checked each step (benchmarks/bench_lora_adapter.py)
 #   bash scripts/gpu_check.sh extras       the Megatron extractor (TP=2, NCCL) and the SGLang loader
 #                                          against real engines (their wheels staged first)
 #   bash scripts/gpu_check.sh hybrid       FSDP2 over 2 ranks + a TP=2 vLLM engine on the same 2 GPUs,
@@ -172,6 +175,17 @@ case "$stage" in
     need_vllm; need_gpus 2
     pytest_stage sleep 560 tests/gpu/test_reward_sleep_gpu.py
     ;;
+  lora)
+    need_vllm
+    strategy=broadcast; [ "$gpus" -ge 2 ] || strategy=cuda_ipc
+    for shape in qwen2-0.5b qwen2-7b; do
+      timeout -s ABRT 280 python3 benchmarks/bench_lora_adapter.py --shape "$shape" --steps 5 \
+          --strategy "$strategy" --json "$OUT/lora_$shape.json" \
+          > "$OUT/lora_$shape.txt" 2> "$OUT/lora_$shape.log"
+      echo "bench lora_$shape rc=$?"
+    done
+    summary
+    ;;
   extras)
     # needs the extra wheels staged beside vLLM (megatron-core + mbridge; sglang): each test
     # skips, saying so, when its package does not import
@@ -185,7 +199,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {perf|tests|tests-vllm|tests-servers|sleep|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {perf|tests|tests-vllm|tests-servers|sleep|lora|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac

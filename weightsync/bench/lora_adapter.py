@@ -1,22 +1,24 @@
 """LoRA adapter-only pushes vs a full push vs vLLM's file-based adapter load, in one run:
 ``benchmarks/bench_lora_adapter.py``.
 
-A causal LM built here (``weightsync.testing.tiny_models``, Qwen2, nothing downloaded) is served
-by one in-process vLLM engine (``enable_lora=True``; float32 on CPU, bf16 on GPU) with the
-weightsync worker extension. A PEFT adapter on it (rank ``--rank`` on every linear layer vLLM's
-LoRA runtime supports) is trained for real (AdamW on a next-token loss over text). After each
-step three ways of getting the new policy into the engine are timed:
+A Qwen2 causal LM of the given sizes (or a named shape such as ``qwen2-7b``; nothing downloaded)
+is served by one in-process vLLM engine (``enable_lora=True``; float32 on CPU, bf16 on GPU,
+the engine on the second GPU when there are two) with the weightsync worker extension, started
+with dummy weights and sent the trainer's base weights first. A PEFT adapter on the trainer's
+model (rank ``--rank`` on every linear layer vLLM's LoRA runtime supports) is trained for real
+(AdamW on a next-token loss over seeded token sequences). After each step three ways of getting
+the new policy into the engine are timed:
 
 * ``adapter``: ``ws.connect([llm], strategy, extractor="lora_adapter").push(model)``, the
   adapter's ``lora_A`` / ``lora_B`` from memory into the LoRA runtime (what users call);
-* ``full``: the same session pushing the whole model (the served base weights as a state dict:
-  the bytes and the work of a full sync of the merged policy, without changing what the engine
-  serves);
+* ``full``: the same session pushing the whole model (the base weights under their served
+  names: the bytes and the work of a full sync of the merged policy, without changing what the
+  engine serves);
 * ``vllm_file``: vLLM's own way today: the adapter written with PEFT's ``save_pretrained`` and
   loaded with ``LoRARequest(..., load_inplace=True)`` through ``llm.llm_engine.add_lora``.
 
-Every step also checks that the engine's greedy tokens under the pushed adapter equal the merged
-model's in transformers (the same dtype); exits 1 if one did not.
+Every step also checks that the engine's greedy tokens under the pushed adapter equal the PEFT
+model's own (adapter on, the same dtype); exits 1 if one did not.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROMPTS = ["The model is", "Weights move from"]
+PROMPTS = [[5, 17, 42, 8, 99], [7, 3, 250, 31]]  # token ids (the engine has no tokenizer)
 
 
 @dataclass
@@ -42,71 +44,86 @@ class LoRABenchConfig:
     hidden_size: int = 256
     layers: int = 4
     vocab_size: int = 4096
+    shape: str = ""  # a named shape (weightsync.bench.shapes, qwen2-*) instead of the sizes above
     rank: int = 16
     steps: int = 5
     lr: float = 1e-3
     strategy: str = "broadcast"
+    trainer_device: str = ""  # "" : cuda:0 when there is a GPU, else cpu
+    engine_device: str = ""  # "" : cuda:1 when there are two GPUs, else the trainer's
+    gpu_memory_utilization: float = 0.3
     seed: int = 0
 
 
 def run(cfg: LoRABenchConfig) -> dict[str, Any]:
+    """The engine starts with dummy weights; the trainer's base weights are pushed to it first
+    (not timed), so both sides serve the same base before the adapter steps."""
     import torch
-    from vllm import LLM
 
-    from weightsync._runtime.vllm_compat import shutdown_llm
+    from weightsync.bench.vllm_engine import EngineSpec, start_engine, stop_engine, write_model_dir
     from weightsync.loaders.vllm_worker import WORKER_EXTENSION
     from weightsync.testing.tiny_models import build_tiny_causal_lm
 
-    gpu = torch.cuda.is_available()
-    dtype = torch.bfloat16 if gpu else torch.float32
+    gpus = torch.cuda.device_count()
+    trainer = cfg.trainer_device or ("cuda:0" if gpus else "cpu")
+    engine = cfg.engine_device or ("cuda:1" if gpus > 1 else trainer)
+    dtype = torch.bfloat16 if trainer.startswith("cuda") else torch.float32
     with tempfile.TemporaryDirectory(prefix="ws-lora-bench-") as root:
-        path = build_tiny_causal_lm(
-            f"{root}/base", hidden_size=cfg.hidden_size, num_layers=cfg.layers,
-            num_heads=max(2, cfg.hidden_size // 64), num_kv_heads=1,
-            vocab_size=cfg.vocab_size, seed=cfg.seed)
-        extra = {} if gpu else {"kv_cache_memory_bytes": 64 << 20}
-        llm = LLM(model=path, dtype=str(dtype).removeprefix("torch."), max_model_len=256,
-                  enforce_eager=True, worker_extension_cls=WORKER_EXTENSION, seed=0,
-                  enable_lora=True, max_lora_rank=max(16, cfg.rank), max_loras=2,
-                  max_cpu_loras=4, **extra)
+        if cfg.shape:
+            path = write_model_dir(cfg.shape, f"{root}/base", str(dtype).removeprefix("torch."))
+        else:
+            path = build_tiny_causal_lm(
+                f"{root}/base", hidden_size=cfg.hidden_size, num_layers=cfg.layers,
+                num_heads=max(2, cfg.hidden_size // 64), num_kv_heads=1,
+                vocab_size=cfg.vocab_size, seed=cfg.seed)
+        llm = start_engine(EngineSpec(
+            model_dir=path, device=engine, dtype=str(dtype).removeprefix("torch."),
+            extension=WORKER_EXTENSION, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            max_model_len=256, engine_args={"enable_lora": True,
+                                            "max_lora_rank": max(16, cfg.rank),
+                                            "max_loras": 2, "max_cpu_loras": 4}))
         try:
-            rows = asyncio.run(_steps(cfg, llm, path, root, dtype))
+            rows, model_bytes = asyncio.run(_steps(cfg, llm, path, root, dtype, trainer))
         finally:
-            shutdown_llm(llm)
+            stop_engine(llm)
     return {
         "date": datetime.date.today().isoformat(), "machine": platform.machine(),
-        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+        "device": torch.cuda.get_device_name(0) if gpus else "cpu",
+        "trainer_device": trainer, "engine_device": engine,
         "python": sys.version.split()[0], "torch": torch.__version__,
-        "config": asdict(cfg), "dtype": str(dtype), "rows": rows, "summary": _summary(rows),
+        "config": asdict(cfg), "dtype": str(dtype), "model_bytes": model_bytes, "rows": rows,
+        "summary": _summary(rows),
     }
 
 
-async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: Any) -> list[dict]:
+async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: Any,
+                 device: str) -> tuple[list[dict], int]:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from vllm.lora.request import LoRARequest
 
     import weightsync as ws
 
-    tok = AutoTokenizer.from_pretrained(path)
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     model = get_peft_model(base, LoraConfig(r=cfg.rank, lora_alpha=2 * cfg.rank,
                                             target_modules=TARGETS, lora_dropout=0.0))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    # the full push sends the served base weights (a plain copy: the PEFT model's own names
-    # carry adapters), through the same session: one engine takes one sender at a time
-    plain = dict(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict())
+    # the full push sends the base weights under their plain names (views, no copy), through
+    # the same session: one engine takes one sender at a time
+    plain = _base_state(model)
+    model_bytes = sum(t.numel() * t.element_size() for t in plain.values())
     strategy = {"type": cfg.strategy} if cfg.strategy != "broadcast" else "broadcast"
     rows: list[dict] = []
     async with ws.connect([llm], strategy, extractor="lora_adapter") as sync:
-        await sync.push(model)  # not counted: the first push builds the sender
-        await sync.push(plain)
+        await sync.push(plain)  # not counted: the engine now serves the trainer's base
+        await sync.push(model)
         for step in range(1, cfg.steps + 1):
-            loss = _train_step(model, tok, opt, step)
+            loss = _train_step(model, opt, 1000, step)
             a = await sync.push(model)
-            exact = _greedy(llm, ws.lora_request("policy")) == _hf_greedy(model, tok)
+            exact = _greedy(llm, ws.lora_request("policy")) == _hf_greedy(model)
             f = await sync.push(plain)
             t0 = time.perf_counter()
             out = f"{root}/adapter-{step}"
@@ -117,16 +134,26 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
                          "adapter_s": a.seconds, "full_bytes": f.total_bytes,
                          "full_s": f.seconds, "vllm_file_s": file_s,
                          "bytes_ratio": a.total_bytes / f.total_bytes, "exact": exact})
-    return rows
+    return rows, model_bytes
 
 
-def _train_step(model: Any, tok: Any, opt: Any, step: int) -> float:
-    from weightsync.testing.tiny_models import corpus
+def _base_state(model: Any) -> dict[str, Any]:
+    """The PEFT model's base weights under the served checkpoint's names."""
+    out = {}
+    for name, t in model.get_base_model().state_dict().items():
+        if "lora_" in name:
+            continue
+        out[name.replace(".base_layer.", ".")] = t
+    return out
 
-    batch = tok(corpus(8, seed=1000 + step), return_tensors="pt", padding=True, truncation=True,
-                max_length=64).to(model.device)
-    labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
-    loss = model(**batch, labels=labels).loss
+
+def _train_step(model: Any, opt: Any, vocab: int, step: int) -> float:
+    """One AdamW step of the adapter on a next-token loss over seeded token sequences."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(3, vocab, (8, 64), generator=g).to(model.device)
+    loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -136,21 +163,24 @@ def _train_step(model: Any, tok: Any, opt: Any, step: int) -> float:
 def _greedy(llm: Any, lora_request: Any) -> list[list[int]]:
     from vllm import SamplingParams
 
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
-                        lora_request=lora_request)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=4, detokenize=False),
+                        use_tqdm=False, lora_request=lora_request)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _hf_greedy(model: Any, tok: Any) -> list[list[int]]:
+def _hf_greedy(model: Any) -> list[list[int]]:
+    """The PEFT model itself (adapter on: what the merged policy computes), greedy."""
     import torch
 
     out = []
-    with torch.no_grad():  # the PEFT model, adapter on: what the merged policy computes
+    with torch.no_grad():
         for p in PROMPTS:
-            ids = tok(p, return_tensors="pt").input_ids.to(model.device)
-            gen = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
-            out.append(gen[0, ids.shape[1]:].tolist())
+            seq = list(p)
+            for _ in range(4):
+                logits = model(input_ids=torch.tensor([seq], device=model.device)).logits
+                seq.append(int(logits[0, -1].argmax()))
+            out.append(seq[len(p):])
     return out
 
 
@@ -166,9 +196,12 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
 
 def format_table(record: dict[str, Any]) -> str:
     s = record["summary"]
-    lines = [f"LoRA rank {record['config']['rank']} on {len(TARGETS)} module kinds x "
-             f"{record['config']['layers']} layers, {record['dtype']}, {record['device']}; "
-             f"strategy {record['config']['strategy']}",
+    c = record["config"]
+    model = c["shape"] or f"hidden {c['hidden_size']} x {c['layers']} layers"
+    lines = [f"LoRA rank {c['rank']} on {len(TARGETS)} module kinds, model {model} "
+             f"({record['model_bytes'] / 1e6:.1f} MB), {record['dtype']}, {record['device']} "
+             f"(trainer {record['trainer_device']}, engine {record['engine_device']}); "
+             f"strategy {c['strategy']}",
              f"{'step':>4} {'loss':>6} {'adapter MB':>10} {'adapter ms':>10} {'full MB':>8} "
              f"{'full ms':>8} {'vLLM file ms':>12} {'bytes':>7} exact"]
     for r in record["rows"]:
@@ -189,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--shape", default="", help="a named shape (qwen2-0.5b, qwen2-7b, ...) "
+                   "instead of --hidden-size / --layers / --vocab-size")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -197,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the record here")
     a = p.parse_args(argv)
     cfg = LoRABenchConfig(hidden_size=a.hidden_size, layers=a.layers, vocab_size=a.vocab_size,
-                          rank=a.rank, steps=a.steps, lr=a.lr, strategy=a.strategy)
+                          shape=a.shape, rank=a.rank, steps=a.steps, lr=a.lr,
+                          strategy=a.strategy)
     t0 = time.perf_counter()
     record = run(cfg)
     record["wall_s"] = time.perf_counter() - t0

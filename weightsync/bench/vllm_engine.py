@@ -27,7 +27,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync._runtime import vllm_compat as compat
@@ -83,6 +83,7 @@ class EngineSpec:
     native_backend: str | None = None  # "nccl" / "ipc": vLLM's own weight-transfer engine
     extension: str = BENCH_EXTENSION
     seed: int = 0
+    engine_args: dict[str, Any] = field(default_factory=dict)  # more ``LLM(...)`` arguments
 
 
 def physical_gpu_ids(first: int, count: int) -> str:
@@ -143,6 +144,7 @@ def start_engine(spec: EngineSpec) -> Any:
         worker_extension_cls=spec.extension, seed=spec.seed,
         tensor_parallel_size=spec.tensor_parallel_size,
     )
+    kwargs.update(spec.engine_args)
     if spec.native_backend:
         kwargs["weight_transfer_config"] = {"backend": spec.native_backend}
     env: dict[str, str | None] = {}
