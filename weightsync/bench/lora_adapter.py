@@ -121,7 +121,7 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
         await sync.push(plain)  # not counted: the engine now serves the trainer's base
         await sync.push(model)
         for step in range(1, cfg.steps + 1):
-            loss = _train_step(model, opt, 1000, step)
+            loss = _train_step(model, opt, min(base.config.vocab_size, 1000), step)
             a = await sync.push(model)
             exact = _greedy(llm, ws.lora_request("policy")) == _hf_greedy(model)
             f = await sync.push(plain)
