@@ -53,7 +53,13 @@ Sharded trainers (FSDP2, DeepSpeed ZeRO, Megatron): every training rank calls ``
 ``push`` in lockstep with the same arguments. Only the sending rank (``is_sender``, default ``rank ==
 src_rank``; ``rank`` defaults to ``torch.distributed``'s) reaches the engines; the others join
 the extractor's gathers and ``push`` returns None there. An unsharded model is pushed by the
-sending rank alone (the others return None at once).
+sending rank alone (the others return None at once). With an IPC strategy (``cuda_ipc``,
+``packed_cuda_ipc``) and a sharded model on more than one rank, every rank keeps the gathered
+tensors and sends handles to its own copy (``every_rank``, ``strategies/_every_rank.py``): rank
+0 gathers them with ``all_gather_object`` and talks to the engines, and each engine worker reads
+the copy on its own GPU (a hybrid engine never pulls every byte from rank 0's GPU);
+``every_rank: false`` in the strategy config turns it off, ``every_rank: true`` turns it on for
+any model pushed on every rank (each rank its own replica, e.g. data parallel).
 
 The low-level path stays for power users: ``build_strategy`` -> ``create_sync_info`` ->
 ``create_sender`` -> ``send_chunks`` over a ``FanOutClient``.
@@ -84,6 +90,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: failures after which the data plane is still in step: the session keeps its sender
 _REFUSALS = (WeightMismatchError, ValueError, UpdateRefusedError, UpdateIncompleteError)
+#: strategies that can send from every training rank (``every_rank``)
+_EVERY_RANK_STRATEGIES = ("cuda_ipc", "packed_cuda_ipc")
 
 
 def connect(
@@ -160,6 +168,8 @@ class SyncSession:
         self._extractor: tuple[tuple, Any, Any] | None = None
         self.given_extractor = extractor  # an extractor object given to connect, used as is
         self.delta = bool(delta)  # pushes are delta updates unless a push says otherwise
+        # every training rank sends its own copy (IPC every_rank); None: decided at the first push
+        self.every_rank: bool | None = None
         self.tracker: Any = None  # weightsync.delta.DeltaTracker, made at the first delta push
 
     @classmethod
@@ -195,7 +205,12 @@ class SyncSession:
         session = cls(client=client, strategy_cfg=strategy_cfg, extractor_cfg=extractor_cfg,
                       device=device, rank=rank, src_rank=int(src_rank), is_sender=sender,
                       extractor=given, delta=delta)
-        if sender and (device is not None or not strategy_needs_backend(strategy_cfg)):
+        # every_rank may apply (an IPC strategy on several ranks): the first push decides,
+        # and then every rank builds its sender there, in lockstep
+        undecided = (strategy_cfg.get("type") in _EVERY_RANK_STRATEGIES and _world_size() > 1
+                     and strategy_cfg.get("every_rank") is not False)
+        if sender and not undecided and (
+                device is not None or not strategy_needs_backend(strategy_cfg)):
             try:
                 await session._ensure_sender(device)
             except BaseException:
@@ -242,8 +257,11 @@ class SyncSession:
         from weightsync.pipeline import send_extracted
 
         ext = self._extractor_for(model, mode, heads)
-        if not getattr(ext, "lockstep", False) and not self.is_sender:
+        if not getattr(ext, "lockstep", False) and not self.is_sender and not self.every_rank:
             return None  # nothing to gather: the sending rank pushes alone
+        if self.every_rank and delta:
+            raise ValueError("push: delta=True with every_rank IPC; push full updates (delta "
+                             "sync from every training rank is not supported)")
         adapter = _adapter_of(ext, model, delta)
         # the same on every rank, and made on every rank (megatron's first one is an export)
         manifest = ext.metadata(model, dtype)
@@ -255,7 +273,30 @@ class SyncSession:
             return await self._send(stream(), manifest, version, mode, heads, delta,
                                     lora_adapter=adapter)
 
-        return await send_extracted(ext, model, dtype, send)
+        stats = await send_extracted(ext, model, dtype, send)
+        return stats if self.is_sender else None  # every_rank: every rank sent, rank 0 reports
+
+    def _decide_every_rank(self, lockstep: bool) -> bool:
+        """Whether every training rank sends its own copy (the IPC strategies' ``every_rank``
+        mode; decided at the first push, then fixed for the session): as the strategy config
+        says when it says; otherwise yes for an IPC strategy, a sharded model (an extractor
+        that runs on every rank) and more than one rank, the interface design's layout for
+        sharded trainers (each engine worker reads the copy on its own GPU)."""
+        if self.every_rank is not None:
+            return self.every_rank
+        given = self.strategy_cfg.get("every_rank")
+        if given is not None:
+            decided = bool(given)
+        else:
+            decided = (lockstep and self.strategy_cfg.get("type") in _EVERY_RANK_STRATEGIES
+                       and _world_size() > 1)
+        if decided and self.src_rank != 0:
+            raise ValueError(f"connect: every_rank IPC sends through training rank 0, but "
+                             f"src_rank is {self.src_rank}; use src_rank=0 or every_rank: false")
+        self.every_rank = decided
+        if decided:
+            self.strategy_cfg["every_rank"] = True
+        return decided
 
     def _extractor_for(self, model: Any, mode: TrainingMode | None,
                        heads: list[str] | None) -> Any:
@@ -282,6 +323,10 @@ class SyncSession:
                     rank=self.rank, src_rank=self.src_rank, is_sender=self.is_sender,
                     head_name_patterns=heads if mode is TrainingMode.HEAD_ONLY else None,
                 )
+            lockstep = bool(getattr(EXTRACTORS.get(str(cfg.get("type", "hf"))), "lockstep",
+                                    False))
+            if self._decide_every_rank(lockstep):
+                cfg["is_sender"] = True  # every rank keeps the gathered tensors and sends them
             self._extractor = (key, build_extractor(cfg), model)
         return self._extractor[1]
 
@@ -378,7 +423,7 @@ class SyncSession:
         self, chunks: Any, manifest: list[Any], version: int | None, mode: TrainingMode | None,
         heads: list[str] | None, delta: dict | None, *, lora_adapter: dict | None = None,
     ) -> SyncStats:
-        assert self.client is not None and self.sender is not None
+        assert self.sender is not None and (self.client is not None or self.every_rank)
         extra = {"lora_adapter": lora_adapter} if lora_adapter is not None else {}
         try:
             stats = await self.sender.send_chunks(
@@ -389,16 +434,18 @@ class SyncSession:
             if isinstance(e, CommunicatorReplacedError) or not isinstance(e, _REFUSALS):
                 await self._drop_sender()  # the group is gone or out of step: rebuild next time
             raise
-        stats.engines = self.client.names
+        stats.engines = self.client.names if self.client is not None else []
         return stats
 
     # -- the sender ------------------------------------------------------------------------------
     async def _ensure_sender(self, device: str | None) -> None:
+        """Build the sender (the sending rank; with every_rank every rank, in lockstep: rank 0
+        with the engines' client, the others without)."""
         if self.sender is not None:
             return
         from weightsync.config import build_strategy
 
-        assert self.client is not None
+        assert self.client is not None or self.every_rank
         cfg = dict(self.strategy_cfg)
         if strategy_needs_backend(cfg):
             cfg["backend"] = broadcast_backend(device)
@@ -492,6 +539,14 @@ def _default_rank() -> int:
     except ImportError:  # pragma: no cover
         return 0
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return 1
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _is_tensor_mapping(x: Any) -> bool:

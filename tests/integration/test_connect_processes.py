@@ -119,3 +119,73 @@ def test_a_dead_engine_drops_the_group_and_a_new_connection_without_it_works():
     finally:
         for e in engines:
             e.kill()
+
+
+async def _fsdp_ipc_rank(rank: int, world: int, out: str) -> None:
+    """Every rank: ``ws.connect(..., "cuda_ipc")`` (shared memory on CPU) and ``push`` of an
+    FSDP2 model; the engine has 2 workers, the shape of a TP=2 engine on the trainer's GPUs."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import weightsync as ws
+    from weightsync.digest import state_digest
+    from weightsync.local import LocalEngineProcess
+
+    strategy = {"type": "cuda_ipc", "timeout_s": 60, "bucket_size_mb": 0.05}
+    if out.endswith("off.json"):
+        strategy["every_rank"] = False
+    model = tiny_qwen2()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    report: dict = {"rank": rank, "stats": [], "equal": []}
+    engine = None
+    if rank == 0:
+        metas = ws.build_extractor({"type": "fsdp"}).metadata(model)
+        engine = LocalEngineProcess.spawn(
+            "weightsync.local.modules:metas_module",
+            {"metas": [m.to_dict() for m in metas], "fill": "zeros"}, name="engine0",
+            num_threads=1, world_size=2)
+    try:
+        async with ws.connect([engine] if engine else [], strategy, rank=rank) as sync:
+            for step in (1, 2):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.01 * step)
+                full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+                stats = await sync.push(model, version=step)
+                report["stats"].append(None if stats is None else stats.versions)
+                report["every_rank"] = sync.every_rank
+                if rank == 0:
+                    got = [await engine.call("state_digest", worker=w) for w in (0, 1)]
+                    want = state_digest({n: full[n] for n in got[0]})
+                    report["equal"].append([g == want for g in got])
+                    report["replica"] = [(await engine.call("get_state", worker=w))[
+                        "last_replica"] for w in (0, 1)]
+    finally:
+        if engine is not None:
+            engine.stop()
+        with open(out.replace(".json", f".rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_ipc_from_a_sharded_trainer_sends_every_ranks_copy_unless_told_not_to(tmp_path, mode):
+    """The interface design's layout for sharded trainers: with an IPC strategy every rank
+    keeps its gathered copy and sends handles to it (rank 0 gathers them and talks to the
+    engine); engine worker i reads training rank i's copy. ``every_rank: false`` keeps the
+    rank-0-only path."""
+    out = str(tmp_path / f"fsdp-ipc-{mode}.json")
+    spawn_gloo_ranks(_fsdp_ipc_rank, out)
+    r0, r1 = (json.loads(Path(out.replace(".json", f".rank{r}.json")).read_text()) for r in (0, 1))
+    assert r0["stats"] == [[1], [2]] and r1["stats"] == [None, None]
+    assert r0["equal"] == [[True, True], [True, True]]
+    if mode == "auto":
+        assert r0["every_rank"] is r1["every_rank"] is True
+        assert r0["replica"] == [0, 1]  # worker 1 read training rank 1's copy
+    else:
+        assert r0["every_rank"] is r1["every_rank"] is False
+        assert r0["replica"] == [0, 0]

@@ -64,7 +64,10 @@ class _Service:
         return self.world_size
 
     def _m_get_state(self) -> dict[str, Any]:
-        return {**self.endpoint.status().to_dict(), "loads": self.loader.loads}
+        receiver = self.endpoint.receiver
+        return {**self.endpoint.status().to_dict(), "loads": self.loader.loads,
+                # which training rank's copy an every_rank IPC receiver read last
+                "last_replica": getattr(receiver, "last_replica", None)}
 
     def _m_state_digest(self, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
         from weightsync.digest import state_digest
