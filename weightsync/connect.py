@@ -309,7 +309,9 @@ class SyncSession:
         from weightsync.extractors.auto import extractor_config_for, model_kind
         from weightsync.registry import EXTRACTORS
 
-        kind = model_kind(model)
+        # the model's kind picks the extractor only when connect named none (finding it walks
+        # every module: not paid on every push when the extractor is given)
+        kind = model_kind(model) if self.extractor_cfg is None else None
         key = (id(model), kind, mode, tuple(heads) if heads is not None else None)
         if self._extractor is None or self._extractor[0] != key:
             if self.extractor_cfg is not None:

@@ -14,6 +14,7 @@ embedding adapters, LoRA bias), and a model with no adapter ``peft_adapter``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,10 @@ class LoRAAdapterWeightExtractor(WeightExtractor):
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg if cfg is not None else LoRAAdapterExtractorConfig())
+        # the adapter's layers, found once per model (a walk of every module); the tensors are
+        # read at every push. Keyed by the model object, held weakly
+        self._found: weakref.WeakKeyDictionary[Any, list[tuple[str, Any]]] = (
+            weakref.WeakKeyDictionary())
 
     def adapter_spec(self, model: Any) -> LoRAAdapterSpec:
         """What the update's start carries: the adapter's name on the engines and its
@@ -58,6 +63,15 @@ class LoRAAdapterWeightExtractor(WeightExtractor):
         yield from pairs
 
     def _pairs(self, model: Any) -> list[tuple[str, torch.Tensor]]:
+        found = self._found.get(model)
+        if found is None:
+            found = self._find(model)
+            self._found[model] = found
+        return [(name, module.weight) for name, module in found]
+
+    def _find(self, model: Any) -> list[tuple[str, Any]]:
+        """``(tensor name, the nn.Linear holding it)`` for every A and B of the adapter; every
+        refusal here."""
         from peft.tuners.lora import LoraLayer
 
         adapter = self.cfg.peft_adapter
@@ -67,7 +81,7 @@ class LoRAAdapterWeightExtractor(WeightExtractor):
         if root is None:
             raise TypeError(f"lora_adapter extractor needs a PEFT model (PeftModel), got "
                             f"{type(model).__name__}")
-        out: list[tuple[str, torch.Tensor]] = []
+        out: list[tuple[str, Any]] = []
         for prefix, layer in root.named_modules():
             if not isinstance(layer, LoraLayer) or adapter not in getattr(layer, "lora_A", {}):
                 if isinstance(layer, LoraLayer) and adapter in getattr(
@@ -83,8 +97,8 @@ class LoRAAdapterWeightExtractor(WeightExtractor):
             if getattr(b, "bias", None) is not None:
                 raise ValueError(f"lora_adapter extractor: {prefix} has a LoRA bias, which vLLM "
                                  f"does not serve (use the lora_merge extractor)")
-            out.append((f"{PEFT_PREFIX}{prefix}.lora_A.weight", a.weight))
-            out.append((f"{PEFT_PREFIX}{prefix}.lora_B.weight", b.weight))
+            out.append((f"{PEFT_PREFIX}{prefix}.lora_A.weight", a))
+            out.append((f"{PEFT_PREFIX}{prefix}.lora_B.weight", b))
         if not out:
             raise ValueError(f"lora_adapter extractor: the model has no LoRA layer of adapter "
                              f"{adapter!r}")
