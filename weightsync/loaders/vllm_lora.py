@@ -13,7 +13,8 @@ sees the adapter's tensors only once every chunk landed and checked out, then:
   ``max_lora_rank``, no DoRA / LoRA bias ...), and a manifest that covers every A/B pair the
   config implies (an adapter is replaced whole);
 * ``finish_update``: ``LoRAModel.from_lora_tensors`` (vLLM's packing of q/k/v and gate/up, its
-  scaling), then, between two model steps (a ``collective_rpc`` runs between steps), the
+  scaling), on the device the tensors arrived on (vLLM's own file loader builds it on the CPU;
+  on a GPU engine ours stays there, so activating it copies device to device), then, between two model steps (a ``collective_rpc`` runs between steps), the
   adapter's previous version is dropped, the new one added and pinned in vLLM's CPU cache of
   adapters (an adapter from memory has no file to reload after an eviction, so it is never
   evicted; an engine keeps at most ``max_cpu_loras`` of them, and a start that would need one
@@ -128,8 +129,10 @@ class VLLMLoRAAdapterLoader(WeightLoader):
                 raise WeightMismatchError(missing, target=self.target)
 
     async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        # kept on the device they arrived on (the engine's GPU on GPU): vLLM then copies them
+        # into its adapter slots device to device, with no trip through host memory
         for name, t in named_tensors.items():
-            self._received[name] = t.detach().to("cpu", copy=True)
+            self._received[name] = t.detach().clone()
 
     async def finish_update(self, finish: WeightUpdateFinish) -> None:
         received, self._received = self._received, {}
@@ -143,8 +146,9 @@ class VLLMLoRAAdapterLoader(WeightLoader):
         manager = self.manager
         model = manager._adapter_manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
+        device = next(iter(tensors.values())).device if tensors else "cpu"
         lora = manager._lora_model_cls.from_lora_tensors(
-            self.spec.adapter_id, tensors, self._peft_helper(), device="cpu",
+            self.spec.adapter_id, tensors, self._peft_helper(), device=str(device),
             dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
