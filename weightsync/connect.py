@@ -363,14 +363,17 @@ class SyncSession:
         training_mode: TrainingMode | str | None = None,
         head_name_patterns: Sequence[str] | None = None,
         device: str | None = None,
+        lora_adapter: Mapping[str, Any] | None = None,
     ) -> SyncStats:
         """One update of every engine from chunks the caller made: ``chunks`` an iterable or
         async iterable of ``WeightChunk`` under engine names, taken as the sender asks for
         them (a stream keeps only a few buckets alive); ``manifest`` every tensor it carries.
         The training mode is checked against the manifest here and by the engines, and a
         failure leaves the session as ``push`` does. ``device``: where the tensors live, for
-        a strategy whose backend follows them (default: CPU). The sending rank only; the
-        reward client streams its updates this way."""
+        a strategy whose backend follows them (default: CPU). ``lora_adapter``
+        (``LoRAAdapterSpec.to_dict()``): the chunks are a LoRA adapter's A/B under PEFT's
+        names (``weightsync.lora_adapter``). The sending rank only; the reward client streams
+        its updates this way, the ``remote`` loader relays them."""
         if self.closed:
             raise RuntimeError("this weight-sync session is closed; connect again")
         if not self.is_sender:
@@ -380,15 +383,21 @@ class SyncSession:
         mode = TrainingMode.parse(training_mode) if training_mode is not None else None
         heads = _head_patterns(mode, head_name_patterns)
         return await self._send_made(chunks, list(manifest), version, mode, heads, device,
-                                     self.delta)
+                                     self.delta, lora_adapter=lora_adapter)
 
     async def _send_made(
         self, chunks: Any, manifest: list[TensorMeta], version: int | None,
         mode: TrainingMode | None, heads: list[str] | None, device: str | None, delta: bool,
+        *, lora_adapter: Mapping[str, Any] | None = None,
     ) -> SyncStats:
-        _check_mode(manifest, mode, heads)
+        if lora_adapter is None:
+            _check_mode(manifest, mode, heads)
+        elif not manifest:
+            raise WeightMismatchError(["nothing to send: the adapter update has no tensors"],
+                                      target="update")
         await self._ensure_sender(device)
-        return await self._send(chunks, manifest, version, mode, heads, delta)
+        return await self._send(chunks, manifest, version, mode, heads, delta,
+                                lora_adapter=dict(lora_adapter) if lora_adapter else None)
 
     async def _send(
         self, chunks: Any, manifest: list[Any], version: int | None, mode: TrainingMode | None,

@@ -85,9 +85,16 @@ class RemoteWeightLoader(WeightLoader):
         self._push: asyncio.Task | None = None
         self.loads = 0
 
-    async def start_update(self, start: WeightUpdateStart) -> None:
+    def adapter_loader(self, spec: Any) -> WeightLoader:
+        """A LoRA adapter-only update is relayed as one too: the remote engine validates and
+        installs it (``weightsync.lora_adapter``)."""
+        return _AdapterRelay(self, spec.to_dict())
+
+    async def start_update(self, start: WeightUpdateStart, *,
+                           lora_adapter: dict | None = None) -> None:
         """Open the remote update (the session at the first one); an earlier remote push that
-        its local update left waiting is cancelled first."""
+        its local update left waiting is cancelled first. ``lora_adapter``: relay an adapter
+        update."""
         await self._cancel_push()
         if start.manifest is None:
             raise UpdateRefusedError(
@@ -102,6 +109,7 @@ class RemoteWeightLoader(WeightLoader):
         self._push = asyncio.create_task(self.session.push_chunks(
             self._chunks(self._queue), list(start.manifest), version=start.version,
             training_mode=start.training_mode, head_name_patterns=start.head_name_patterns,
+            lora_adapter=lora_adapter,
         ))
 
     async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
@@ -163,3 +171,24 @@ class RemoteWeightLoader(WeightLoader):
 
     def expected_metadata(self) -> Mapping[str, TensorMeta] | None:
         return None
+
+
+class _AdapterRelay(WeightLoader):
+    """One adapter update through a ``RemoteWeightLoader``: the remote engine installs the
+    adapter at its finish or not at all, so a failed relay leaves both ends on the last
+    version (never torn)."""
+
+    changes_at_finish_only = True
+
+    def __init__(self, remote: RemoteWeightLoader, adapter: dict) -> None:
+        self.remote = remote
+        self.adapter = adapter
+
+    async def start_update(self, start: WeightUpdateStart) -> None:
+        await self.remote.start_update(start, lora_adapter=self.adapter)
+
+    async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        await self.remote.load_weights(named_tensors)
+
+    async def finish_update(self, finish: WeightUpdateFinish) -> None:
+        await self.remote.finish_update(finish)

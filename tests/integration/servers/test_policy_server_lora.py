@@ -95,3 +95,28 @@ def test_a_refused_adapter_changes_nothing(lora_server):
         _check(lora_server, merged, p, "policy")
     state = httpx.get(lora_server.url + "/runtime_version").json()
     assert state["version"] >= 1
+
+
+def test_a_relay_forwards_an_adapter_update_as_one(lora_server):
+    """The ``remote`` loader in a relay endpoint forwards an adapter update as an adapter update
+    (the server installs it; the relay never serves adapters itself)."""
+    from weightsync.loaders.remote import RemoteLoaderConfig, RemoteWeightLoader
+
+    model, merged, _ = _policy(lora_server.model_dir, seed=5)
+    loader = RemoteWeightLoader(RemoteLoaderConfig(
+        url=lora_server.url, api_key=lora_server.api_key, timeout_s=120,
+        strategy={"type": "broadcast", "backend": "gloo", "timeout_s": 60}))
+    relay = ws.WeightUpdateEndpoint(loader, name="relay")
+
+    async def run():
+        async with ws.connect([relay], {"type": "cuda_ipc", "bucket_size_mb": 0.05},
+                              extractor={"type": "lora_adapter",
+                                         "adapter_name": "relayed"}) as sync:
+            stats = await sync.push(model)
+        await loader.aclose()
+        return stats
+
+    stats = asyncio.run(run())
+    assert loader.last_stats.num_tensors == stats.num_tensors == 12
+    for p in PROMPTS:
+        _check(lora_server, merged, p, "relayed")
