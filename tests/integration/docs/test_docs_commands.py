@@ -78,6 +78,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "not in CI", "a 0.5B model, 4 variants per row: minutes; --integrity on the tiny shape: "
                      "tests/integration/bench/test_bench.py::"
                      "test_bench_integrity_variants_alternate_and_stay_bit_exact"),
+    "weightsync bench --shape qwen2-0.5b --strategy broadcast,cuda_ipc,packed_cuda_ipc "
+    "--repeats 5 --quiet --json ...": (
+        "not in CI", "a 0.5B model through 3 strategies at three commits, in turn: minutes; the "
+                     "tiny shape runs in tests/integration/bench/test_bench.py"),
     "python benchmarks/bench_load_during_syncs.py --window-s 8 --rounds 5": (
         "not in CI", "two servers under load for minutes; the load test "
                      "(tests/integration/servers/test_servers_load_during_syncs.py) runs the "
