@@ -18,6 +18,7 @@ for the engine-level calls at the bottom). Known differences:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -378,6 +379,34 @@ async def pause_generation(engine: Any) -> None:
     fn = getattr(engine, "pause_generation", None)
     if fn is not None:
         await fn(mode="wait", clear_cache=False)
+
+
+async def freeze_in_flight(engine: Any) -> dict[str, int]:
+    """The flip of an update that lets requests in flight continue on the new weights
+    (``UpdateControl(in_flight="continue")``), its first half: pause ``AsyncLLM``'s scheduler
+    at a step boundary keeping the requests (``mode="keep"``), preempt them so that their KV is
+    recomputed by the new weights when they resume (``reset_prefix_cache(
+    reset_running_requests=True)``: vLLM drops an output computed but not yet sent), then wait
+    until every output the engine core sent before has been processed on this side; returns
+    each request's number of output tokens at that point: exactly the tokens the old weights
+    produced (the engine produces none until ``resume_generation``). Keys are the request ids
+    given to the engine (the OpenAI server's contain the request's ``X-Request-Id``)."""
+    await engine.pause_generation(mode="keep", clear_cache=False)
+    await engine.reset_prefix_cache(reset_running_requests=True)
+    queue = getattr(getattr(engine, "engine_core", None), "outputs_queue", None)
+    # the utility answers above came after every earlier output on the same socket, so those
+    # outputs are in the queue or processed; let the output handler take them all
+    for _ in range(10_000):
+        await asyncio.sleep(0)
+        if queue is None or queue.empty():
+            break
+    await asyncio.sleep(0)  # the handler finishes the item it took (synchronous for <128 reqs)
+    counts: dict[str, int] = {}
+    for rid, state in getattr(engine.output_processor, "request_states", {}).items():
+        tokens = getattr(state.detokenizer, "output_token_ids", None)
+        if tokens is not None:
+            counts[str(getattr(state, "external_req_id", None) or rid)] = len(tokens)
+    return counts
 
 
 async def resume_generation(engine: Any) -> None:

@@ -50,6 +50,15 @@ answers slow down while bytes arrive but are not refused. ``allow_version_reset`
 version is taken as given even when it is not newer (the reference's rule for a trainer that
 restarted its count; by default such an update is refused with 409).
 
+``in_flight="continue"`` (PipelineRL-style; implies ``serve_during_updates``): the finish does
+not drain. At a step boundary the engine is paused keeping its requests, their KV is dropped,
+the count of tokens each has produced is taken (all by the old weights), the staged tensors are
+loaded, and generation resumes: requests in flight continue on the new weights (their KV
+recomputed by them), new ones never wait for old ones. Each such flip is kept (``flips``) and
+``spans_for`` gives a request the token index where its version changed, which the policy
+server adds to its answer (``weight_version_spans``). The stall is the flip alone (pause, load,
+resume: ``Flip.paused_s``), not the longest request in flight.
+
 Logs (logger ``weightsync.servers.control``, prefixed with the server's name): every update's
 start (version, tensors, bytes, the drain), refusal (why), landing (version, chunks, bytes,
 seconds) and abort (why), in our words; see ``docs/reliability.md``.
@@ -58,6 +67,7 @@ seconds) and abort (why), in our words; see ``docs/reliability.md``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -72,6 +82,13 @@ from weightsync.types import TrainingMode, request_nbytes
 
 log = logging.getLogger(__name__)
 
+#: what happens to requests in flight when an update lands: "finish" (they drain first, on the
+#: old weights) or "continue" (they go on with the new ones; see the module docstring)
+IN_FLIGHT_MODES = ("finish", "continue")
+#: flips kept for the answers of requests still in flight (a request older than this many
+#: flips reports only the ones kept)
+_KEPT_FLIPS = 256
+
 
 class ServiceError(Exception):
     """An answer with an HTTP status; ``offenders`` lists bad parameters when there are some;
@@ -85,6 +102,20 @@ class ServiceError(Exception):
         self.message = message
         self.offenders = offenders or []
         self.error_type = error_type
+
+
+@dataclass
+class Flip:
+    """One update that landed under requests in flight (``in_flight="continue"``): the version
+    before and after, and for each request the engine held then, how many of its output tokens
+    the old weights produced (vLLM's request id -> count); ``paused_s``: how long generation
+    stood still for it."""
+
+    seq: int
+    old_version: int
+    new_version: int
+    counts: dict[str, int]
+    paused_s: float
 
 
 @dataclass
@@ -127,7 +158,11 @@ class UpdateControl:
         pause_generation: bool = False,
         serve_during_updates: bool = False,
         allow_version_reset: bool = False,
+        in_flight: str = "finish",
     ) -> None:
+        if in_flight not in IN_FLIGHT_MODES:
+            raise ValueError(f"in_flight must be one of {list(IN_FLIGHT_MODES)}, got "
+                             f"{in_flight!r}")
         self.engine = engine
         self.name = name
         self.wait_timeout_s = wait_timeout_s
@@ -135,7 +170,11 @@ class UpdateControl:
         self.head_name_patterns = head_name_patterns
         self.default_training_mode = default_training_mode
         self.pause_generation = pause_generation
-        self.serve_during_updates = serve_during_updates
+        self.in_flight = in_flight
+        # continuing requests across an update needs it staged beside the served weights
+        self.serve_during_updates = serve_during_updates or in_flight == "continue"
+        self.flips: collections.deque[Flip] = collections.deque(maxlen=_KEPT_FLIPS)
+        self.flip_seq = 0  # how many flips happened; a request notes it when it starts
         self.allow_version_reset = allow_version_reset
         self.gate = UpdateGate()
         self.workers = WorkerCalls(engine)
@@ -435,6 +474,8 @@ class UpdateControl:
         if version is not None and finish.version is None:
             finish.version = version
         active = self._require_active(finish.update_id, "finish")
+        if not active.holds_gate and finish.ok and self.in_flight == "continue":
+            return await self._finish_continuing(active, finish)
         if not active.holds_gate:  # staged while serving: drain the requests, then flip
             try:
                 await self._acquire_write(finish.update_id)
@@ -469,6 +510,53 @@ class UpdateControl:
                         self.name, finish.update_id, active.chunks, finish.error or "no reason",
                         self._after_abort())
         return {"ok": finish.ok, "version": published, "state": self.torn_reason or "ready"}
+
+    async def _finish_continuing(self, active: _ActiveUpdate, finish: Any) -> dict:
+        """The flip without a drain (``in_flight="continue"``; see the module docstring)."""
+        from weightsync._runtime.vllm_compat import freeze_in_flight
+
+        old = self.version
+        t0 = time.monotonic()
+        try:
+            async with self._guard(f"the finish of update {finish.update_id}"):
+                active.paused = True  # from here on, _resume resumes whatever happens
+                counts = await freeze_in_flight(self.engine)
+                results = await self.call_workers("finish_weight_update",
+                                                  {"finish": finish.to_dict()})
+                await self.reset_prefix_cache()
+                if active.adapter and self.adapter_published is not None:
+                    self.adapter_published(active.adapter)
+        except BaseException as e:
+            log.warning("%s: update %s did not land: %s", self.name, finish.update_id, _why(e))
+            raise
+        finally:
+            self._active = None
+            _stop_watch(active)
+            await self._resume(active)
+        paused = time.monotonic() - t0
+        published = int(results[0]) if results and results[0] is not None else self.version
+        self.flip_seq += 1
+        self.flips.append(Flip(self.flip_seq, old, published, counts, paused))
+        log.info("%s: update %s landed under %d request(s) in flight, which continue on it: "
+                 "version %d, %d chunk(s), %s in %.2fs; generation paused %.1f ms", self.name,
+                 finish.update_id, len(counts), published, active.chunks, _mb(active.nbytes),
+                 time.monotonic() - active.started, paused * 1e3)
+        return {"ok": True, "version": published, "state": self.torn_reason or "ready"}
+
+    def spans_for(self, request_id: str, since: int, version: int) -> dict[str, list] | None:
+        """For a request started at flip ``since`` on ``version`` (its ``X-Request-Id``), the
+        versions of its output tokens: ``{vLLM request id: [[version, first token index],
+        ...]}`` for each of its engine requests that a later flip found in flight; None if no
+        flip happened under it."""
+        out: dict[str, list] = {}
+        for flip in self.flips:
+            if flip.seq <= since:
+                continue
+            for key, count in flip.counts.items():
+                rest = key.partition("-")[2]
+                if rest == request_id or rest.startswith(request_id + "-"):
+                    out.setdefault(key, [[version, 0]]).append([flip.new_version, count])
+        return out or None
 
     def _after_abort(self) -> str:
         torn = self.torn_reason

@@ -72,6 +72,7 @@ class PolicyServerConfig:
     serve_during_updates: bool = False  # stage updates, keep serving the last version, flip
     allow_version_reset: bool = False  # take an update's version as given (may go backwards)
     warmup: bool = True  # one logprobs request before serving (_serving.warm_up)
+    in_flight_requests: str = "finish"  # at an update: "finish" (drain) or "continue" on it
 
 
 #: ``--warmup``: what it sends, what it costs at start (measured: docs/reliability.md)
@@ -96,6 +97,13 @@ def _our_parser(*, for_help: bool = False) -> argparse.ArgumentParser:
                            f"for the requests in flight (default {d.request_wait_timeout_s:g} s)")
     ours.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                       help=WARMUP_HELP.format(**WARMUP))
+    ours.add_argument("--in-flight-requests", choices=["finish", "continue"],
+                      help="what requests in flight do when an update lands: finish on the "
+                           "old weights first ('finish', the update waits for them), or "
+                           "'continue' on the new ones at once (PipelineRL-style: updates are "
+                           "staged, generation pauses only for the flip, and an answer says at "
+                           "which token its version changed in 'weight_version_spans') "
+                           f"(default {d.in_flight_requests})")
     if for_help:
         vllm = p.add_argument_group(
             "vLLM's arguments (passed to vLLM's own parser; every other one too: see `vllm "
@@ -205,7 +213,7 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
         wait_timeout_s=cfg.request_wait_timeout_s, update_timeout_s=cfg.update_timeout_s,
         default_training_mode=None, pause_generation=True,
         serve_during_updates=cfg.serve_during_updates,
-        allow_version_reset=cfg.allow_version_reset,
+        allow_version_reset=cfg.allow_version_reset, in_flight=cfg.in_flight_requests,
     )
     control.adapter_published = _adapter_names_for(app.state)
     await control.refresh_state()

@@ -14,18 +14,28 @@
   top-level field to every successful JSON object body and to every ``data: {...}`` event of a
   server-sent-event stream (``data: [DONE]`` stays as it is). vLLM's OpenAI response objects
   and the ``openai`` client's models both accept extra fields (``resp.model_extra``).
+* with ``in_flight="continue"`` (``UpdateControl``) the read side does not hold updates back:
+  an update may land while the request runs, and its tokens from then on come from the new
+  version. The request then gets ``"weight_version_spans": {vLLM request id: [[version, first
+  token index], ...]}`` next to ``weight_version`` (the version it started on) in its JSON body,
+  and in its SSE events from the flip on. Each request is given an ``X-Request-Id`` (vLLM names
+  its engine requests after it) when it has none.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import uuid
 from typing import Any
 
 from weightsync.servers.control import ServiceError, UpdateControl
 
 VERSION_HEADER = "x-weight-version"
 VERSION_FIELD = "weight_version"
+#: with ``in_flight="continue"``: the versions of a request's tokens when an update landed under
+#: it, ``{vLLM request id: [[version, first token index], ...]}``
+SPANS_FIELD = "weight_version_spans"
 
 #: paths that never run the model: not gated, not tagged
 UNGATED = (
@@ -58,7 +68,14 @@ class VersionedResponses:
             await _send_error(send, e, self.control.version)
             return
         try:
-            tagger = _Tagger(send, version)
+            spans = None
+            if self.control.in_flight == "continue":
+                scope, request_id = _with_request_id(scope)
+                since, control = self.control.flip_seq, self.control
+
+                def spans() -> dict | None:
+                    return control.spans_for(request_id, since, version)
+            tagger = _Tagger(send, version, spans)
             await self.app(scope, receive, tagger.send)
             await tagger.flush()
         finally:
@@ -70,9 +87,10 @@ class _Tagger:
     (buffered, ``content-length`` fixed) and into each SSE ``data:`` event (passed on event by
     event as they complete)."""
 
-    def __init__(self, send: Any, version: int) -> None:
+    def __init__(self, send: Any, version: int, spans: Any = None) -> None:
         self._send = send
         self.version = version
+        self.spans = spans  # () -> weight_version_spans of this request, or None
         self._mode = "pass"  # "json" (buffer whole body), "sse" (per event), "pass"
         self._start: dict | None = None
         self._body = bytearray()
@@ -108,7 +126,8 @@ class _Tagger:
         text = self._pending + self._utf8.decode(message.get("body", b""), final=not more)
         events = text.split("\n\n")
         self._pending = events.pop() if more else ""
-        out = "".join(_tag_event(e, self.version) + "\n\n" for e in events if e)
+        spans = self.spans() if self.spans is not None else None
+        out = "".join(_tag_event(e, self.version, spans) + "\n\n" for e in events if e)
         if out or not more:
             await self._send({**message, "body": out.encode("utf-8", "surrogateescape")})
 
@@ -120,6 +139,9 @@ class _Tagger:
             obj = None
         if isinstance(obj, dict):
             obj[VERSION_FIELD] = self.version
+            spans = self.spans() if self.spans is not None else None
+            if spans:
+                obj[SPANS_FIELD] = spans
             body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         start = self._start or {"type": "http.response.start", "status": 200, "headers": []}
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
@@ -133,14 +155,16 @@ class _Tagger:
         app raised mid-body) is dropped; an SSE remainder without its blank line is sent."""
         if self._mode == "sse" and self._pending:
             rest, self._pending = self._pending, ""
+            spans = self.spans() if self.spans is not None else None
             await self._send({"type": "http.response.body",
-                              "body": _tag_event(rest, self.version).encode(
+                              "body": _tag_event(rest, self.version, spans).encode(
                                   "utf-8", "surrogateescape"),
                               "more_body": False})
 
 
-def _tag_event(event: str, version: int) -> str:
-    """One SSE event: ``data: {json}`` lines get the version field; anything else is kept."""
+def _tag_event(event: str, version: int, spans: dict | None = None) -> str:
+    """One SSE event: ``data: {json}`` lines get the version field (and the spans, once a flip
+    happened under the request); anything else is kept."""
     lines = []
     for line in event.split("\n"):
         if line.startswith("data:"):
@@ -151,9 +175,23 @@ def _tag_event(event: str, version: int) -> str:
                 obj = None
             if isinstance(obj, dict):
                 obj[VERSION_FIELD] = version
+                if spans:
+                    obj[SPANS_FIELD] = spans
                 line = "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
         lines.append(line)
     return "\n".join(lines)
+
+
+def _with_request_id(scope: dict) -> tuple[dict, str]:
+    """The request's ``X-Request-Id`` (vLLM names its engine requests after it), one made up
+    when the client sent none."""
+    headers = list(scope.get("headers", []))
+    for k, v in headers:
+        if k.lower() == b"x-request-id":
+            return scope, v.decode("latin-1")
+    request_id = f"ws{uuid.uuid4().hex}"
+    headers.append((b"x-request-id", request_id.encode()))
+    return {**scope, "headers": headers}, request_id
 
 
 def _header(headers: list, name: bytes) -> str:

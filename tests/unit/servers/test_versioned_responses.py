@@ -130,3 +130,54 @@ def test_torn_weights_and_long_updates_answer_503():
     assert torn.headers["x-weight-version"] == "4"
     assert busy.status_code == 503 and "in progress" in busy.json()["detail"]
     assert ok.status_code == 200 and ok.json()["weight_version"] == 4
+
+
+# -- in_flight="continue": requests are named, and an answer says where its version changed -----
+
+
+def test_continue_mode_names_requests_and_adds_the_spans_of_a_flip_under_them():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from weightsync.servers.control import Flip
+
+    c = control(3, in_flight="continue")
+    seen: list[str] = []
+
+    async def completions(request):
+        rid = request.headers["x-request-id"]
+        seen.append(rid)
+        # an update lands while this request runs: 5 of its tokens came from version 3
+        c.flip_seq += 1
+        c.flips.append(Flip(c.flip_seq, 3, 4, {f"cmpl-{rid}-0": 5, f"cmpl-{rid}x-0": 9}, 0.01))
+        return JSONResponse({"id": "x"})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+    async def go():
+        async with client(app, c) as h:
+            mine = await h.post("/v1/completions", headers={"X-Request-Id": "abc"})
+            made_up = await h.post("/v1/completions")
+            return mine, made_up
+
+    mine, made_up = asyncio.run(go())
+    assert mine.json() == {"id": "x", "weight_version": 3,
+                           "weight_version_spans": {"cmpl-abc-0": [[3, 0], [4, 5]]}}
+    assert seen[0] == "abc" and seen[1].startswith("ws") and len(seen[1]) > 10
+    assert made_up.json()["weight_version_spans"] == {f"cmpl-{seen[1]}-0": [[3, 0], [4, 5]]}
+
+
+def test_spans_only_for_flips_after_the_request_started_and_modes_are_checked():
+    from weightsync.servers.control import Flip
+
+    c = control(3, in_flight="continue")
+    assert c.serve_during_updates  # continuing needs the update staged beside the weights
+    c.flips.append(Flip(1, 3, 4, {"cmpl-r-0": 2}, 0.0))
+    c.flips.append(Flip(2, 4, 5, {"cmpl-r-0": 6}, 0.0))
+    assert c.spans_for("r", 0, 3) == {"cmpl-r-0": [[3, 0], [4, 2], [5, 6]]}
+    assert c.spans_for("r", 1, 4) == {"cmpl-r-0": [[4, 0], [5, 6]]}
+    assert c.spans_for("r", 2, 5) is None and c.spans_for("q", 0, 3) is None
+    with pytest.raises(ValueError, match=r"in_flight must be one of \['finish', 'continue'\]"):
+        UpdateControl(None, in_flight="later")
+    assert not control(3).serve_during_updates  # finish (the default) drains as before

@@ -1,0 +1,146 @@
+"""``weightsync serve-policy --in-flight-requests continue`` (real vLLM CPU, fp32, real HTTP):
+an update lands while a streamed completion runs; the request is not drained first but goes on
+with the new weights, and its answer says at which token the version changed
+(``weight_version_spans``). The update's bytes are staged first and its finish released once
+the stream has produced ``FLIP_AFTER`` tokens (the test's client holds the finish back).
+Exactness: the tokens before that index are the old model's greedy continuation of the prompt,
+the tokens after it the new model's greedy continuation of the prompt plus those tokens (the
+server dropped the request's KV at the flip, so the new weights recompute it), both checked
+against transformers."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from _policy_ref import Reference
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Weights move from the trainer to"
+N_TOKENS = 200
+FLIP_AFTER = 20  # the update's flip is released once the stream has this many tokens
+CHECK_AFTER = 8  # tokens compared after the flip (long greedy runs may meet a near tie)
+
+
+@pytest.fixture(scope="module")
+def continue_server(tmp_path_factory):
+    """A model of hidden size 512 (4 layers): a stream of it lasts long enough to see."""
+    from conftest import start_policy_server, stop_server
+
+    from weightsync.testing.tiny_models import build_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("policy-continue")
+    model_dir = build_tiny_causal_lm(root / "model", family="llama", hidden_size=512,
+                                     num_layers=4, num_heads=4, num_kv_heads=2,
+                                     max_position_embeddings=1024, tie_word_embeddings=True)
+    handle = start_policy_server(model_dir, str(root / "server.log"), extra=[
+        "--max-model-len", "1024", "--in-flight-requests", "continue"])
+    try:
+        yield handle
+    finally:
+        stop_server(handle)
+
+
+def _stream(server, out: dict, started: threading.Event) -> None:
+    """One streamed greedy completion; collects every event's token ids and the last spans."""
+    body = {"model": "tiny-policy", "prompt": PROMPT, "max_tokens": N_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    tokens: list[int] = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
+        out["status"] = r.status_code
+        out["header_version"] = int(r.headers["x-weight-version"])
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            choice = event["choices"][0]
+            if choice.get("prompt_token_ids"):
+                out["prompt_ids"] = choice["prompt_token_ids"]
+            tokens += choice.get("token_ids") or []
+            if "weight_version_spans" in event:
+                out["spans"] = event["weight_version_spans"]
+            if len(tokens) >= FLIP_AFTER:
+                started.set()
+    out["tokens"] = tokens
+    started.set()
+
+
+class _FinishOnCue:
+    """The session's client, except that an update's finish waits for ``go``: the test lets the
+    bytes land first and the flip happen under a running stream (on 2 CPU cores the engine's
+    busy worker starves the receive of a staged update until the stream ends, so a push started
+    under a stream would land after it). Everything else goes to the real client."""
+
+    supports_apply_update = False  # start, chunks and finish as three calls
+
+    def __init__(self, inner, landed: threading.Event, go: threading.Event) -> None:
+        self.inner, self.landed, self.go = inner, landed, go
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def finish_weight_update(self, finish: dict):
+        import asyncio
+
+        self.landed.set()
+        await asyncio.to_thread(self.go.wait, 120)
+        return await self.inner.finish_weight_update(finish)
+
+
+def test_a_request_in_flight_continues_on_the_new_weights_and_says_where(continue_server):
+    import weightsync as ws
+
+    server = continue_server
+    old = Reference(server.model_dir)
+    new = Reference(server.model_dir)
+    trained = new.perturb(seed=21)
+    log = Path(server.process.log_path)
+    out: dict = {}
+    started, landed, go = threading.Event(), threading.Event(), threading.Event()
+    result: dict = {}
+    with ws.connect_sync([server.url], {"type": "cuda_ipc", "timeout_s": 60},
+                         api_key=server.api_key) as sync:
+        v0 = sync.push({n: p.detach().clone() for n, p in old.model.named_parameters()}
+                       ).versions[0]
+        sync.session.client = _FinishOnCue(sync.session.client, landed, go)
+        pusher = threading.Thread(target=lambda: result.update(stats=sync.push(trained)))
+        pusher.start()
+        assert landed.wait(120)  # every byte of the update is staged on the server
+        reader = threading.Thread(target=_stream, args=(server, out, started))
+        reader.start()
+        assert started.wait(120)
+        go.set()  # the flip, under the stream
+        pusher.join(120)
+        reader.join(300)
+    assert out["status"] == 200 and out["header_version"] == v0
+    assert result["stats"].versions == [v0 + 1]
+    tokens = out["tokens"]
+    assert len(tokens) == N_TOKENS
+    landed_lines = [ln for ln in log.read_text(errors="replace").splitlines() if "landed" in ln]
+    assert "spans" in out, f"no flip under the stream: {landed_lines[-1]}"
+    (engine_id, spans), = out["spans"].items()  # one engine request (n=1)
+    assert spans[0] == [v0, 0] and spans[1][0] == v0 + 1
+    k = spans[1][1]
+    print(f"update landed at token {k} of {N_TOKENS}: {engine_id} {spans}")
+    assert FLIP_AFTER <= k < N_TOKENS - CHECK_AFTER, f"the update landed at token {k}"
+    prompt = out.get("prompt_ids") or old.ids(PROMPT)
+    assert tokens[:k] == old.greedy(prompt, k)  # the old weights' tokens, exactly
+    assert tokens[k:k + CHECK_AFTER] == new.greedy(prompt + tokens[:k], CHECK_AFTER)
+    assert tokens[k:k + CHECK_AFTER] != old.greedy(prompt + tokens[:k], CHECK_AFTER)
+    assert "under 1 request(s) in flight, which continue on it" in landed_lines[-1]
+    assert "generation paused" in landed_lines[-1]
+    print(landed_lines[-1])
+
+
+def test_requests_after_the_flip_carry_no_spans_and_the_new_version(continue_server):
+    server = continue_server
+    v = server.version()
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": "tiny-policy", "prompt": "hi", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["weight_version"] == v and "weight_version_spans" not in body
