@@ -27,6 +27,9 @@
 #   bash scripts/gpu_check.sh lora         LoRA adapter-only pushes (qwen2-0.5b, qwen2-7b, rank 16) vs a
 #                                          full push vs vLLM's file-based adapter load, greedy tokens
 #                                          checked each step (benchmarks/bench_lora_adapter.py)
+#   bash scripts/gpu_check.sh continue     serve-policy --in-flight-requests continue on GPU 1 (qwen2-7b
+#                                          shape): how long generation stands still while a 7B update
+#                                          lands under 4 streams (tests/gpu/test_continue_gpu.py)
 #   bash scripts/gpu_check.sh extras       the Megatron extractor (TP=2, NCCL) and the SGLang loader
 #                                          against real engines (their wheels staged first)
 #   bash scripts/gpu_check.sh hybrid       FSDP2 over 2 ranks + a TP=2 vLLM engine on the same 2 GPUs,
@@ -186,6 +189,10 @@ case "$stage" in
     done
     summary
     ;;
+  continue)
+    need_vllm; need_gpus 2
+    pytest_stage continue 560 -s tests/gpu/test_continue_gpu.py
+    ;;
   extras)
     # needs the extra wheels staged beside vLLM (megatron-core + mbridge; sglang): each test
     # skips, saying so, when its package does not import
@@ -199,7 +206,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {perf|tests|tests-vllm|tests-servers|sleep|lora|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {perf|tests|tests-vllm|tests-servers|sleep|lora|continue|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac
