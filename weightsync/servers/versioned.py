@@ -72,9 +72,13 @@ class VersionedResponses:
             if self.control.in_flight == "continue":
                 scope, request_id = _with_request_id(scope)
                 since, control = self.control.flip_seq, self.control
+                memo: list = [since, None]  # (flips seen, their spans): per event, no rescan
 
                 def spans() -> dict | None:
-                    return control.spans_for(request_id, since, version)
+                    if control.flip_seq != memo[0]:
+                        memo[:] = [control.flip_seq,
+                                   control.spans_for(request_id, since, version)]
+                    return memo[1]
             tagger = _Tagger(send, version, spans)
             await self.app(scope, receive, tagger.send)
             await tagger.flush()
