@@ -485,22 +485,7 @@ class UpdateControl:
             active.holds_gate = True
             if self.pause_generation and finish.ok:
                 await self._pause(active)
-        try:
-            async with self._guard(f"the finish of update {finish.update_id}"):
-                results = await self.call_workers("finish_weight_update", {"finish": finish.to_dict()})
-            if finish.ok:
-                await self.reset_prefix_cache()
-                if active.adapter and self.adapter_published is not None:
-                    self.adapter_published(active.adapter)
-        except BaseException as e:
-            log.warning("%s: update %s did not land: %s", self.name, finish.update_id, _why(e))
-            raise
-        finally:
-            self._active = None
-            _stop_watch(active)
-            await self._resume(active)
-            self.gate.release_write(finish.update_id)
-        published = int(results[0]) if results and results[0] is not None else self.version
+        published, _ = await self._land(active, finish)
         if finish.ok:
             log.info("%s: update %s landed: version %d, %d chunk(s), %s in %.2fs", self.name,
                      finish.update_id, published, active.chunks, _mb(active.nbytes),
@@ -513,16 +498,35 @@ class UpdateControl:
 
     async def _finish_continuing(self, active: _ActiveUpdate, finish: Any) -> dict:
         """The flip without a drain (``in_flight="continue"``; see the module docstring)."""
-        from weightsync._runtime.vllm_compat import freeze_in_flight
-
         old = self.version
         t0 = time.monotonic()
+        published, counts = await self._land(active, finish, freeze=True)
+        paused = time.monotonic() - t0
+        self.flip_seq += 1
+        self.flips.append(Flip(self.flip_seq, old, published, counts, paused))
+        log.info("%s: update %s landed under %d request(s) in flight, which continue on it: "
+                 "version %d, %d chunk(s), %s in %.2fs; generation paused %.1f ms", self.name,
+                 finish.update_id, len(counts), published, active.chunks, _mb(active.nbytes),
+                 time.monotonic() - active.started, paused * 1e3)
+        return {"ok": True, "version": published, "state": self.torn_reason or "ready"}
+
+    async def _land(self, active: _ActiveUpdate, finish: Any, *, freeze: bool = False,
+                    ) -> tuple[int, dict[str, int]]:
+        """The workers' finish, then (if it published) the prefix-cache reset and the adapter's
+        name; always ends the update (watchdog, generation resumed, the gate released if held).
+        ``freeze``: first pause keeping the requests in flight and count their tokens
+        (``in_flight="continue"``). -> (the served version, those counts)."""
+        counts: dict[str, int] = {}
         try:
             async with self._guard(f"the finish of update {finish.update_id}"):
-                active.paused = True  # from here on, _resume resumes whatever happens
-                counts = await freeze_in_flight(self.engine)
+                if freeze:
+                    from weightsync._runtime.vllm_compat import freeze_in_flight
+
+                    active.paused = True  # from here on, _resume resumes whatever happens
+                    counts = await freeze_in_flight(self.engine)
                 results = await self.call_workers("finish_weight_update",
                                                   {"finish": finish.to_dict()})
+            if finish.ok:
                 await self.reset_prefix_cache()
                 if active.adapter and self.adapter_published is not None:
                     self.adapter_published(active.adapter)
@@ -533,15 +537,10 @@ class UpdateControl:
             self._active = None
             _stop_watch(active)
             await self._resume(active)
-        paused = time.monotonic() - t0
+            if active.holds_gate:
+                self.gate.release_write(finish.update_id)
         published = int(results[0]) if results and results[0] is not None else self.version
-        self.flip_seq += 1
-        self.flips.append(Flip(self.flip_seq, old, published, counts, paused))
-        log.info("%s: update %s landed under %d request(s) in flight, which continue on it: "
-                 "version %d, %d chunk(s), %s in %.2fs; generation paused %.1f ms", self.name,
-                 finish.update_id, len(counts), published, active.chunks, _mb(active.nbytes),
-                 time.monotonic() - active.started, paused * 1e3)
-        return {"ok": True, "version": published, "state": self.torn_reason or "ready"}
+        return published, counts
 
     def spans_for(self, request_id: str, since: int, version: int) -> dict[str, list] | None:
         """For a request started at flip ``since`` on ``version`` (its ``X-Request-Id``), the
