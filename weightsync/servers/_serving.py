@@ -32,6 +32,32 @@ _POKE_EVERY_S = 0.25
 #: vLLM's loggers that report the engine core's exit as a failure; quiet once a stop began
 ENGINE_DEATH_LOGGERS = ("vllm.v1.engine.async_llm",)
 
+#: seconds an idle keep-alive connection stays open (``--keep-alive-timeout-s``) unless vLLM's
+#: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` says otherwise. Longer than the idle expiry of common HTTP
+#: clients (httpx 5 s, aiohttp 15 s) and load balancers (60 s), so the client always drops an
+#: idle connection before the server does. With uvicorn's 5 s (vLLM's default) a client
+#: that reuses a connection idle for about 5 s (a trainer thread that was busy, a request every
+#: few seconds) races the server's close and gets "Server disconnected without sending a
+#: response" instead of an answer: seen under load (tests/integration/servers, the load test).
+KEEP_ALIVE_TIMEOUT_S = 65.0
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
+
+
+def default_keep_alive_s() -> float:
+    """``$VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` when set (what ``vllm serve`` would use), else
+    ``KEEP_ALIVE_TIMEOUT_S``."""
+    raw = os.environ.get(KEEP_ALIVE_ENV)
+    if not raw:
+        return KEEP_ALIVE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"${KEEP_ALIVE_ENV} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"${KEEP_ALIVE_ENV} must be > 0 seconds, got {raw!r}")
+    return value
+
+
 #: the control plane's routes, as the ready line lists them
 CONTROL_SUMMARY = "/init_communicator, /update_param_batch, /close_communicator"
 
@@ -39,7 +65,7 @@ CONTROL_SUMMARY = "/init_communicator, /update_param_batch, /close_communicator"
 def add_server_arguments(parser: Any, defaults: Any, *, open_routes: str) -> None:
     """The flags both servers take, each with its default and unit: ``--host``, ``--port``,
     ``--api-key``, ``--update-timeout-s``, ``--group-timeout-s``, ``--max-body-bytes``,
-    ``--log-level``, and the two that give the Ludic reference server's behaviour
+    ``--keep-alive-timeout-s``, ``--log-level``, and the two that give the Ludic reference server's behaviour
     (``--serve-during-updates``, ``--allow-version-reset``: ``UpdateControl``) (``defaults``: the server's config with its defaults; ``open_routes``: what
     stays open without the token)."""
     d = defaults
@@ -59,6 +85,11 @@ def add_server_arguments(parser: Any, defaults: Any, *, open_routes: str) -> Non
                         help=f"largest request body weightsync's own routes read "
                              f"(default {d.max_body_bytes} bytes = {d.max_body_bytes >> 20} MiB; "
                              f"413 past it)")
+    parser.add_argument("--keep-alive-timeout-s", type=_positive_seconds, metavar="SECONDS",
+                        help="close an idle keep-alive connection after this long (default "
+                             f"${KEEP_ALIVE_ENV} if set, else {KEEP_ALIVE_TIMEOUT_S:g} s: longer "
+                             "than clients keep idle connections, so none reuses one the server "
+                             "is closing)")
     parser.add_argument("--log-level", metavar="LEVEL",
                         help="weightsync's and uvicorn's log level: debug, info, warning, "
                              f"error (default {d.log_level})")
@@ -70,6 +101,18 @@ def add_server_arguments(parser: Any, defaults: Any, *, open_routes: str) -> Non
     parser.add_argument("--allow-version-reset", action="store_true", default=None,
                         help="publish an update's version as given even when it is not newer "
                              "(a trainer that restarted its count; default: refused, 409)")
+
+
+def _positive_seconds(raw: str) -> float:
+    import argparse
+
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {raw!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {raw!r}")
+    return value
 
 
 def ready_line(
@@ -124,15 +167,20 @@ async def serve_app(
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
     announce: str | None = None,
+    keep_alive_s: float = KEEP_ALIVE_TIMEOUT_S,
 ) -> None:
-    """Serve ``app`` on ``host:port`` until ``stop`` is set (or the task is cancelled);
+    """Serve ``app`` on ``host:port`` until ``stop`` is set (or the task is cancelled); idle
+    keep-alive connections close after ``keep_alive_s``;
     ``ready`` is set just before serving starts; ``announce`` (a ``ready_line``) is printed on
     stdout once uvicorn accepts connections. Raises ``OSError`` when the port could not be
     bound."""
     import uvicorn
 
+    if keep_alive_s <= 0:
+        raise ValueError(f"keep_alive_s must be > 0 seconds, got {keep_alive_s!r}")
     http = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, lifespan=lifespan,
+        timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]  # uvicorn hints int; a float works
     ))
     http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
     watcher = None

@@ -45,6 +45,7 @@ from weightsync.loaders.vllm_worker import WORKER_EXTENSION
 from weightsync.servers._serving import (
     WARMUP_HELP,
     add_server_arguments,
+    default_keep_alive_s,
     ready_line,
     run_main,
     serve_app,
@@ -68,6 +69,7 @@ class PolicyServerConfig:
     request_wait_timeout_s: float = 300.0  # a request waits this long for an update (and v.v.)
     group_timeout_s: float = 120.0  # a Ludic-style trainer group: joining and each collective
     max_body_bytes: int = 16 << 20
+    keep_alive_timeout_s: float | None = None  # idle connections; None: _serving's default
     log_level: str = "info"
     serve_during_updates: bool = False  # stage updates, keep serving the last version, flip
     allow_version_reset: bool = False  # take an update's version as given (may go backwards)
@@ -323,7 +325,8 @@ async def serve(
             try:
                 await serve_app(server.asgi, host=cfg.host, port=cfg.port,
                                 log_level=cfg.log_level, lifespan="on", ready=ready, stop=stop,
-                                announce=_ready_line(cfg, engine, server.control.version))
+                                announce=_ready_line(cfg, engine, server.control.version),
+                                keep_alive_s=cfg.keep_alive_timeout_s or default_keep_alive_s())
             finally:
                 await server.control.shutdown()
         finally:

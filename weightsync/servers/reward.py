@@ -43,6 +43,7 @@ from weightsync.loaders.vllm_worker import WORKER_EXTENSION
 from weightsync.servers._serving import (
     WARMUP_HELP,
     add_server_arguments,
+    default_keep_alive_s,
     ready_line,
     run_main,
     serve_app,
@@ -84,6 +85,7 @@ class RewardServerConfig:
     update_timeout_s: float = 600.0
     group_timeout_s: float = 120.0  # a Ludic-style trainer group: joining and each collective
     max_body_bytes: int = 16 << 20
+    keep_alive_timeout_s: float | None = None  # idle connections; None: _serving's default
     serve_during_updates: bool = False  # stage updates, keep scoring with the last version, flip
     convert: str | None = None  # vLLM's --convert: "classify" for a causal LM with a score head
     hf_overrides: dict[str, Any] | None = None  # vLLM's --hf-overrides (e.g. reward conversion)
@@ -286,7 +288,8 @@ async def serve(
                    "vLLM's /classify, /pooling, /v1/score, /v1/models",
         )
         await serve_app(server.app(), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                        lifespan="on", ready=ready, stop=stop, announce=announce)
+                        lifespan="on", ready=ready, stop=stop, announce=announce,
+                        keep_alive_s=cfg.keep_alive_timeout_s or default_keep_alive_s())
     finally:
         await server.control.shutdown()
         await stop_engine(server.engine)
