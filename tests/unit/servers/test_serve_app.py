@@ -1,10 +1,12 @@
-"""Idle keep-alive connections: both servers keep one open ``--keep-alive-timeout-s`` (65 s
+"""``serve_app``, what both servers serve with: a real uvicorn server on 127.0.0.1.
+
+Idle keep-alive connections: both servers keep one open ``--keep-alive-timeout-s`` (65 s
 unless ``$VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` says otherwise), longer than clients keep idle
 connections, so a client never reuses one the server is closing (uvicorn's own 5 s equals
 httpx's idle expiry: a request sent on a connection idle for about 5 s raced the server's close
-and got "Server disconnected without sending a response"). ``serve_app`` runs a real uvicorn
-server on 127.0.0.1 here; the two servers' own connections are checked in
-``tests/integration/servers/test_servers_keep_alive.py``."""
+and got "Server disconnected without sending a response"); the two servers' own connections are
+checked in ``tests/integration/servers/test_servers_keep_alive.py``. And the heap alive when
+serving starts is frozen out of the garbage collector's sight."""
 
 from __future__ import annotations
 
@@ -141,3 +143,18 @@ def test_serve_app_refuses_a_non_positive_limit():
     with pytest.raises(ValueError, match="keep_alive_s"):
         asyncio.run(serve_app(_ok_app, host="127.0.0.1", port=_free_port(), log_level="warning",
                               lifespan="off", keep_alive_s=0))
+
+
+def test_serving_freezes_the_heap_it_starts_with():
+    """What is alive when serving starts (for a server: vLLM's engine client and app) is out of
+    the collector's sight, so a full collection scans only what serving allocates."""
+    import gc
+
+    gc.unfreeze()
+    keep = [[i] for i in range(10_000)]  # objects alive before serving
+    server = _Server(keep_alive_s=KEEP_ALIVE_TIMEOUT_S)
+    try:
+        assert gc.get_freeze_count() >= len(keep)
+    finally:
+        server.close()
+        gc.unfreeze()
