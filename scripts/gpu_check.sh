@@ -30,6 +30,10 @@
 #   bash scripts/gpu_check.sh continue     serve-policy --in-flight-requests continue on GPU 1 (qwen2-7b
 #                                          shape): how long generation stands still while a 7B update
 #                                          lands under 4 streams (tests/gpu/test_continue_gpu.py)
+#   bash scripts/gpu_check.sh fp8          FP8 targets: a bf16 trainer on the GPU pushes into vLLM engines
+#                                          serving FP8 checkpoints (block 128x128, per-tensor) through
+#                                          ws.connect(..., quantize=DIR); outputs = the same weights
+#                                          loaded from an FP8 checkpoint (tests/gpu/test_gpu_fp8.py)
 #   bash scripts/gpu_check.sh extras       the Megatron extractor (TP=2, NCCL) and the SGLang loader
 #                                          against real engines (their wheels staged first)
 #   bash scripts/gpu_check.sh hybrid       FSDP2 over 2 ranks + a TP=2 vLLM engine on the same 2 GPUs,
@@ -193,6 +197,10 @@ case "$stage" in
     need_vllm; need_gpus 2
     pytest_stage continue 560 -s tests/gpu/test_continue_gpu.py
     ;;
+  fp8)
+    need_vllm
+    pytest_stage fp8 560 tests/gpu/test_gpu_fp8.py
+    ;;
   extras)
     # needs the extra wheels staged beside vLLM (megatron-core + mbridge; sglang): each test
     # skips, saying so, when its package does not import
@@ -206,7 +214,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {perf|tests|tests-vllm|tests-servers|sleep|lora|continue|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {perf|tests|tests-vllm|tests-servers|sleep|lora|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac

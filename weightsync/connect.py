@@ -107,14 +107,18 @@ def connect(
     is_sender: bool | None = None,
     names: Sequence[str] | None = None,
     delta: bool = False,
+    quantize: Any = None,
 ) -> Connecting:
     """Connect the trainer to ``engines`` (see the module docstring). Await the result for a
     ``SyncSession``, or use it as ``async with connect(...) as sync``. ``delta``: every push
-    sends only what changed since the engines' version (``push(..., delta=)`` per push)."""
+    sends only what changed since the engines' version (``push(..., delta=)`` per push).
+    ``quantize``: the engines serve an FP8 checkpoint: its directory (or a
+    ``weightsync.fp8.Fp8Layout``); every push is quantised to it on the sending rank, on the
+    tensors' device (``weightsync.fp8``)."""
     return Connecting(lambda: SyncSession.open(
         engines, strategy, api_key=api_key, extractor=extractor, device=device,
         timeout_s=timeout_s, rank=rank, src_rank=src_rank, is_sender=is_sender, names=names,
-        delta=delta,
+        delta=delta, quantize=quantize,
     ))
 
 
@@ -154,7 +158,7 @@ class SyncSession:
     def __init__(
         self, *, client: FanOutClient | None, strategy_cfg: dict[str, Any],
         extractor_cfg: dict[str, Any] | None, device: str | None, rank: int, src_rank: int,
-        is_sender: bool, extractor: Any = None, delta: bool = False,
+        is_sender: bool, extractor: Any = None, delta: bool = False, fp8: Any = None,
     ) -> None:
         self.client = client
         self.strategy_cfg = strategy_cfg
@@ -171,13 +175,21 @@ class SyncSession:
         # every training rank sends its own copy (IPC every_rank); None: decided at the first push
         self.every_rank: bool | None = None
         self.tracker: Any = None  # weightsync.delta.DeltaTracker, made at the first delta push
+        self.fp8 = fp8  # weightsync.fp8.Fp8Layout: the engines serve FP8; every push quantised
 
     @classmethod
     async def open(
         cls, engines: Any, strategy: Any, *, api_key: str | None, extractor: Any,
         device: str | None, timeout_s: float | None, rank: int | None, src_rank: int,
         is_sender: bool | None, names: Sequence[str] | None, delta: bool = False,
+        quantize: Any = None,
     ) -> SyncSession:
+        from weightsync.fp8 import resolve_layout
+
+        fp8 = resolve_layout(quantize)  # a bad directory fails here, before any connection
+        if fp8 is not None and delta:
+            raise ValueError("connect: delta=True with quantize (FP8 engines): not supported; "
+                             "push full updates")
         strategy_cfg = resolve_strategy(strategy)
         if timeout_s is not None:
             strategy_cfg["timeout_s"] = float(timeout_s)
@@ -204,7 +216,7 @@ class SyncSession:
                 f"give both the same rank / src_rank (or is_sender)")
         session = cls(client=client, strategy_cfg=strategy_cfg, extractor_cfg=extractor_cfg,
                       device=device, rank=rank, src_rank=int(src_rank), is_sender=sender,
-                      extractor=given, delta=delta)
+                      extractor=given, delta=delta, fp8=fp8)
         # every_rank may apply (an IPC strategy on several ranks): the first push decides,
         # and then every rank builds its sender there, in lockstep
         undecided = (strategy_cfg.get("type") in _EVERY_RANK_STRATEGIES and _world_size() > 1
@@ -410,6 +422,11 @@ class SyncSession:
         if lora_adapter is not None:
             return await self._send_once(chunks, manifest, version, mode, heads, None,
                                          lora_adapter=lora_adapter)
+        if self.fp8 is not None:
+            if delta:
+                raise ValueError("push: delta=True into FP8 engines (connect's quantize) is "
+                                 "not supported; push full updates")
+            chunks, manifest = self.fp8.quantize_chunks(chunks), self.fp8.manifest(manifest)
         if not delta:
             if self.tracker is not None:
                 self.tracker.forget()

@@ -47,6 +47,21 @@ log = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = {"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"}
 _TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}
+_FP8_DTYPES = {"float8_e4m3fn", "float8_e5m2"}
+#: what a quantised checkpoint keeps beside an FP8 ``<module>.weight`` (float32, as stored)
+_FP8_COMPANIONS = ("weight_scale", "weight_scale_inv", "input_scale")
+
+
+def _quantized_dtypes(ckpt: Mapping[str, tuple[str, Any]]) -> set[str]:
+    """The checkpoint tensors that keep their stored dtype instead of the served one: FP8
+    weights and their scales (an FP8 checkpoint, ``weightsync.fp8``)."""
+    kept = set()
+    for name, (dtype, _shape) in ckpt.items():
+        if dtype in _FP8_DTYPES and name.endswith("weight"):
+            kept.add(name)
+            stem = name[: -len("weight")]
+            kept.update(stem + c for c in _FP8_COMPANIONS if stem + c in ckpt)
+    return kept
 
 
 @dataclass(kw_only=True)
@@ -114,8 +129,9 @@ class VLLMWeightLoader(WeightLoader):
             log.info("weightsync: %s has no checkpoint (dummy weights?); expected names and "
                      "shapes come from its config", self.model_name)
         served = compat.served_dtype(worker)
+        kept = _quantized_dtypes(ckpt)
         meta = {
-            n: TensorMeta(n, served if dt in _FLOAT_DTYPES else dt, shape)
+            n: TensorMeta(n, served if dt in _FLOAT_DTYPES and n not in kept else dt, shape)
             for n, (dt, shape) in ckpt.items()
         }
         hf_cfg = getattr(worker.model_config, "hf_config", None)

@@ -262,3 +262,64 @@ def build_tiny_causal_lm(
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
     return _save(model, tokenizer, out_dir)
+
+
+#: the linear weights of a Qwen2 / Llama decoder layer, the ones an FP8 checkpoint quantises
+FP8_LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                       "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def write_fp8_checkpoint(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    weight_block_size: tuple[int, int] | None = (128, 128),
+    state_dict: Any = None,
+) -> str:
+    """Write an FP8 checkpoint of the causal LM in ``model_dir`` (or of ``state_dict``, its
+    tensors under the same names) to ``out_dir``, as FP8 models on the hub are laid out: the
+    decoder layers' linear weights in ``float8_e4m3fn`` with their float32 scales
+    (``weight_scale_inv`` per ``weight_block_size`` block, or one ``weight_scale`` per tensor
+    when it is None), every other tensor in bf16, and ``quantization_config`` (``quant_method``
+    fp8, dynamic activations) in ``config.json``. Quantised by ``weightsync.fp8``, as a trainer
+    pushing into the engine quantises. Block-scaled CPU engines need sizes that are multiples
+    of 128 (``build_tiny_causal_lm(hidden_size=256, intermediate_size=512, num_heads=4,
+    num_kv_heads=2)``)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from weightsync.fp8 import Fp8Layout
+
+    src, out = os.fspath(model_dir), os.fspath(out_dir)
+    tensors = dict(state_dict) if state_dict is not None else load_file(
+        os.path.join(src, "model.safetensors"))
+    layout = Fp8Layout(
+        frozenset(n for n in tensors if n.startswith("model.layers.")
+                  and n.endswith(FP8_LINEAR_SUFFIXES)),
+        weight_block_size=weight_block_size)
+    written: dict[str, Any] = {}
+    for name, t in tensors.items():
+        t = t.detach().cpu()
+        if name in layout.weights:
+            written.update(layout.quantize(name, t))
+        else:
+            written[name] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
+    os.makedirs(out, exist_ok=True)
+    save_file(written, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    quant: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if weight_block_size is not None:
+        quant["weight_block_size"] = list(weight_block_size)
+    config.update(quantization_config=quant, torch_dtype="bfloat16")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for f in os.listdir(src):
+        if f != "config.json" and not f.endswith(".safetensors"):
+            path = os.path.join(src, f)
+            if os.path.isfile(path):
+                shutil.copy(path, out)
+    return out
