@@ -52,7 +52,7 @@ _FP8_DTYPES = {"float8_e4m3fn", "float8_e5m2"}
 _FP8_COMPANIONS = ("weight_scale", "weight_scale_inv", "input_scale")
 
 
-def _quantized_dtypes(ckpt: Mapping[str, tuple[str, Any]]) -> set[str]:
+def fp8_checkpoint_tensors(ckpt: Mapping[str, tuple[str, Any]]) -> set[str]:
     """The checkpoint tensors that keep their stored dtype instead of the served one: FP8
     weights and their scales (an FP8 checkpoint, ``weightsync.fp8``)."""
     kept = set()
@@ -129,7 +129,7 @@ class VLLMWeightLoader(WeightLoader):
             log.info("weightsync: %s has no checkpoint (dummy weights?); expected names and "
                      "shapes come from its config", self.model_name)
         served = compat.served_dtype(worker)
-        kept = _quantized_dtypes(ckpt)
+        kept = fp8_checkpoint_tensors(ckpt)
         meta = {
             n: TensorMeta(n, served if dt in _FLOAT_DTYPES and n not in kept else dt, shape)
             for n, (dt, shape) in ckpt.items()
