@@ -191,13 +191,14 @@ async def serve_app(
 
         watcher = asyncio.ensure_future(_watch())
     herald = asyncio.ensure_future(_announce(http, announce)) if announce else None
+    stalls = asyncio.ensure_future(watch_loop_stalls(logging.getLogger(__name__)))
     freeze_heap()
     if ready is not None:
         ready.set()
     try:
         await http.serve()
     finally:
-        for task in (watcher, herald):
+        for task in (watcher, herald, stalls):
             if task is not None:
                 task.cancel()
     if not http.started:
@@ -225,6 +226,27 @@ async def stop_engine(engine: Any, grace_s: float = ENGINE_STOP_GRACE_S) -> None
             await asyncio.wait_for(engine.reset_prefix_cache(), _POKE_EVERY_S)
         await asyncio.wait([done], timeout=_POKE_EVERY_S)
     await done
+
+
+#: a server's event loop that did not run for this long is logged (``watch_loop_stalls``)
+LOOP_STALL_WARN_S = 1.0
+_LOOP_TICK_S = 0.25
+
+
+async def watch_loop_stalls(log: logging.Logger, *, warn_s: float = LOOP_STALL_WARN_S,
+                            tick_s: float = _LOOP_TICK_S) -> None:
+    """Log a warning whenever this event loop did not run for ``warn_s`` or more: every
+    request, control call and keep-alive timer of the server waited that long. Its cause is
+    something holding the loop (a blocking call in a handler, a long garbage collection) or
+    the process not getting a CPU. Runs until cancelled (``serve_app`` runs it beside uvicorn)."""
+    while True:
+        t0 = time.monotonic()
+        await asyncio.sleep(tick_s)
+        stalled = time.monotonic() - t0 - tick_s
+        if stalled >= warn_s:
+            log.warning("the server's event loop did not run for %.2fs: requests and control "
+                        "calls waited that long (something held the loop, or the process got "
+                        "no CPU)", stalled)
 
 
 def freeze_heap() -> float:

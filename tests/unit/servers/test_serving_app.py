@@ -158,3 +158,26 @@ def test_serving_freezes_the_heap_it_starts_with():
     finally:
         server.close()
         gc.unfreeze()
+
+
+def test_a_stalled_event_loop_is_logged(caplog):
+    import logging
+
+    from weightsync.servers._serving import watch_loop_stalls
+
+    log = logging.getLogger("weightsync.test.stalls")
+
+    async def run():
+        watch = asyncio.ensure_future(watch_loop_stalls(log, warn_s=0.3, tick_s=0.05))
+        await asyncio.sleep(0.2)  # the loop runs: nothing to say
+        quiet = len(caplog.records)
+        time.sleep(0.6)  # a handler that blocks the loop
+        await asyncio.sleep(0.2)
+        watch.cancel()
+        return quiet
+
+    with caplog.at_level(logging.WARNING, logger="weightsync.test.stalls"):
+        quiet = asyncio.run(run())
+    assert quiet == 0
+    stalls = [r.getMessage() for r in caplog.records if "did not run for" in r.getMessage()]
+    assert len(stalls) == 1 and float(stalls[0].split("for ")[1].split("s")[0]) >= 0.5
