@@ -30,7 +30,8 @@ class WeightMismatchError(WeightSyncError, ValueError):
     ``offenders`` lists one human-readable line per offending parameter. The message says what
     to do: tensors sent in another dtype than the target's (``"<name>: dtype <sent> but target
     has <served>"``) are summed up in one line per dtype pair that names the fix,
-    ``push(..., dtype="<served>")``; every other offender gets a line of its own.
+    ``push(..., dtype="<served>")`` (for an engine holding FP8 weights: ``ws.connect(...,
+    quantize=...)``); every other offender gets a line of its own.
     """
 
     def __init__(self, offenders: Sequence[str], *, target: str = "target model") -> None:
@@ -72,7 +73,7 @@ def _summarize_offenders(offenders: Sequence[str]) -> list[str]:
             out.append(item)
             continue
         (sent, served), names = item, groups[item]
-        fix = f"send {served}: push(..., dtype=\"{served}\") casts on the way"
+        fix = _dtype_fix(sent, served)
         if len(names) == 1:
             out.append(f"{names[0]}: dtype {sent} but target has {served}; {fix}")
         else:
@@ -80,6 +81,15 @@ def _summarize_offenders(offenders: Sequence[str]) -> list[str]:
             out.append(f"{len(names)} tensors ({shown}) are {sent} but the target holds "
                        f"{served}; {fix}")
     return out
+
+
+def _dtype_fix(sent: str, served: str) -> str:
+    """How to send ``served`` instead of ``sent``: a cast, or for an engine that holds FP8
+    weights (with scales a cast does not make) the sender-side quantisation."""
+    if served.startswith("float8") and not sent.startswith("float8"):
+        return ("the engine serves FP8 weights: ws.connect(..., quantize=<its checkpoint "
+                "directory>) quantises them on the sender (weightsync.fp8)")
+    return f"send {served}: push(..., dtype=\"{served}\") casts on the way"
 
 
 def _rebuild_mismatch(cls: type, offenders: list[str], target: str) -> WeightMismatchError:

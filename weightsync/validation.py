@@ -33,11 +33,7 @@ def find_mismatches(
         if list(m.shape) != list(exp.shape):
             offenders.append(f"{m.name}: shape {list(m.shape)} but target has {list(exp.shape)}")
         elif check_dtype and m.dtype != exp.dtype:
-            hint = (" (the engine serves FP8 weights: connect(..., quantize=<its checkpoint "
-                    "directory>) quantises them on the sender)"
-                    if exp.dtype.startswith("float8") and not m.dtype.startswith("float8")
-                    else "")
-            offenders.append(f"{m.name}: dtype {m.dtype} but target has {exp.dtype}{hint}")
+            offenders.append(f"{m.name}: dtype {m.dtype} but target has {exp.dtype}")
     return offenders
 
 

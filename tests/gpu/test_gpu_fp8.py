@@ -124,6 +124,7 @@ def test_a_bf16_push_without_quantize_is_refused_and_the_engine_keeps_serving(ba
     finally:
         shutdown_llm(llm)
     text = str(err.value)
-    assert "model.layers.0.self_attn.q_proj.weight: dtype bfloat16 but target has float8_e4m3fn" in text
-    assert "quantize=" in text  # says how to push into an FP8 engine
+    assert ("model.layers.0.self_attn.q_proj.weight: dtype bfloat16 but target has "
+            "float8_e4m3fn") in err.value.offenders
+    assert "are bfloat16 but the target holds float8_e4m3fn" in text and "quantize=" in text
     assert after == before

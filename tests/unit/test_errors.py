@@ -71,3 +71,17 @@ def test_an_error_carried_as_text_comes_back_typed():
     back = error_from_text(text, engine="vLLM engine", method="start_weight_update")
     assert isinstance(back, WeightMismatchError) and back.offenders == e.offenders
     assert error_from_text("RuntimeError: something else") is None
+
+
+def test_tensors_sent_to_an_fp8_engine_are_told_to_quantise_not_to_cast():
+    from weightsync.errors import WeightMismatchError
+
+    e = WeightMismatchError([f"l{i}.weight: dtype bfloat16 but target has float8_e4m3fn"
+                             for i in range(4)] + ["norm.weight: dtype float32 but target has "
+                                                   "bfloat16"])
+    text = str(e)
+    assert "4 tensors (l0.weight, l1.weight, l2.weight, ...) are bfloat16 but the target " \
+        "holds float8_e4m3fn; the engine serves FP8 weights: ws.connect(..., quantize=" in text
+    assert 'dtype="float8_e4m3fn"' not in text
+    assert 'norm.weight: dtype float32 but target has bfloat16; send bfloat16: push(..., ' \
+        'dtype="bfloat16")' in text
