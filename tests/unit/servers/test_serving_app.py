@@ -75,8 +75,11 @@ class _Server:
             return
 
     def close(self) -> None:
+        import gc
+
         self.loop.call_soon_threadsafe(self.stop.set)
         self.thread.join(30)
+        gc.unfreeze()  # serve_app froze this test process's heap: give it back to the collector
 
 
 def _twice_on_one_connection(port: int, idle_s: float) -> tuple[bool, str]:
