@@ -33,7 +33,8 @@
 #   bash scripts/gpu_check.sh fp8          FP8 targets: a bf16 trainer on the GPU pushes into vLLM engines
 #                                          serving FP8 checkpoints (block 128x128, per-tensor) through
 #                                          ws.connect(..., quantize=DIR); outputs = the same weights
-#                                          loaded from an FP8 checkpoint (tests/gpu/test_gpu_fp8.py)
+#                                          loaded from an FP8 checkpoint (tests/gpu/test_gpu_fp8.py);
+#                                          then benchmarks/bench_fp8.py on qwen2-1.5b, cuda_ipc
 #   bash scripts/gpu_check.sh extras       the Megatron extractor (TP=2, NCCL) and the SGLang loader
 #                                          against real engines (their wheels staged first)
 #   bash scripts/gpu_check.sh hybrid       FSDP2 over 2 ranks + a TP=2 vLLM engine on the same 2 GPUs,
@@ -199,7 +200,11 @@ case "$stage" in
     ;;
   fp8)
     need_vllm
-    pytest_stage fp8 560 tests/gpu/test_gpu_fp8.py
+    pytest_stage fp8 400 tests/gpu/test_gpu_fp8.py
+    timeout -s ABRT 150 python3 benchmarks/bench_fp8.py --size 1.5b --device cuda \
+        --strategy cuda_ipc --json "$OUT/fp8_1.5b.json" > "$OUT/fp8_1.5b.txt" 2> "$OUT/fp8_1.5b.log"
+    echo "bench fp8_1.5b rc=$?"
+    summary
     ;;
   extras)
     # needs the extra wheels staged beside vLLM (megatron-core + mbridge; sglang): each test
