@@ -186,6 +186,10 @@ class UpdateControl:
         self._control = asyncio.Lock()  # one control call at a time
         self._control_in_flight = 0
         self._world_size: int | None = None
+        # bumped by every drop_communicator: a join that was superseded before it reached the
+        # workers (it waited for the control call in progress) must not start there
+        self._communicator_epoch = 0
+        self._dropped_why = ""
         self._background: set[asyncio.Task] = set()
         #: called with an adapter's name once a LoRA adapter-only update of it landed (the
         #: policy server lets requests name it from then on)
@@ -277,8 +281,13 @@ class UpdateControl:
         (model requests go on meanwhile); a later ``init_communicator`` or
         ``close_communicator`` abandons a join still waiting (this call then answers 409)."""
         await self.drop_communicator("the communicator was re-initialised by another sender")
+        epoch = self._communicator_epoch
         where = await check_rendezvous(sync_info)
         async with self._guard("init_communicator"):
+            if self._communicator_epoch != epoch:  # a close or a newer init came meanwhile
+                raise ServiceError(http_status("UpdateRefusedError"),
+                                   f"abandoned: {self._dropped_why}",
+                                   error_type="UpdateRefusedError")
             await self.call_workers(
                 "init_weight_transfer",
                 {"strategy_cfg": strategy, "sync_info": sync_info, "rank_offset": rank_offset},
@@ -293,7 +302,11 @@ class UpdateControl:
 
     async def drop_communicator(self, why: str) -> None:
         """Abandon the worker calls in progress (a join nobody completes, a chunk whose sender
-        is gone), abort the running update (its data plane is about to go), forget the id."""
+        is gone), abort the running update (its data plane is about to go), forget the id. A
+        join that has not reached the workers yet (it waits for the control call in progress)
+        is abandoned too: it will not start there."""
+        self._communicator_epoch += 1
+        self._dropped_why = why
         await self.workers.abandon(why)
         if self._active is not None:
             await self._abort_active(why)
