@@ -73,6 +73,12 @@ def quantize_blockwise(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     return q, scale.view(pn // bn, pk // bk)
 
 
+def block_scale_shape(shape: Any, block: tuple[int, int]) -> list[int]:
+    """The scales of a ``shape`` ([N, K]) weight in ``block`` ([bn, bk]) blocks:
+    ``[ceil(N / bn), ceil(K / bk)]``."""
+    return [-(-int(shape[0]) // block[0]), -(-int(shape[1]) // block[1])]
+
+
 def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` (floating) -> (``float8_e4m3fn`` of its shape, a float32 scale of shape []), on
     ``w``'s device."""
@@ -129,7 +135,7 @@ class Fp8Layout:
                 offenders.append(f"{name}: FP8 without its {suffix}")
                 continue
             if block is not None:
-                want = [-(-int(meta.shape[0]) // block[0]), -(-int(meta.shape[1]) // block[1])]
+                want = block_scale_shape(meta.shape, block)
                 if list(scale.shape) != want:
                     offenders.append(f"{scale.name}: shape {list(scale.shape)}, but a "
                                      f"{list(meta.shape)} weight in {list(block)} blocks has "
@@ -221,11 +227,8 @@ class Fp8Layout:
                 out.append(m)
                 continue
             out.append(TensorMeta(m.name, FP8_DTYPE, list(m.shape)))
-            if self.weight_block_size is not None:
-                bn, bk = self.weight_block_size
-                shape = [-(-int(m.shape[0]) // bn), -(-int(m.shape[1]) // bk)]
-            else:
-                shape = list(self.scale_shape)
+            shape = (block_scale_shape(m.shape, self.weight_block_size)
+                     if self.weight_block_size is not None else list(self.scale_shape))
             out.append(TensorMeta(self.scale_name(m.name), "float32", shape))
         return out
 

@@ -167,15 +167,17 @@ async def serve_app(
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
     announce: str | None = None,
-    keep_alive_s: float = KEEP_ALIVE_TIMEOUT_S,
+    keep_alive_s: float | None = None,
 ) -> None:
     """Serve ``app`` on ``host:port`` until ``stop`` is set (or the task is cancelled); idle
-    keep-alive connections close after ``keep_alive_s``;
+    keep-alive connections close after ``keep_alive_s`` (None: ``default_keep_alive_s()``);
     ``ready`` is set just before serving starts; ``announce`` (a ``ready_line``) is printed on
     stdout once uvicorn accepts connections. Raises ``OSError`` when the port could not be
     bound."""
     import uvicorn
 
+    if keep_alive_s is None:
+        keep_alive_s = default_keep_alive_s()
     if keep_alive_s <= 0:
         raise ValueError(f"keep_alive_s must be > 0 seconds, got {keep_alive_s!r}")
     http = uvicorn.Server(uvicorn.Config(

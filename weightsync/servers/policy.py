@@ -45,7 +45,6 @@ from weightsync.loaders.vllm_worker import WORKER_EXTENSION
 from weightsync.servers._serving import (
     WARMUP_HELP,
     add_server_arguments,
-    default_keep_alive_s,
     ready_line,
     run_main,
     serve_app,
@@ -326,7 +325,7 @@ async def serve(
                 await serve_app(server.asgi, host=cfg.host, port=cfg.port,
                                 log_level=cfg.log_level, lifespan="on", ready=ready, stop=stop,
                                 announce=_ready_line(cfg, engine, server.control.version),
-                                keep_alive_s=cfg.keep_alive_timeout_s or default_keep_alive_s())
+                                keep_alive_s=cfg.keep_alive_timeout_s)
             finally:
                 await server.control.shutdown()
         finally:
