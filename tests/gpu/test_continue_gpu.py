@@ -105,27 +105,30 @@ def test_generation_stands_still_only_for_the_flip_of_a_7b_update(tmp_path):
                   if "which continue on it" in ln]
     finally:
         server.stop()
-    paused = re.search(r"generation paused ([0-9.]+) ms", landed[-1])
+    paused = re.search(r"generation paused ([0-9.]+) ms", landed[-1]) if landed else None
     gaps_before, gaps_during = [], []
     for o in outs:
-        assert o["status"] == 200 and len(o["times"]) == TOKENS, o.get("status")
-        assert "spans" in o, "a stream did not see the flip"
-        t = o["times"]
+        t = o.get("times", [])
         for a, b in zip(t, t[1:], strict=False):
             if b < t0:
                 gaps_before.append(b - a)
             elif a < t1 + 0.1:  # a gap that overlaps the push (or just after its return)
                 gaps_during.append(b - a)
-    record = {
+    record = {  # written before the checks below, so a failing run still reports its figures
         "device": torch.cuda.get_device_name(0), "shape": "qwen2-7b", "streams": STREAMS,
         "push_s": t1 - t0, "push_stats_s": stats.seconds, "bytes": stats.total_bytes,
         "flip_paused_ms": float(paused.group(1)) if paused else None,
-        "median_gap_before_ms": 1e3 * statistics.median(gaps_before),
+        "median_gap_before_ms": 1e3 * statistics.median(gaps_before) if gaps_before else None,
         "max_gap_during_push_ms": 1e3 * max(gaps_during) if gaps_during else None,
-        "server_line": landed[-1],
+        "tokens": [len(o.get("times", [])) for o in outs],
+        "statuses": [o.get("status") for o in outs],
+        "server_line": landed[-1] if landed else None,
     }
     print(json.dumps(record, indent=2))
     where = os.environ.get("WEIGHTSYNC_GPU_OUT")
     if where:
         Path(where, "continue_7b.json").write_text(json.dumps(record, indent=2))
+    for o in outs:
+        assert o["status"] == 200 and len(o["times"]) == TOKENS, o.get("status")
+        assert "spans" in o, "a stream did not see the flip"
     assert paused is not None

@@ -1,5 +1,6 @@
 """``benchmarks/bench_lora_adapter.py`` end to end on a small model (vLLM CPU): every step's
-pushed adapter serves the PEFT model's greedy tokens, only the adapter's bytes travel, and the
+pushed adapter serves the greedy tokens of vLLM's own file load of the same adapter and of the
+PEFT model, only the adapter's bytes travel, and the
 table and the JSON record say so."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def test_bench_lora_adapter_runs_and_checks_every_step(tmp_path, capsys):
     record = json.loads(out.read_text())
     rows = record["rows"]
     assert [r["step"] for r in rows] == [1, 2] and all(r["exact"] for r in rows)
+    # float32: the pushed adapter serves what vLLM's own file load and transformers serve
+    assert all(r["file_equal"] and r["hf_equal"] for r in rows)
     # rank 8 on 7 linear kinds x 2 layers, float32: (r x in + out x r) per module
     h, i, kv = 64, 128, 32  # hidden, intermediate (tiny default 2 x hidden), k/v width
     per_layer = 8 * ((h + h) * 2 + (h + kv) * 2 + (h + i) * 3)
