@@ -34,17 +34,23 @@ def _stream(url: str, out: dict, started: threading.Event) -> None:
     import httpx
 
     body = {"model": "m7b", "prompt": "The weights move", "max_tokens": TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     times: list[float] = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
         out["status"] = r.status_code
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            times.append(time.monotonic())
+            now = time.monotonic()
             event = json.loads(line[6:])
             if "weight_version_spans" in event:
                 out["spans"] = event["weight_version_spans"]
+            if event.get("usage"):
+                out["completion_tokens"] = event["usage"].get("completion_tokens")
+            if not event.get("choices"):
+                continue  # the usage event carries no token
+            times.append(now)  # one event per engine step that gave this stream tokens
             if len(times) == 16:
                 started.set()
     out["times"] = times
@@ -120,7 +126,8 @@ def test_generation_stands_still_only_for_the_flip_of_a_7b_update(tmp_path):
         "flip_paused_ms": float(paused.group(1)) if paused else None,
         "median_gap_before_ms": 1e3 * statistics.median(gaps_before) if gaps_before else None,
         "max_gap_during_push_ms": 1e3 * max(gaps_during) if gaps_during else None,
-        "tokens": [len(o.get("times", [])) for o in outs],
+        "events": [len(o.get("times", [])) for o in outs],
+        "completion_tokens": [o.get("completion_tokens") for o in outs],
         "statuses": [o.get("status") for o in outs],
         "server_line": landed[-1] if landed else None,
     }
@@ -129,6 +136,7 @@ def test_generation_stands_still_only_for_the_flip_of_a_7b_update(tmp_path):
     if where:
         Path(where, "continue_7b.json").write_text(json.dumps(record, indent=2))
     for o in outs:
-        assert o["status"] == 200 and len(o["times"]) == TOKENS, o.get("status")
+        assert o["status"] == 200 and o.get("completion_tokens") == TOKENS, record
+        assert len(o["times"]) >= TOKENS * 0.9, record  # an event for (nearly) every token
         assert "spans" in o, "a stream did not see the flip"
     assert paused is not None

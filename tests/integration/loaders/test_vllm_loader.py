@@ -118,15 +118,24 @@ def test_front_door_pushes_a_transformers_model_into_an_in_process_llm(lm):
     async def go():
         async with ws.connect(llm, "packed_cuda_ipc") as sync:
             v0 = (await sync.status())[0]["version"]
+            before = llm.collective_rpc("weightsync_state_digest")[0]
             stats = await sync.push(model, version=v0 + 1)
             tokens = vllm_greedy(llm)[0]
+            pushed = llm.collective_rpc("weightsync_state_digest")[0]
             back = await sync.push(state_dict(base), version=v0 + 2)
-            return v0, stats, tokens, back
+            return v0, stats, tokens, back, (before, pushed)
 
-    v0, stats, tokens, back = asyncio.run(go())
+    v0, stats, tokens, back, (before, pushed) = asyncio.run(go())
     assert stats.versions == [v0 + 1] and stats.engines == ["vLLM engine 0"]
     assert tokens == want_tokens
     assert back.versions == [v0 + 2] and vllm_greedy(llm)[0] == hf_greedy(base)[0]
+    # the worker's digest of what it serves moved with the push and came back bit for bit (on
+    # CPU the linear layers' weights live packed for oneDNN, outside the state dict: the
+    # embedding shows it; the tiny models' norms are all ones in both)
+    after = llm.collective_rpc("weightsync_state_digest")[0]
+    assert set(before) == set(pushed) == set(after)
+    assert before["model.embed_tokens.weight"] != pushed["model.embed_tokens.weight"]
+    assert after == before
 
 
 def test_reference_worker_methods_receive_a_trainer_batch(lm):
