@@ -91,8 +91,9 @@ def test_a_bf16_push_serves_what_the_fp8_checkpoint_of_the_same_weights_serves(
         shutdown_llm(llm)
 
     # the reference: vLLM loading the same (bf16) weights from an FP8 checkpoint
+    # (quantised on the trainer's GPU: CUDA and the CPU round some values differently)
     ref_dir = write_fp8_checkpoint(base_dir, tmp_path / "reference", weight_block_size=block,
-                                   state_dict=bf16)
+                                   state_dict=bf16, quantize_device="cuda")
     ref = _llm(ref_dir)
     try:
         want = vllm_greedy(ref)

@@ -102,6 +102,19 @@ def load_direct(worker: Any, items: list[tuple[str, Any]]) -> None:
         model.load_weights(iter(items))
 
 
+def lora_name_mapper(mapper: Any) -> Any:
+    """The model's ``hf_to_vllm_mapper`` as vLLM's own LoRA loading uses it: the renames only,
+    no stacking (vLLM 0.32: ``get_rename_mapper()``; 0.26: ``get_unstacked_mapper()``; older:
+    the mapper itself). None stays None."""
+    if mapper is None:
+        return None
+    for name in ("get_rename_mapper", "get_unstacked_mapper"):
+        fn = getattr(mapper, name, None)
+        if callable(fn):
+            return fn()
+    return mapper
+
+
 def _is_lora_wrapper(module: Any) -> bool:
     import torch
 

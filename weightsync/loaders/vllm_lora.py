@@ -32,6 +32,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from weightsync._runtime import vllm_compat as compat
 from weightsync.errors import UpdateRefusedError, WeightMismatchError
 from weightsync.interfaces import WeightLoader
 from weightsync.lora_adapter import LoRAAdapterSpec, module_of
@@ -150,7 +151,7 @@ class VLLMLoRAAdapterLoader(WeightLoader):
         lora = manager._lora_model_cls.from_lora_tensors(
             self.spec.adapter_id, tensors, self._peft_helper(), device=str(device),
             dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            weights_mapper=compat.lora_name_mapper(mapper),
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
         # everything that can fail is done; the swap below only moves entries between vLLM's

