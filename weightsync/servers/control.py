@@ -109,13 +109,16 @@ class Flip:
     """One update that landed under requests in flight (``in_flight="continue"``): the version
     before and after, and for each request the engine held then, how many of its output tokens
     the old weights produced (vLLM's request id -> count); ``paused_s``: how long generation
-    stood still for it."""
+    stood still for it; ``split_ms``: where that time went (``freeze``: pausing the scheduler
+    at a step boundary and counting tokens, ``load``: the workers' finish, which loads the
+    staged tensors, ``prefix_reset``, ``resume``)."""
 
     seq: int
     old_version: int
     new_version: int
     counts: dict[str, int]
     paused_s: float
+    split_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,6 +134,7 @@ class _ActiveUpdate:
     holds_gate: bool = True  # False: staged while requests are served (serve_during_updates)
     watchdog: asyncio.Task | None = None
     adapter: str | None = None  # a LoRA adapter-only update: the adapter's name
+    split_ms: dict[str, float] = field(default_factory=dict)  # the finish's phases (continue)
 
 
 class UpdateControl:
@@ -516,11 +520,13 @@ class UpdateControl:
         published, counts = await self._land(active, finish, freeze=True)
         paused = time.monotonic() - t0
         self.flip_seq += 1
-        self.flips.append(Flip(self.flip_seq, old, published, counts, paused))
+        self.flips.append(Flip(self.flip_seq, old, published, counts, paused,
+                               dict(active.split_ms)))
+        split = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in active.split_ms.items())
         log.info("%s: update %s landed under %d request(s) in flight, which continue on it: "
-                 "version %d, %d chunk(s), %s in %.2fs; generation paused %.1f ms", self.name,
-                 finish.update_id, len(counts), published, active.chunks, _mb(active.nbytes),
-                 time.monotonic() - active.started, paused * 1e3)
+                 "version %d, %d chunk(s), %s in %.2fs; generation paused %.1f ms (%s ms)",
+                 self.name, finish.update_id, len(counts), published, active.chunks,
+                 _mb(active.nbytes), time.monotonic() - active.started, paused * 1e3, split)
         return {"ok": True, "version": published, "state": self.torn_reason or "ready"}
 
     async def _land(self, active: _ActiveUpdate, finish: Any, *, freeze: bool = False,
@@ -530,6 +536,14 @@ class UpdateControl:
         ``freeze``: first pause keeping the requests in flight and count their tokens
         (``in_flight="continue"``). -> (the served version, those counts)."""
         counts: dict[str, int] = {}
+        split, t = active.split_ms, time.monotonic()
+
+        def lap(phase: str) -> None:
+            nonlocal t
+            now = time.monotonic()
+            split[phase] = (now - t) * 1e3
+            t = now
+
         try:
             async with self._guard(f"the finish of update {finish.update_id}"):
                 if freeze:
@@ -537,10 +551,13 @@ class UpdateControl:
 
                     active.paused = True  # from here on, _resume resumes whatever happens
                     counts = await freeze_in_flight(self.engine)
+                    lap("freeze")
                 results = await self.call_workers("finish_weight_update",
                                                   {"finish": finish.to_dict()})
+                lap("load")
             if finish.ok:
                 await self.reset_prefix_cache()
+                lap("prefix_reset")
                 if active.adapter and self.adapter_published is not None:
                     self.adapter_published(active.adapter)
         except BaseException as e:
@@ -549,7 +566,9 @@ class UpdateControl:
         finally:
             self._active = None
             _stop_watch(active)
+            t = time.monotonic()
             await self._resume(active)
+            lap("resume")
             if active.holds_gate:
                 self.gate.release_write(finish.update_id)
         published = int(results[0]) if results and results[0] is not None else self.version

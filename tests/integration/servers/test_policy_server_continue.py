@@ -11,6 +11,7 @@ against transformers."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -132,7 +133,12 @@ def test_a_request_in_flight_continues_on_the_new_weights_and_says_where(continu
     assert tokens[k:k + CHECK_AFTER] == new.greedy(prompt + tokens[:k], CHECK_AFTER)
     assert tokens[k:k + CHECK_AFTER] != old.greedy(prompt + tokens[:k], CHECK_AFTER)
     assert "under 1 request(s) in flight, which continue on it" in landed_lines[-1]
-    assert "generation paused" in landed_lines[-1]
+    # the pause and where it went: the phases add up to it (each printed to 0.1 ms)
+    m = re.search(r"generation paused ([0-9.]+) ms \(freeze ([0-9.]+), load ([0-9.]+), "
+                  r"prefix reset ([0-9.]+), resume ([0-9.]+) ms\)", landed_lines[-1])
+    assert m, landed_lines[-1]
+    total, *phases = (float(g) for g in m.groups())
+    assert abs(sum(phases) - total) <= 0.5, landed_lines[-1]
     print(landed_lines[-1])
 
 
