@@ -14,8 +14,9 @@ without knowing about it:
 * **in place** (default): tensors go straight to the loader. ``touched`` says whether the loader
   was given anything in this update (then a failed update leaves the weights torn).
 * **staged** (``staged=True``): tensors are copied into staging buffers on their own device and
-  the loader sees nothing until ``commit()`` (at the update's finish) replays every chunk into it
-  in order. An update that dies before its finish is ``discard()``-ed: the weights are exactly
+  the loader sees nothing until ``commit()`` (at the update's finish) hands every staged tensor
+  to it in one ``load_weights`` call (one wait for the device's copies, not one per chunk: this
+  is the time generation stands still when an update lands under requests in flight). An update that dies before its finish is ``discard()``-ed: the weights are exactly
   the last complete version. Memory cost: one extra copy of the update's bytes on the engine,
   held from the first chunk to the finish (a whole-model update: one more copy of the model).
   ``commit()`` itself copies into the weights; if it fails half-way (a loader error) the weights
@@ -161,12 +162,16 @@ class UpdateSink(WeightLoader):
         self.staged_bytes += sum(t.numel() * t.element_size() for t in copies.values())
 
     async def commit(self) -> None:
-        """Replay every staged chunk into the engine's loader, in order (the update's finish)."""
-        while self._staged:
-            chunk = self._staged.pop(0)
-            self.touched = True
-            await self.loader.load_weights(chunk)
+        """Every staged tensor into the engine's loader, in one call (the update's finish; a
+        name comes at most once per update, so the chunks merge without loss)."""
+        merged: dict[str, torch.Tensor] = {}
+        for chunk in self._staged:
+            merged.update(chunk)
+        self._staged.clear()
         self.staged_bytes = 0
+        if merged:
+            self.touched = True
+            await self.loader.load_weights(merged)
 
     def discard(self) -> None:
         """Drop every staged tensor (the update failed): the weights never saw them."""
