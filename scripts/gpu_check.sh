@@ -200,6 +200,15 @@ case "$stage" in
     ;;
   fp8)
     need_vllm
+    # vLLM's FP8 layers import compressed-tensors (0.17.0 for vLLM 0.26; it needs loguru):
+    # wheels staged under .whl/ct are installed beside vLLM
+    if ! python3 -c "import compressed_tensors" 2>/dev/null; then
+      ls .whl/ct/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
+          --no-compile --no-cache-dir --target /tmp/site .whl/ct/*.whl
+      python3 -c "import compressed_tensors" 2>/dev/null || {
+        echo "compressed_tensors is not importable: stage compressed-tensors==0.17.0 and loguru" \
+             "wheels under .whl/ct and carry it (docs/benchmarks.md)"; exit 2; }
+    fi
     pytest_stage fp8 400 tests/gpu/test_gpu_fp8.py
     timeout -s ABRT 150 python3 benchmarks/bench_fp8.py --size 1.5b --device cuda \
         --strategy cuda_ipc --json "$OUT/fp8_1.5b.json" > "$OUT/fp8_1.5b.txt" 2> "$OUT/fp8_1.5b.log"
