@@ -16,8 +16,9 @@ without knowing about it:
 * **staged** (``staged=True``): tensors are copied into staging buffers on their own device and
   the loader sees nothing until ``commit()`` (at the update's finish) hands every staged tensor
   to it in one ``load_weights`` call (one wait for the device's copies, not one per chunk: this
-  is the time generation stands still when an update lands under requests in flight). An update that dies before its finish is ``discard()``-ed: the weights are exactly
-  the last complete version. Memory cost: one extra copy of the update's bytes on the engine,
+  is the time generation stands still when an update lands under requests in flight). An
+  update that dies before its finish is ``discard()``-ed: the weights are exactly the last
+  complete version. Memory cost: one extra copy of the update's bytes on the engine,
   held from the first chunk to the finish (a whole-model update: one more copy of the model).
   ``commit()`` itself copies into the weights; if it fails half-way (a loader error) the weights
   are torn like an in-place update that failed.
