@@ -60,13 +60,16 @@ def quantize_blockwise(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     bn, bk = block
     n, k = w.shape
     pn, pk = -(-n // bn) * bn, -(-k // bk) * bk
-    x = w.float()
+    # amax in the weight's own dtype (|x| and max are exact in any float format), and the
+    # multiply promotes to float32 as it reads: no float32 copy of the weight, the same bytes
+    x = w if w.is_contiguous() else w.contiguous()
     if (pn, pk) != (n, k):
-        padded = torch.zeros((pn, pk), dtype=torch.float32, device=w.device)
+        padded = torch.zeros((pn, pk), dtype=w.dtype, device=w.device)
         padded[:n, :k] = x
         x = padded
     blocks = x.view(pn // bn, bn, pk // bk, bk)
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=BLOCK_AMAX_FLOOR) / FP8_MAX
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).float()
+    scale = amax.clamp(min=BLOCK_AMAX_FLOOR) / FP8_MAX
     q = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn).view(pn, pk)
     if (pn, pk) != (n, k):
         q = q[:n, :k].contiguous()
@@ -84,9 +87,8 @@ def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``w``'s device."""
     import torch
 
-    x = w.float()
-    scale = x.abs().amax().clamp(min=TENSOR_AMAX_FLOOR) / FP8_MAX
-    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = w.abs().amax().float().clamp(min=TENSOR_AMAX_FLOOR) / FP8_MAX  # exact in w's dtype
+    q = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 

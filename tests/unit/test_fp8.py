@@ -55,6 +55,19 @@ def test_dequantised_weights_are_close_and_per_tensor_scale_is_amax_over_448():
     assert q1.float().abs().max() <= FP8_MAX
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_bf16_or_fp16_weight_quantises_as_its_float32_copy_would(dtype):
+    """The quantisers read the weight in its own dtype (no float32 copy of it): the bytes are
+    those of quantising ``w.float()``, the convention every checkpoint follows."""
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(200, 300, generator=g) * 0.05).to(dtype)
+    for quantize, args in ((quantize_blockwise, ((128, 128),)), (quantize_per_tensor, ())):
+        q, s = quantize(w, *args)
+        q32, s32 = quantize(w.float(), *args)
+        assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+        assert torch.equal(q.view(torch.uint8), q32.view(torch.uint8)) and torch.equal(s, s32)
+
+
 def _metas(block=True):
     metas = {
         "model.layers.0.self_attn.q_proj.weight": TensorMeta(
