@@ -22,7 +22,9 @@ from _policy_ref import Reference
 pytestmark = pytest.mark.slow
 
 PROMPT = "Weights move from the trainer to"
-N_TOKENS = 200
+# long enough that the flip, released at FLIP_AFTER, lands inside the stream on a loaded
+# 2-core CI machine (at 200 a stream once ended before the flip's finish reached the engine)
+N_TOKENS = 600
 FLIP_AFTER = 20  # the update's flip is released once the stream has this many tokens
 CHECK_AFTER = 8  # tokens compared after the flip (long greedy runs may meet a near tie)
 
