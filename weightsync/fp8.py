@@ -62,7 +62,7 @@ def quantize_blockwise(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     pn, pk = -(-n // bn) * bn, -(-k // bk) * bk
     # amax in the weight's own dtype (|x| and max are exact in any float format), and the
     # multiply promotes to float32 as it reads: no float32 copy of the weight, the same bytes
-    x = w if w.is_contiguous() else w.contiguous()
+    x = w.contiguous()
     if (pn, pk) != (n, k):
         padded = torch.zeros((pn, pk), dtype=w.dtype, device=w.device)
         padded[:n, :k] = x

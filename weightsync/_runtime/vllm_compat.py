@@ -98,7 +98,9 @@ def load_direct(worker: Any, items: list[tuple[str, Any]]) -> None:
     import torch
 
     model = get_model(worker)
-    with _vllm_config_ctx(worker), torch.no_grad(), lora_layers_unwrapped(model):
+    lora = getattr(getattr(worker, "vllm_config", None), "lora_config", None) is not None
+    unwrapped = lora_layers_unwrapped(model) if lora else contextlib.nullcontext()
+    with _vllm_config_ctx(worker), torch.no_grad(), unwrapped:
         model.load_weights(iter(items))
 
 
