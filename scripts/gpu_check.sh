@@ -130,9 +130,9 @@ case "$stage" in
   perf)
     need_vllm; need_gpus 2
     bench qwen2-7b 330 --shape qwen2-7b \
-        --rows push_broadcast,broadcast,ludic,native_nccl,push_cuda_ipc,cuda_ipc,native_ipc
+        --rows push_broadcast,broadcast,broadcast_ungrouped,ludic,native_nccl,push_cuda_ipc,cuda_ipc
     bench qwen2-0.5b 200 --shape qwen2-0.5b \
-        --rows push_broadcast,broadcast,native_nccl,push_cuda_ipc,cuda_ipc,native_ipc
+        --rows push_broadcast,broadcast,broadcast_ungrouped,native_nccl,push_cuda_ipc,cuda_ipc,native_ipc
     summary
     ;;
   bench-small)

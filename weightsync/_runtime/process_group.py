@@ -147,6 +147,39 @@ class Group:
             pending.work = None
         return pending
 
+    def can_group(self) -> bool:
+        """Whether ``start_broadcasts(grouped=True)`` issues one NCCL group call here (NCCL and
+        a torch whose backend coalesces)."""
+        return (self.backend_name == "nccl" and hasattr(self.pg, "_start_coalescing")
+                and bool(getattr(self.pg, "supports_coalescing", True)))
+
+    def start_broadcasts(self, tensors: list[torch.Tensor], src: int = 0, *,
+                         grouped: bool = False) -> list[Pending]:
+        """``start_broadcast`` for each of ``tensors``, in order. ``grouped`` (NCCL only; every
+        member of the group must pass the same): the broadcasts are issued as one NCCL group
+        call (``ncclGroupStart`` .. ``ncclGroupEnd``, torch's coalescing), so the device runs
+        them as one launch instead of one kernel after another, and they complete as one
+        ``Pending``. Elsewhere (gloo, a single tensor) the same as one call per tensor."""
+        tensors = list(tensors)
+        if not grouped or not self.can_group() or len(tensors) < 2:
+            return [self.start_broadcast(t, src) for t in tensors]
+        import torch.distributed as dist
+
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = self.op_timeout(nbytes)
+        self.pg._start_coalescing()
+        try:
+            for t in tensors:
+                self.pg.broadcast([t], opts)
+        finally:
+            work = self.pg._end_coalescing()
+        peer = "from the sender (rank 0)" if src == 0 else f"from rank {src}"
+        return [Pending(work, tensors, f"{len(tensors)} grouped broadcasts of {nbytes} bytes "
+                                       f"{peer}", opts.timeout)]
+
     def finish_all(self, pending: list[Pending]) -> None:
         """Wait until every broadcast of ``pending`` completed (its tensors may be reused, read
         or freed after this), within the sum of their timeouts; a failure or timeout names the

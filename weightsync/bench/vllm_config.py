@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 # cuda_ipc coalesces such chunks itself now, so the two rows should agree)
 # cuda_ipc_load_weights: cuda_ipc with the loader's copy plan off (vLLM's load_weights for every
 # tensor of every sync): what the copy plan saves
-OURS = ("broadcast", "cuda_ipc", "packed_cuda_ipc", "cuda_ipc_1chunk", "cuda_ipc_load_weights")
+# broadcast_ungrouped: broadcast with group_calls off (one NCCL call per tensor, not one group
+# call per chunk): what the group call saves
+OURS = ("broadcast", "broadcast_ungrouped", "cuda_ipc", "packed_cuda_ipc", "cuda_ipc_1chunk",
+        "cuda_ipc_load_weights")
 # the headline rows: the path users take, ``ws.connect([llm], strategy).push(model, version=)``
 # (NCCL to an engine on the next GPU; CUDA IPC into an engine on the trainer's GPU)
 PUSH = ("push_broadcast", "push_cuda_ipc")
@@ -20,7 +23,8 @@ LUDIC = "ludic"  # the Ludic/TRL protocol: one announce, one broadcast per tenso
 NATIVE = ("native_nccl", "native_ipc", "native_ipc_packed")
 ALL_ROWS = (*PUSH, *OURS, PER_PARAM, LUDIC, *NATIVE)
 # engine on another GPU (NCCL)
-REMOTE_ROWS = ("push_broadcast", "broadcast", PER_PARAM, LUDIC, "native_nccl")
+REMOTE_ROWS = ("push_broadcast", "broadcast", "broadcast_ungrouped", PER_PARAM, LUDIC,
+               "native_nccl")
 
 
 @dataclass(kw_only=True)

@@ -27,7 +27,10 @@ there is one; everything else lands in a staging buffer (grown to the largest ch
 that the loader then loads (packed small tensors, fused or sharded layouts, a copy plan's first
 sync, staged updates). A receiver whose loader fails keeps receiving into staging until the
 stream ends, so the group stays in step, and raises then. On NCCL every collective of a chunk is
-issued before the first is waited for, and the host waits once per chunk.
+issued before the first is waited for, and the host waits once per chunk; with ``grouped`` (the
+request's field, set from the sender's ``group_calls``) a chunk's broadcasts are one NCCL group
+call, so a model of many mid-sized tensors does not pay one kernel launch and one NCCL
+handshake per tensor.
 
 Processes: ``send_stream`` runs on the sender's lane thread (the training process), fed by
 ``StreamFeed`` from the event loop that runs the extraction; ``StreamReceiver`` in each engine
@@ -233,10 +236,12 @@ class Staging:
 
 
 def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_s: float,
-                pack: Staging) -> bool | str:
+                pack: Staging, grouped: bool = False) -> bool | str:
     """The sender's whole update on the lane thread (see the module docstring): True when every
     chunk went out, ``"aborted"`` when the stream failed (the receivers were told), False when a
-    receiver voted no (nothing moved). A failed collective raises (the group is out of step)."""
+    receiver voted no (nothing moved). A failed collective raises (the group is out of step).
+    ``grouped``: each chunk's broadcasts go out as one NCCL group call (the request says so, and
+    the receivers issue theirs the same way)."""
     import torch
 
     with group.on_device():
@@ -262,21 +267,20 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
             packs = pack.get(need) if need else None
             if packs is not None:
                 _pack(packs, transfers, places, metas, chunk.tensors)
-            pending = []
+            bufs = []
             for tr, at in zip(transfers, places, strict=True):
                 if tr.packed:
                     assert packs is not None
-                    buf = packs[at : at + tr.nbytes]
+                    bufs.append(packs[at : at + tr.nbytes])
                 else:
-                    buf = _on_device(as_bytes(chunk.tensors[tr.members[0]]), group)
-                pending.append(group.start_broadcast(buf, src=0))
+                    bufs.append(_on_device(as_bytes(chunk.tensors[tr.members[0]]), group))
             if checksum:
                 from weightsync.integrity import tensor_checksums
 
                 sums = torch.tensor(tensor_checksums(chunk.tensors), dtype=torch.int64,
                                     device=group.device)
-                pending.append(group.start_broadcast(sums.view(torch.uint8), src=0))
-            group.finish_all(pending)
+                bufs.append(sums.view(torch.uint8))
+            group.finish_all(group.start_broadcasts(bufs, 0, grouped=grouped))
             feed.done()
             chunks += 1
 
@@ -380,7 +384,8 @@ class StreamReceiver:
             transfers = plan_transfers(part)
             targets = {} if failure is not None else _direct_targets(sink, part, transfers)
             staged, direct, sums = await in_thread(
-                self._recv_chunk, part, transfers, targets, request.checksums is not None)
+                self._recv_chunk, part, transfers, targets, request.checksums is not None,
+                bool(getattr(request, "grouped", False)))
             if failure is None:
                 try:
                     await _land(sink, chunks, part, staged, direct, sums)
@@ -405,10 +410,10 @@ class StreamReceiver:
 
     def _recv_chunk(
         self, metas: list[TensorMeta], transfers: list[Transfer], targets: dict[int, Any],
-        checksum: bool,
+        checksum: bool, grouped: bool = False,
     ) -> tuple[dict[str, Any], dict[str, Any], list[int] | None]:
-        """Post every broadcast of the chunk, wait once; -> (staged views, direct targets,
-        checksums)."""
+        """Post every broadcast of the chunk (as one NCCL group call when the sender's request
+        says ``grouped``), wait once; -> (staged views, direct targets, checksums)."""
         import torch
 
         group = self.group
@@ -418,23 +423,23 @@ class StreamReceiver:
         direct: dict[str, Any] = {}
         with group.on_device():
             buf = self.staging.get(need) if need else None
-            pending = []
+            bufs = []
             for k, tr in enumerate(transfers):
                 if places[k] < 0:
                     dst = targets[k]
                     direct[metas[tr.members[0]].name] = dst
-                    pending.append(group.start_broadcast(as_bytes(dst), src=0))
+                    bufs.append(as_bytes(dst))
                     continue
                 assert buf is not None
                 part = buf[places[k] : places[k] + tr.nbytes]
-                pending.append(group.start_broadcast(part, src=0))
+                bufs.append(part)
                 for i, off in zip(tr.members, tr.offsets, strict=True):
                     staged[metas[i].name] = view_as(part, off, metas[i])
             sums = None
             if checksum:
                 box = torch.empty(len(metas), dtype=torch.int64, device=group.device)
-                pending.append(group.start_broadcast(box.view(torch.uint8), src=0))
-            group.finish_all(pending)
+                bufs.append(box.view(torch.uint8))
+            group.finish_all(group.start_broadcasts(bufs, 0, grouped=grouped))
             if checksum:
                 sums = [int(x) for x in box.tolist()]
         return staged, direct, sums

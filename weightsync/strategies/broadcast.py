@@ -106,6 +106,10 @@ class BroadcastConfig(StrategyConfig):
     # (strategies/_stream.py); False: one control call, one vote and one packed buffer per chunk
     stream: bool = True
     packed: bool = True  # (stream: false) one broadcast per dtype per chunk, not one per tensor
+    # (stream, NCCL) each chunk's broadcasts as one NCCL group call: one launch for the chunk's
+    # tensors instead of one kernel per tensor (the fixed cost of a model with many mid-sized
+    # tensors); False: one NCCL call per tensor, as before
+    group_calls: bool = True
     # 2 works over gloo (tested) and cut a 7B NCCL sync from 0.111 to 0.097 s on 2 x H200, but in
     # that run the bench's check after the syncs did not finish in time and the cause is not
     # known yet (docs/benchmarks.md). Until a GPU run clears it, broadcast sends one chunk at a
@@ -161,6 +165,9 @@ class BroadcastWeightUpdateRequest(WeightUpdateRequest):
     #: bytes follow as the streamed protocol (``strategies/_stream.py``); ``packed`` and
     #: ``align_bytes`` do not apply
     stream: bool = False
+    #: (stream, NCCL) each chunk's broadcasts are one NCCL group call on every rank; receivers
+    #: must issue theirs the same way, so the sender decides and says so here
+    grouped: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,6 +296,7 @@ class BroadcastTransferSender(WeightTransferSender):
         self._inflight: dict[int, tuple[int | None, torch.Tensor | None, PackedLayout | None]] = {}
         self._lock = threading.Lock()
         self._pack = Staging(group.device)  # a streamed chunk's packed small tensors
+        self._grouped = bool(cfg.group_calls) and group.can_group()
 
     # -- one streamed update --------------------------------------------------------------------
     async def send_chunks(
@@ -325,6 +333,7 @@ class BroadcastTransferSender(WeightTransferSender):
         request = BroadcastWeightUpdateRequest(
             names=[m.name for m in manifest], dtypes=[m.dtype for m in manifest],
             shapes=[list(m.shape) for m in manifest], src_rank=0, packed=False, stream=True,
+            grouped=self._grouped,
             update_id=stats.update_id, chunk_index=0, is_last=True, version=version,
             checksums=[0] * len(manifest) if self.cfg.checksum else None)
         finish = WeightUpdateFinish(update_id=stats.update_id, version=version, num_chunks=1)
@@ -372,7 +381,8 @@ class BroadcastTransferSender(WeightTransferSender):
         """On the lane thread: the whole streamed update's collectives."""
         try:
             return send_stream(self.group, feed, checksum=bool(self.cfg.checksum),
-                               idle_timeout_s=float(self.cfg.idle_timeout_s), pack=self._pack)
+                               idle_timeout_s=float(self.cfg.idle_timeout_s), pack=self._pack,
+                               grouped=self._grouped)
         except BaseException as e:
             self._broken = self._broken or f"{type(e).__name__}: {e}"[:300]
             raise
@@ -528,6 +538,13 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
         self, request: WeightUpdateRequest, loader: WeightLoader
     ) -> None:
         if getattr(request, "stream", False):
+            if getattr(request, "grouped", False) and not self.group.can_group():
+                await in_thread(self._vote_no)  # nobody moves a byte
+                raise WeightSyncError(
+                    f"update {request.update_id} asks for grouped NCCL broadcasts (the sender's "
+                    f"group_calls: true) but this engine's {self.group.backend_name} group "
+                    f"cannot issue them (torch without coalescing); set group_calls: false on "
+                    f"the sender; this engine's weights are unchanged")
             if not await in_thread(self._vote_yes):
                 raise WeightSyncError(
                     f"update {request.update_id} was rejected by another engine; nothing was "

@@ -244,3 +244,37 @@ def test_a_push_cancelled_mid_stream_aborts_it_and_the_sender_goes_on():
     state, stats = _run(go())
     assert state["state"] == "torn" and "aborted its stream" in state["last_error"], state
     assert stats.versions == [2] and _same(module, src)
+
+
+def test_a_gloo_group_never_asks_for_grouped_broadcasts():
+    """``group_calls`` (default on) applies to NCCL only: on gloo the request says ``grouped:
+    false`` and the update lands as one call per tensor."""
+    module, ep = _engine()
+
+    async def go():
+        async with ws.connect([ep], STREAM, device="cpu") as sync:
+            assert sync.strategy.cfg.group_calls is True
+            assert sync.sender.group.can_group() is False and sync.sender._grouped is False
+            return await sync.push(Net(8), version=1)
+
+    assert _run(go()).versions == [1] and _same(module, Net(8))
+
+
+def test_an_engine_that_cannot_group_refuses_a_grouped_update_before_any_byte_moves():
+    """A sender that asks for grouped NCCL broadcasts reaching an engine whose group cannot issue
+    them (here: gloo). Forcing the sender's private flag is the only way to cause this mismatch
+    on one CPU machine (it needs two torch builds); the receiver's refusal, the vote and the
+    unchanged engine are real."""
+    module, ep = _engine()
+    before = {n: t.clone() for n, t in module.state_dict().items()}
+
+    async def go():
+        async with ws.connect([ep], STREAM, device="cpu") as sync:
+            sync.sender._grouped = True
+            with pytest.raises(ws.WeightSyncError, match="group_calls: false"):
+                await sync.push(Net(9), version=1)
+            unchanged = all(torch.equal(t, before[n]) for n, t in module.state_dict().items())
+            return unchanged, await sync.push(Net(9), version=2)  # a fresh sender: not grouped
+
+    unchanged, stats = _run(go())
+    assert unchanged and stats.versions == [2] and _same(module, Net(9))
