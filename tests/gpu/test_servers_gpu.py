@@ -65,7 +65,7 @@ def test_broadcast_into_reward_server_on_gpu1(tmp_path):
             async with VLLMRewardClient(port=int(url.rsplit(":", 1)[1]), api_key=API_KEY) as c:
                 from _vllm_helpers import TEXTS
 
-                return await c.score_batch(TEXTS)
+                return await c.score_batch(TEXTS, normalize=False)  # raw, as transformers
 
         before = asyncio.run(scores())
         # bf16 scores of a head with std 1: -0.521 served vs -0.443 transformers for a small
@@ -177,7 +177,7 @@ def test_policy_and_reward_servers_share_one_gpu_and_each_takes_its_push(tmp_pat
         async def scores():
             async with VLLMRewardClient(port=int(reward.url.rsplit(":", 1)[1]),
                                         api_key=API_KEY) as c:
-                return await c.score_batch(TEXTS)
+                return await c.score_batch(TEXTS, normalize=False)  # raw, as transformers
 
         assert close_scores(asyncio.run(scores()), hf_scores(rm_new))
     finally:

@@ -17,11 +17,15 @@ the new policy into the engine are timed:
 * ``vllm_file``: vLLM's own way today: the adapter written with PEFT's ``save_pretrained`` and
   loaded with ``LoRARequest(..., load_inplace=True)`` through ``llm.llm_engine.add_lora``.
 
-Every step also checks the engine's greedy tokens under the pushed adapter: they must equal
-those of the same adapter loaded by vLLM from its files (``file_equal``: the engine holds the
-same adapter) and, in float32, the PEFT model's own (``hf_equal``, adapter on; in bf16 it is
-reported only, as transformers' kernels may break a near-tie of random weights the other way);
-exits 1 if one did not.
+Every step checks that the engine holds the same adapter as vLLM's own file load of it, byte
+for byte (``bytes_equal``: the digests of the two ``LoRAModel``s in the worker, every packed
+``lora_a`` / ``lora_b`` after vLLM's packing and scaling), and compares greedy tokens: the
+pushed adapter's against the file-loaded one's (``file_equal``) and against the PEFT model's
+own (``hf_equal``, adapter on). ``exact`` is ``bytes_equal`` and, in float32, both token
+checks. In bf16 the token checks are reported only: ``file_repeatable`` says whether the file-
+loaded adapter gives the same tokens twice in a row (vLLM's LoRA kernels on a GPU may sum
+split-K parts in any order, so a near-tie of random weights can go either way between two
+identical requests). Exits 1 if a step is not exact.
 """
 
 from __future__ import annotations
@@ -132,13 +136,19 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
             model.save_pretrained(out)
             llm.llm_engine.add_lora(LoRARequest("file", 99, out, load_inplace=True))
             file_s = time.perf_counter() - t0
-            file_equal = pushed == _greedy(llm, LoRARequest("file", 99, out))
+            from_file = _greedy(llm, LoRARequest("file", 99, out))
+            file_equal = pushed == from_file
+            file_repeatable = from_file == _greedy(llm, LoRARequest("file", 99, out))
             hf_equal = pushed == _hf_greedy(model)
+            bytes_equal, held = _same_adapter(llm, ws.lora_request("policy").lora_int_id, 99)
             rows.append({"step": step, "loss": loss, "adapter_bytes": a.total_bytes,
                          "adapter_s": a.seconds, "vllm_file_s": file_s,
-                         "file_equal": file_equal, "hf_equal": hf_equal,
-                         # bf16: transformers' kernels may break a near-tie the other way
-                         "exact": file_equal and (hf_equal or dtype == torch.bfloat16)})
+                         "bytes_equal": bytes_equal, "file_equal": file_equal,
+                         "file_repeatable": file_repeatable, "hf_equal": hf_equal,
+                         "adapter_digest": held,
+                         # bf16: the kernels may break a near-tie either way (see the docstring)
+                         "exact": bytes_equal and (dtype == torch.bfloat16
+                                                   or (file_equal and hf_equal))})
         # the full pushes after the adapter steps, not between them: a full push grows the
         # transfer buffers to the model's size, and the next adapter push would pay for
         # shrinking them (an artefact of alternating, not what a LoRA run does)
@@ -147,6 +157,18 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
             row.update(full_bytes=f.total_bytes, full_s=f.seconds,
                        bytes_ratio=row["adapter_bytes"] / f.total_bytes)
     return rows, model_bytes
+
+
+def _same_adapter(llm: Any, pushed_id: int, file_id: int) -> tuple[bool, str]:
+    """Whether every worker holds the two adapters byte for byte alike
+    (``weightsync_lora_digest``), and one hash of what the workers hold of the pushed one."""
+    import hashlib
+
+    pushed = llm.collective_rpc("weightsync_lora_digest", args=(pushed_id,))
+    loaded = llm.collective_rpc("weightsync_lora_digest", args=(file_id,))
+    same = all(p is not None and p == f for p, f in zip(pushed, loaded, strict=True))
+    return same, hashlib.blake2b(json.dumps(pushed, sort_keys=True).encode(),
+                                 digest_size=8).hexdigest()
 
 
 def _base_state(model: Any) -> dict[str, Any]:
@@ -221,7 +243,8 @@ def format_table(record: dict[str, Any]) -> str:
             f"{r['step']:>4} {r['loss']:>6.3f} {r['adapter_bytes'] / 1e6:>10.3f} "
             f"{r['adapter_s'] * 1e3:>10.1f} {r['full_bytes'] / 1e6:>8.2f} {r['full_s'] * 1e3:>8.1f} "
             f"{r['vllm_file_s'] * 1e3:>12.1f} {r['bytes_ratio']:>6.2%} {r['exact']} "
-            f"(= file {r['file_equal']}, = transformers {r['hf_equal']})")
+            f"(bytes = file {r['bytes_equal']}; tokens = file {r['file_equal']}, file = "
+            f"itself {r['file_repeatable']}, = transformers {r['hf_equal']})")
     lines.append(
         f"medians: adapter {s['adapter_s_median'] * 1e3:.1f} ms ({s['bytes_ratio_median']:.2%} of "
         f"the full bytes); full push {s['full_s_median'] * 1e3:.1f} ms = "

@@ -50,6 +50,31 @@ def lora_manager(worker: Any) -> Any:
     return getattr(runner, "lora_manager", None)
 
 
+def adapter_digest(worker: Any, adapter_id: int) -> dict[str, dict] | None:
+    """``weightsync.digest.state_digest`` of the adapter ``adapter_id`` as vLLM holds it in
+    ``worker`` (its ``LoRAModel``: per module ``lora_a`` / ``lora_b`` after vLLM's packing and
+    scaling, one entry per packed slice), None when the worker has no such adapter. Two adapters
+    built from the same tensors by vLLM's code (a push from memory, a load from files) answer
+    the same. For checks and benchmarks: hashes every tensor on the CPU."""
+    from weightsync.digest import state_digest
+
+    manager = lora_manager(worker)
+    if manager is None:
+        return None
+    lora = manager._adapter_manager._registered_adapters.get(int(adapter_id))
+    if lora is None:
+        return None
+    flat: dict[str, Any] = {}
+    for module, weights in sorted(lora.loras.items()):
+        for part in ("lora_a", "lora_b"):
+            value = getattr(weights, part, None)
+            items = value if isinstance(value, (list, tuple)) else [value]
+            for i, t in enumerate(items):
+                if t is not None:
+                    flat[f"{module}.{part}.{i}"] = t
+    return state_digest(flat)
+
+
 class VLLMLoRAAdapterLoader(WeightLoader):
     """One adapter update into the LoRA runtime of ``worker`` (see the module docstring).
     ``base_meta``: the served checkpoint's names and shapes (``VLLMWeightLoader``'s expected

@@ -247,6 +247,13 @@ class WeightSyncWorkerExtension:
         meta = self._ws().loader.expected_metadata()
         return None if meta is None else [m.to_dict() for m in meta.values()]
 
+    def weightsync_lora_digest(self, adapter_id: int) -> dict[str, dict] | None:
+        """``loaders.vllm_lora.adapter_digest`` of the LoRA adapter ``adapter_id`` (a
+        ``LoRARequest``'s ``lora_int_id``) in this worker; None when it holds no such adapter."""
+        from weightsync.loaders.vllm_lora import adapter_digest
+
+        return adapter_digest(self, adapter_id)
+
     def weightsync_state_digest(self) -> dict[str, dict]:
         """``weightsync.digest.state_digest`` of the served model's state dict as this worker
         holds it (after vLLM's processing: fused, sliced for TP, repacked): two engines of one

@@ -22,7 +22,10 @@ def test_bench_lora_adapter_runs_and_checks_every_step(tmp_path, capsys):
     record = json.loads(out.read_text())
     rows = record["rows"]
     assert [r["step"] for r in rows] == [1, 2] and all(r["exact"] for r in rows)
-    # float32: the pushed adapter serves what vLLM's own file load and transformers serve
+    # the engine holds the pushed adapter byte for byte as vLLM's own file load builds it, and
+    # in float32 it serves what that file load and transformers serve
+    assert all(r["bytes_equal"] and r["file_repeatable"] for r in rows)
+    assert rows[0]["adapter_digest"] != rows[1]["adapter_digest"]  # a trained step changed it
     assert all(r["file_equal"] and r["hf_equal"] for r in rows)
     # rank 8 on 7 linear kinds x 2 layers, float32: (r x in + out x r) per module
     h, i, kv = 64, 128, 32  # hidden, intermediate (tiny default 2 x hidden), k/v width
