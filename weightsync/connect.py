@@ -67,6 +67,7 @@ The low-level path stays for power users: ``build_strategy`` -> ``create_sync_in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -268,6 +269,8 @@ class SyncSession:
         from weightsync.extractors.auto import device_of
         from weightsync.pipeline import send_extracted
 
+        t0 = time.perf_counter()
+        laps: dict[str, float] = {}
         ext = self._extractor_for(model, mode, heads)
         if not getattr(ext, "lockstep", False) and not self.is_sender and not self.every_rank:
             return None  # nothing to gather: the sending rank pushes alone
@@ -281,11 +284,18 @@ class SyncSession:
             _check_mode(manifest, mode, heads)  # every rank refuses alike, before any gather
 
         async def send(stream: Any) -> SyncStats:
+            t1 = time.perf_counter()
             await self._ensure_sender(_device_name(device_of(model)))
-            return await self._send(stream(), manifest, version, mode, heads, delta,
-                                    lora_adapter=adapter)
+            t2 = time.perf_counter()
+            laps.update(prepare=(t1 - t0) * 1e3, sender=(t2 - t1) * 1e3)
+            out = await self._send(stream(), manifest, version, mode, heads, delta,
+                                   lora_adapter=adapter)
+            laps["send"] = (time.perf_counter() - t2) * 1e3
+            return out
 
         stats = await send_extracted(ext, model, dtype, send)
+        if stats is not None and laps:
+            stats.front_ms = {**laps, "total": (time.perf_counter() - t0) * 1e3}
         return stats if self.is_sender else None  # every_rank: every rank sent, rank 0 reports
 
     def _decide_every_rank(self, lockstep: bool) -> bool:

@@ -649,6 +649,11 @@ class SyncStats:
     #: a push with ``delta``: how it went (``weightsync.delta.tracker``): ``base_version``,
     #: ``full_bytes`` (the bytes of a full update), ``encodings``, ``fallback``, seconds spent
     delta: dict[str, Any] | None = None
+    #: a push through the front door (``SyncSession.push`` of a model): where its milliseconds
+    #: went: ``prepare`` (the extractor and the manifest), ``sender`` (the sender made or
+    #: reused), ``send`` (the sender's ``send_chunks``: the extraction, the transfer and the
+    #: engines' load), ``total`` (call to return)
+    front_ms: dict[str, float] | None = None
 
     @property
     def gbps(self) -> float:

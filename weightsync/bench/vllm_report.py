@@ -53,6 +53,12 @@ def format_table(result: dict[str, Any]) -> str:
         for row, st in stages.items():
             lines.append(f"{row:18} " + " ".join(
                 f"{_fmt(st[k] * 1e3 if k in st else None, '10.2f'):>10}" for k in keys))
+    fronts = [r for r in result["rows"] if r.get("front_ms")]
+    if fronts:
+        lines += ["", "the front door's split of the timed pushes (ms, median; SyncStats.front_ms):"]
+        for r in fronts:
+            lines.append(f"{r['row']:18} " + ", ".join(
+                f"{k} {v:.2f}" for k, v in r["front_ms"].items()))
     return "\n".join(lines)
 
 

@@ -258,6 +258,7 @@ class Bench:
 
         cfg = self.cfg
         times: list[float] = []
+        fronts: list[dict[str, float]] = []
         for i in range(cfg.warmup + cfg.repeats):
             self.negate()
             version += 1
@@ -268,6 +269,10 @@ class Bench:
                 raise RuntimeError(f"engine published {stats and stats.versions}, expected "
                                    f"[{version}]")
             (times if i >= cfg.warmup else rec.setdefault("warmup_s", [])).append(dt)
+            if i >= cfg.warmup and stats.front_ms:
+                fronts.append(stats.front_ms)
+        if fronts:  # a push row: the front door's split (SyncStats.front_ms), median per part
+            rec["front_ms"] = {k: statistics.median(f[k] for f in fronts) for k in fronts[0]}
             self.log(f"{row}: sync {i + 1}/{cfg.warmup + cfg.repeats} {dt * 1e3:.1f} ms "
                      f"({stats.num_chunks} chunks)")
         rec.update(seconds=statistics.median(times), seconds_all=times,

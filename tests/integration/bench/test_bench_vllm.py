@@ -30,13 +30,21 @@ def test_cli_runs_every_cpu_row_and_verifies_it(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["row"]: r for r in result["rows"]}
-    assert set(rows) == {"push_broadcast", "push_cuda_ipc", "broadcast", "cuda_ipc",
-                         "packed_cuda_ipc", "cuda_ipc_1chunk", "cuda_ipc_load_weights",
-                         "per_param", "ludic"}  # native: GPU-only
-    # the headline rows go through the front door and say what it adds to the path it drives
+    assert set(rows) == {"push_broadcast", "push_cuda_ipc", "broadcast", "broadcast_ungrouped",
+                         "cuda_ipc", "packed_cuda_ipc", "cuda_ipc_1chunk",
+                         "cuda_ipc_load_weights", "per_param", "ludic"}  # native: GPU-only
+    # the headline rows go through the front door and say what it adds to the path it drives,
+    # split: the extractor and manifest, the sender, the sender's send_chunks
     for push in ("push_broadcast", "push_cuda_ipc"):
         assert rows[push]["note"] == "ws.connect(...).push(model)"
         assert rows[push]["x_internal"] > 0
+        front = rows[push]["front_ms"]
+        assert set(front) == {"prepare", "sender", "send", "total"}, front
+        assert 0 < front["send"] <= front["total"] <= rows[push]["seconds"] * 1e3 * 1.5 + 5
+        assert front["prepare"] + front["sender"] + front["send"] <= front["total"] + 0.01
+    assert "the front door's split" in proc.stdout
+    # gloo cannot group its calls: the ungrouped row is the same protocol (both exact, above)
+    assert rows["broadcast_ungrouped"]["strategy"]["group_calls"] is False
     for r in rows.values():
         assert r["verified"] and r["bit_exact"] and r["logprobs"]["ok"], r
         assert r["check"]["compared"] > 0 and not r["check"]["mismatched"]
