@@ -57,8 +57,9 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.delta.store import DeltaLoader, DeltaStore
@@ -119,13 +120,18 @@ class EndpointStatus:
     #: what the engine keeps for delta updates (``weightsync.delta.store``): ``{"version",
     #: "shadow_bytes"}``, or None when it keeps nothing
     delta: dict[str, Any] | None = None
+    #: where the last complete update's time went in this endpoint, in ms: ``start`` (its
+    #: validation and the loader's start), ``chunks`` (receiving and loading every chunk),
+    #: ``commit`` (a staged update landing), ``finish`` (the loader's finish: an adapter is
+    #: built and installed here); None before the first
+    last_update_ms: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "state": self.state.value, "version": self.version,
                 "last_error": self.last_error,
                 "update": self.update.to_dict() if self.update else None,
                 "has_receiver": self.has_receiver, "sync_info": self.sync_info,
-                "delta": self.delta}
+                "delta": self.delta, "last_update_ms": self.last_update_ms}
 
 
 @dataclass
@@ -139,6 +145,7 @@ class _Update:
     loader: WeightLoader | None = None
     chunks_done: int = 0
     failed: str = ""  # why a chunk of this update failed; later chunks are refused
+    ms: dict[str, float] = field(default_factory=dict)  # EndpointStatus.last_update_ms
 
     @property
     def touched(self) -> bool:
@@ -179,6 +186,7 @@ class WeightUpdateEndpoint:
         self._last_manifest: tuple[list, list[TensorMeta]] | None = None
         self._accepted: tuple[list[TensorMeta], Any, Any] | None = None
         self._deltas = DeltaStore(name)  # what delta updates need (weightsync.delta.store)
+        self._last_update_ms: dict[str, float] | None = None
 
     # -- read-only views ------------------------------------------------------------------------
     @property
@@ -207,6 +215,7 @@ class WeightUpdateEndpoint:
             sync_info=self._sync_info if self._receiver is not None else None,
             delta=None if self._deltas.version is None else {
                 "version": self._deltas.version, "shadow_bytes": self._deltas.nbytes},
+            last_update_ms=self._last_update_ms,
         )
 
     def check_serving(self) -> None:
@@ -269,6 +278,7 @@ class WeightUpdateEndpoint:
         manifest or the version is refused."""
         msg = self._parse_start(start)
         async with self._lock:
+            t0 = time.perf_counter()
             self._refuse_if_closed("start_weight_update")
             self._abandon_current(f"superseded by update {msg.update_id}")
             staged = msg.staged if self.stage_updates is None else self.stage_updates
@@ -302,7 +312,8 @@ class WeightUpdateEndpoint:
             # may refuse too (nothing loaded yet); a delta's loader sees its targets
             await loader.start_update(delta.loader_start(msg) if delta else msg)
             self._update = _Update(
-                msg, UpdateSink(delta or loader, staged=staged, name=self.name), delta, loader)
+                msg, UpdateSink(delta or loader, staged=staged, name=self.name), delta, loader,
+                ms={"start": (time.perf_counter() - t0) * 1e3, "chunks": 0.0})
             if self._state is EndpointState.IDLE:
                 self._state = EndpointState.RECEIVING
 
@@ -337,6 +348,7 @@ class WeightUpdateEndpoint:
                 await self._refuse(receiver, req)
                 raise UpdateRefusedError(f"{self.name}: {problem}")
             assert update is not None
+            t0 = time.perf_counter()
             req.validated = _is_manifest(req, update.start.manifest)  # checked at start
             try:
                 try:
@@ -359,6 +371,7 @@ class WeightUpdateEndpoint:
                 raise
             update.sink.end_chunk()
             update.chunks_done += 1
+            update.ms["chunks"] = update.ms.get("chunks", 0.0) + (time.perf_counter() - t0) * 1e3
 
     async def finish_weight_update(self, finish: dict) -> int:
         """Close an update: publish its version if every chunk landed and the finish hook ran;
@@ -390,10 +403,13 @@ class WeightUpdateEndpoint:
             was_torn = self._state is EndpointState.TORN
             self._state = EndpointState.FINISHING
             try:
+                t0 = time.perf_counter()
                 await update.sink.commit()  # a staged update lands now (in place: nothing left)
+                t1 = time.perf_counter()
                 if update.delta is not None:
                     await update.delta.complete()
                 await (update.loader or self.loader).finish_update(msg)
+                update.ms.update(commit=(t1 - t0) * 1e3, finish=(time.perf_counter() - t1) * 1e3)
             except BaseException as e:
                 self._update = None
                 update.sink.discard()
@@ -415,6 +431,7 @@ class WeightUpdateEndpoint:
                 self._deltas.drop()  # what it kept is not what the engine serves any more
             self._state = EndpointState.IDLE
             self._last_error = ""
+            self._last_update_ms = update.ms
             return self._version
 
     async def apply_update(self, start: dict, requests: list[dict], finish: dict) -> int:

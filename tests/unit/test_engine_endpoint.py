@@ -220,6 +220,24 @@ def test_complete_update_publishes_version_and_weights():
     e.ep.check_serving()
 
 
+def test_status_says_where_the_last_complete_update_spent_its_time():
+    e = Engine()
+    assert e.ep.status().last_update_ms is None  # no update yet
+    new = _new_weights()
+    a, b = _split(new)
+    e.start("u1", 1)
+    e.chunk("u1", 0, a)
+    e.chunk("u1", 1, b)
+    e.finish("u1", 1, 2)
+    ms = e.ep.status().to_dict()["last_update_ms"]
+    assert set(ms) == {"start", "chunks", "commit", "finish"} and min(ms.values()) >= 0
+    assert ms["chunks"] > 0  # two chunks received and loaded
+    e.start("u2", 2)
+    e.chunk("u2", 0, a)
+    e.finish("u2", 2, 2, ok=False)  # an aborted update does not replace it
+    assert e.ep.status().last_update_ms == ms
+
+
 def test_version_defaults_to_previous_plus_one():
     e = Engine()
     for expected in (1, 2):

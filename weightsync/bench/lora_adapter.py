@@ -130,6 +130,7 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
         for step in range(1, cfg.steps + 1):
             loss = _train_step(model, opt, min(base.config.vocab_size, 1000), step)
             a = await sync.push(model)
+            engine_ms = llm.collective_rpc("weightsync_state")[0].get("last_update_ms")
             pushed = _greedy(llm, ws.lora_request("policy"))
             t0 = time.perf_counter()
             out = f"{root}/adapter-{step}"
@@ -146,6 +147,9 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
                          "bytes_equal": bytes_equal, "file_equal": file_equal,
                          "file_repeatable": file_repeatable, "hf_equal": hf_equal,
                          "adapter_digest": held,
+                         # where the adapter push's time went: the trainer's front door
+                         # (SyncStats.front_ms) and the engine's endpoint (worker 0)
+                         "front_ms": a.front_ms, "engine_ms": engine_ms,
                          # bf16: the kernels may break a near-tie either way (see the docstring)
                          "exact": bytes_equal and (dtype == torch.bfloat16
                                                    or (file_equal and hf_equal))})
@@ -245,6 +249,11 @@ def format_table(record: dict[str, Any]) -> str:
             f"{r['vllm_file_s'] * 1e3:>12.1f} {r['bytes_ratio']:>6.2%} {r['exact']} "
             f"(bytes = file {r['bytes_equal']}; tokens = file {r['file_equal']}, file = "
             f"itself {r['file_repeatable']}, = transformers {r['hf_equal']})")
+    for side in ("front_ms", "engine_ms"):
+        parts = [r[side] for r in record["rows"] if r.get(side)]
+        if parts:
+            lines.append(f"adapter push, {side.removesuffix('_ms')} (ms, median): " + ", ".join(
+                f"{k} {statistics.median(p[k] for p in parts):.2f}" for k in parts[0]))
     lines.append(
         f"medians: adapter {s['adapter_s_median'] * 1e3:.1f} ms ({s['bytes_ratio_median']:.2%} of "
         f"the full bytes); full push {s['full_s_median'] * 1e3:.1f} ms = "

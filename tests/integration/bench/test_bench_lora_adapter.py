@@ -32,4 +32,10 @@ def test_bench_lora_adapter_runs_and_checks_every_step(tmp_path, capsys):
     per_layer = 8 * ((h + h) * 2 + (h + kv) * 2 + (h + i) * 3)
     assert rows[0]["adapter_bytes"] == 2 * per_layer * 4
     assert rows[0]["full_bytes"] == record["model_bytes"] > rows[0]["adapter_bytes"]
-    assert "exact: True" in capsys.readouterr().out
+    # where each adapter push's time went, on both sides
+    for r in rows:
+        assert set(r["front_ms"]) == {"prepare", "sender", "send", "total"}
+        assert set(r["engine_ms"]) == {"start", "chunks", "commit", "finish"}
+        assert r["engine_ms"]["finish"] > 0  # the adapter is built and installed at finish
+    out = capsys.readouterr().out
+    assert "exact: True" in out and "adapter push, engine" in out
