@@ -36,7 +36,8 @@
 #                                          loaded from an FP8 checkpoint (tests/gpu/test_gpu_fp8.py);
 #                                          then benchmarks/bench_fp8.py on qwen2-1.5b, cuda_ipc
 #   bash scripts/gpu_check.sh extras       the Megatron extractor (TP=2, NCCL) and the SGLang loader
-#                                          against real engines (their wheels staged first)
+#                                          against real engines (their wheels staged first by
+#                                          scripts/stage_extras_gpu.sh)
 #   bash scripts/gpu_check.sh hybrid       FSDP2 over 2 ranks + a TP=2 vLLM engine on the same 2 GPUs,
 #                                          each TP worker fed by CUDA IPC from the rank on its GPU
 #   bash scripts/gpu_check.sh four-gpu     trainer -> TP=2 engine over NCCL, fan-out to two engines,
@@ -216,8 +217,18 @@ case "$stage" in
     summary
     ;;
   extras)
-    # needs the extra wheels staged beside vLLM (megatron-core + mbridge; sglang): each test
-    # skips, saying so, when its package does not import
+    # the extra wheels staged by scripts/stage_extras_gpu.sh (.whl/extras1, .whl/extras2, carried
+    # in two calls that each copy theirs to /tmp/extras/) go into /tmp/site beside vLLM; each
+    # test skips, saying so, when its package does not import
+    wheels=$(ls /tmp/extras/*.whl .whl/extras*/*.whl 2>/dev/null | sort -u)
+    if [ -n "$wheels" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+          --target /tmp/site $wheels 2>&1 | tail -2
+    fi
+    export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+    for m in sglang megatron.core mbridge transformer_engine; do
+      python3 -c "import $m" >/dev/null 2>&1 && echo "import $m: ok" || echo "import $m: no"
+    done
     pytest_stage extras 560 tests/gpu/test_gpu_megatron_extractor.py \
         tests/gpu/test_gpu_sglang_loader.py
     ;;

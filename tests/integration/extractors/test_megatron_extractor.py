@@ -2,7 +2,7 @@
 (CPU), exported by mbridge, pushed through ``ws.connect`` into an engine holding the HF model.
 
 Each rank holds its TP shard of a GPT built by Megatron-Core from a tiny HF Qwen2 checkpoint
-(``_megatron_cpu``: mbridge's real load/export on Megatron-Core's local layers, as Transformer
+(``_megatron_local``: mbridge's real load/export on Megatron-Core's local layers, as Transformer
 Engine needs CUDA). Twice: one optimizer step (SGD on seeded gradients: Megatron-Core's rotary
 embedding needs CUDA in forward, so no forward pass runs on CPU), then ``push`` on both ranks.
 Rank 0 is the sender: its engine is a real ``WeightUpdateEndpoint`` with the HF
@@ -42,7 +42,7 @@ def _sgd_step(model, step: int, rank: int) -> None:
 
 async def _rank_async(rank: int, world: int, out: str) -> None:
     import torch
-    from _megatron_cpu import cpu_bridge, cpu_model
+    from _megatron_local import local_bridge, local_model
     from megatron.core import parallel_state
 
     import weightsync as ws
@@ -52,8 +52,8 @@ async def _rank_async(rank: int, world: int, out: str) -> None:
     model_dir = os.path.join(out, "model")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     try:
-        bridge = cpu_bridge(model_dir)
-        model = cpu_model(bridge, model_dir)
+        bridge = local_bridge(model_dir)
+        model = local_model(bridge, model_dir)
         ext = MegatronWeightExtractor(MegatronExtractorConfig(bucket_size_mb=BUCKET_MB),
                                       bridge=bridge)
         hf = None

@@ -1,8 +1,9 @@
-"""A real Megatron-Core GPT model on CPU, loaded from a tiny HF Qwen2 checkpoint by mbridge.
+"""A real Megatron-Core GPT model built from Megatron-Core's own (local) layers, loaded from a
+tiny HF Qwen2 checkpoint by mbridge: on CPU, and on a GPU without Transformer Engine.
 
 mbridge (and Megatron-Bridge) build their models with Transformer Engine layers, which need
-CUDA; on CPU the model is built with Megatron-Core's own local layers instead and mbridge is
-told their names (the local spec keeps the two RMSNorms as modules, where TE fuses them into
+CUDA and a Transformer Engine build for the machine's torch; here the model is built with
+Megatron-Core's own local layers instead and mbridge is told their names (the local spec keeps the two RMSNorms as modules, where TE fuses them into
 the next linear layer: ``input_layernorm`` / ``pre_mlp_layernorm`` instead of
 ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``). Everything else is
 mbridge's and Megatron-Core's own code: the tensor-parallel layers, ``load_weights`` (HF ->
@@ -10,7 +11,7 @@ Megatron, scattered over the TP group), ``export_weights`` (TP all-gather, QKV a
 splits, Megatron -> HF names). mbridge 0.15.1 reads ``rope_theta`` from the HF config, which
 transformers 5 keeps in ``rope_parameters``: it is copied over.
 
-Every rank calls these after ``torch.distributed`` (gloo) and
+Every rank calls these after ``torch.distributed`` (gloo on CPU, NCCL on GPU) and
 ``megatron.core.parallel_state.initialize_model_parallel`` are set up.
 """
 
@@ -25,8 +26,9 @@ _LOCAL_MLP_NORM = {
 }
 
 
-def cpu_bridge(model_dir: str) -> Any:
-    """mbridge's bridge for the HF checkpoint at ``model_dir``, building CPU (local) layers."""
+def local_bridge(model_dir: str, dtype: Any = None) -> Any:
+    """mbridge's bridge for the HF checkpoint at ``model_dir``, building local layers (their
+    parameters made on the CPU; ``dtype`` default float32)."""
     import torch
     from mbridge import AutoBridge
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -35,7 +37,7 @@ def cpu_bridge(model_dir: str) -> Any:
     hf_config = AutoConfig.from_pretrained(model_dir)
     if not hasattr(hf_config, "rope_theta"):
         hf_config.rope_theta = hf_config.rope_parameters["rope_theta"]
-    bridge = AutoBridge.from_config(hf_config, dtype=torch.float32)
+    bridge = AutoBridge.from_config(hf_config, dtype=dtype or torch.float32)
     bridge.set_extra_args(
         use_cpu_initialization=True, sequence_parallel=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
@@ -48,8 +50,11 @@ def cpu_bridge(model_dir: str) -> Any:
     return bridge
 
 
-def cpu_model(bridge: Any, model_dir: str) -> Any:
-    """This rank's shard of the GPT model, with the checkpoint's weights loaded."""
+def local_model(bridge: Any, model_dir: str, device: Any = None) -> Any:
+    """This rank's shard of the GPT model, moved to ``device`` (default: stays on the CPU), with
+    the checkpoint's weights loaded."""
     model = bridge._model_provider([])(pre_process=True, post_process=True)
+    if device is not None:
+        model = model.to(device)
     bridge.load_weights([model], model_dir)
     return model
