@@ -25,8 +25,11 @@ Receivers write a lone tensor straight into the engine tensor its loader names
 (``WeightLoader.direct_target``: a contiguous view of the weight, same dtype and size) when
 there is one; everything else lands in a staging buffer (grown to the largest chunk, reused)
 that the loader then loads (packed small tensors, fused or sharded layouts, a copy plan's first
-sync, staged updates). A receiver whose loader fails keeps receiving into staging until the
-stream ends, so the group stays in step, and raises then. On NCCL every collective of a chunk is
+sync, staged updates). A receiver posts chunk ``k + 1`` before it lands chunk ``k`` (the
+loader's work overlaps the next bytes; see ``StreamReceiver``), and the sender issues chunk
+``k + 1`` before it waits for chunk ``k``. A receiver whose loader fails keeps receiving into
+staging until the stream ends (the chunk already posted still lands in place: the update is
+torn either way), so the group stays in step, and raises then. On NCCL every collective of a chunk is
 issued before the first is waited for, and the host waits once per chunk; with ``grouped`` (the
 request's field, set from the sender's ``group_calls``) a chunk's broadcasts are one NCCL group
 call, so a model of many mid-sized tensors does not pay one kernel launch and one NCCL
@@ -53,7 +56,7 @@ from weightsync.types import TensorMeta, WeightChunk
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from weightsync._runtime.process_group import Group
+    from weightsync._runtime.process_group import Group, Pending
     from weightsync.interfaces import WeightLoader
 
 #: tensors smaller than this are packed (one broadcast for many norms and biases)
@@ -236,12 +239,15 @@ class Staging:
 
 
 def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_s: float,
-                pack: Staging, grouped: bool = False) -> bool | str:
+                packs: Sequence[Staging], grouped: bool = False) -> bool | str:
     """The sender's whole update on the lane thread (see the module docstring): True when every
     chunk went out, ``"aborted"`` when the stream failed (the receivers were told), False when a
     receiver voted no (nothing moved). A failed collective raises (the group is out of step).
     ``grouped``: each chunk's broadcasts go out as one NCCL group call (the request says so, and
-    the receivers issue theirs the same way)."""
+    the receivers issue theirs the same way). Chunk ``k + 1`` (its header and its broadcasts)
+    is issued before chunk ``k`` is waited for; chunk ``k`` packs its small tensors into
+    ``packs[k % 2]`` (two buffers: the one chunk ``k + 2`` reuses is free by then), and its feed
+    slot comes back once it completed."""
     import torch
 
     with group.on_device():
@@ -249,29 +255,31 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
             return False
         feed.voted()
         chunks = 0
+        prev: list[Pending] | None = None  # the chunk before: issued, not waited for
         while True:
             item = feed.get(idle_timeout_s)
-            if item is None:
-                _send_header(group, END, chunks)
-                return True
-            if isinstance(item, StreamAbort):
-                _send_header(group, ABORT, 0)
-                return "aborted"
+            if item is None or isinstance(item, StreamAbort):
+                end = _start_header(group, END, chunks) if item is None else _start_header(
+                    group, ABORT, 0)
+                group.finish_all((prev or []) + end)
+                if prev is not None:
+                    feed.done()
+                return True if item is None else "aborted"
             chunk = item.chunk
             if item.ready is not None:
                 torch.cuda.current_stream(group.device).wait_event(item.ready)
-            _send_header(group, len(chunk), item.first)
+            pending = _start_header(group, len(chunk), item.first)
             metas = chunk.metas()
             transfers = plan_transfers(metas)
             places, need = buffer_places(transfers, lambda k, tr: tr.packed)
-            packs = pack.get(need) if need else None
-            if packs is not None:
-                _pack(packs, transfers, places, metas, chunk.tensors)
+            packed = packs[chunks % 2].get(need) if need else None
+            if packed is not None:
+                _pack(packed, transfers, places, metas, chunk.tensors)
             bufs = []
             for tr, at in zip(transfers, places, strict=True):
                 if tr.packed:
-                    assert packs is not None
-                    bufs.append(packs[at : at + tr.nbytes])
+                    assert packed is not None
+                    bufs.append(packed[at : at + tr.nbytes])
                 else:
                     bufs.append(_on_device(as_bytes(chunk.tensors[tr.members[0]]), group))
             if checksum:
@@ -280,8 +288,11 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
                 sums = torch.tensor(tensor_checksums(chunk.tensors), dtype=torch.int64,
                                     device=group.device)
                 bufs.append(sums.view(torch.uint8))
-            group.finish_all(group.start_broadcasts(bufs, 0, grouped=grouped))
-            feed.done()
+            pending += group.start_broadcasts(bufs, 0, grouped=grouped)
+            if prev is not None:
+                group.finish_all(prev)
+                feed.done()
+            prev = pending
             chunks += 1
 
 
@@ -319,11 +330,11 @@ def _pack(buf: torch.Tensor, transfers: list[Transfer], places: list[int],
         torch._foreach_copy_(ds, ss)
 
 
-def _send_header(group: Group, count: int, first: int) -> None:
+def _start_header(group: Group, count: int, first: int) -> list[Pending]:
     import torch
 
     header = torch.tensor([count, first], dtype=torch.int64, device=group.device)
-    group.finish_all([group.start_broadcast(header.view(torch.uint8), src=0)])
+    return [group.start_broadcast(header.view(torch.uint8), src=0)]
 
 
 def _on_device(b: torch.Tensor, group: Group) -> torch.Tensor:
@@ -336,17 +347,42 @@ def _on_device(b: torch.Tensor, group: Group) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Posted:
+    """A chunk whose broadcasts a receiver has posted and not yet landed: its number in the
+    stream, its entries, where its bytes go, the collectives to finish, the staging slot it
+    holds and the box its checksums arrive in."""
+
+    number: int
+    metas: list[TensorMeta]
+    staged: dict[str, Any]
+    direct: dict[str, Any]
+    pending: list[Any]
+    slot: int
+    box: Any = None
+
+
 class StreamReceiver:
     """Receives one streamed update into ``sink`` (the endpoint's ``UpdateSink``): lone tensors
-    into their ``direct_target`` when the sink gives one, the rest into ``staging`` and then
-    ``sink.load_weights``. ``header_timeout_s``: how long to wait for the sender's next chunk
-    (its extraction runs meanwhile). The staging buffer is kept between updates unless it is
-    more than four times what the last update needed (a first update, before the loader knew
-    where tensors go, stages whole chunks; later ones only the small tensors)."""
+    into their ``direct_target`` when the sink gives one, the rest into a staging buffer and
+    then ``sink.load_weights``. ``header_timeout_s``: how long to wait for the sender's next
+    chunk (its extraction runs meanwhile).
+
+    Chunk ``k + 1`` is posted before chunk ``k`` is landed (its staged tensors loaded), so the
+    loader's work overlaps the next chunk's bytes; the two use the two staging buffers in turn
+    (``staging``, ``spare``). A chunk that needs more than ``OVERLAP_STAGING`` bytes of staging
+    (a first update, before the loader knew where tensors go, stages whole chunks) waits until
+    the chunk before it landed and uses ``staging``, so the engine never holds two large
+    buffers. A buffer is kept between updates unless it is more than four times what the last
+    update needed."""
+
+    #: the most staging a chunk may need and still be posted while the one before it lands
+    OVERLAP_STAGING = 128 << 20
 
     def __init__(self, group: Group, staging: Staging, *, header_timeout_s: float) -> None:
         self.group = group
         self.staging = staging
+        self.spare = Staging(staging.device)
         self.header_timeout_s = header_timeout_s
         self.direct = 0  # tensors written straight into the weights (cumulative)
         self.largest = 0
@@ -357,14 +393,25 @@ class StreamReceiver:
         try:
             await self._run(request, sink, metas)
         finally:
-            if self.staging.nbytes > 4 * max(self.largest, 1 << 20):
-                self.staging.close()  # a first update staged everything; later ones need little
+            for buf in (self.staging, self.spare):
+                if buf.nbytes > 4 * max(self.largest, 1 << 20):
+                    buf.close()  # a first update staged everything; later ones need little
+
+    def close(self) -> None:
+        self.staging.close()
+        self.spare.close()
 
     async def _run(self, request: Any, sink: WeightLoader, metas: list[TensorMeta]) -> None:
         index = chunks = 0
         failure: BaseException | None = None
+        held: Posted | None = None  # posted, not landed yet
+        checksum = request.checksums is not None
+        grouped = bool(getattr(request, "grouped", False))
         while True:
             count, first = await in_thread(self._recv_header)
+            if count in (END, ABORT) and held is not None:
+                failure = await self._land(sink, held, failure)
+                held = None
             if count == END:
                 if first != chunks or index != len(metas):
                     raise WeightSyncError(
@@ -383,19 +430,41 @@ class StreamReceiver:
             part = metas[index : index + count]
             transfers = plan_transfers(part)
             targets = {} if failure is not None else _direct_targets(sink, part, transfers)
-            staged, direct, sums = await in_thread(
-                self._recv_chunk, part, transfers, targets, request.checksums is not None,
-                bool(getattr(request, "grouped", False)))
-            if failure is None:
-                try:
-                    await _land(sink, chunks, part, staged, direct, sums)
-                    self.direct += len(direct)
-                except BaseException as e:  # keep receiving (the group stays in step), then raise
-                    failure = e
+            places, need = buffer_places(transfers, lambda k, tr, t=targets: k not in t)
+            if held is not None and need > self.OVERLAP_STAGING:
+                failure = await self._land(sink, held, failure)  # no second large buffer
+                held = None
+            slot = 0 if held is None else 1 - held.slot
+            posted = await in_thread(self._post_chunk, chunks, part, transfers, targets, places,
+                                     need, slot, checksum, grouped)
+            if held is not None:
+                failure = await self._land(sink, held, failure)  # overlaps `posted`'s bytes
+            held = posted
             index += count
             chunks += 1
         if failure is not None:
             raise failure
+
+    async def _land(self, sink: Any, posted: Posted,
+                    failure: BaseException | None) -> BaseException | None:
+        """Wait for ``posted``'s collectives, then hand it to the sink unless an earlier chunk
+        failed; -> the update's failure so far (a loader's failure is kept, not raised: the
+        receiver goes on receiving so the group stays in step)."""
+        sums = await in_thread(self._finish, posted)
+        if failure is not None:
+            return failure
+        try:
+            await _land(sink, posted.number, posted.metas, posted.staged, posted.direct, sums)
+            self.direct += len(posted.direct)
+        except BaseException as e:
+            return e
+        return None
+
+    def _finish(self, posted: Posted) -> list[int] | None:
+        group = self.group
+        with group.on_device():
+            group.finish_all(posted.pending)
+            return None if posted.box is None else [int(x) for x in posted.box.tolist()]
 
     def _recv_header(self) -> tuple[int, int]:
         import torch
@@ -408,21 +477,23 @@ class StreamReceiver:
             count, first = header.tolist()
         return int(count), int(first)
 
-    def _recv_chunk(
-        self, metas: list[TensorMeta], transfers: list[Transfer], targets: dict[int, Any],
-        checksum: bool, grouped: bool = False,
-    ) -> tuple[dict[str, Any], dict[str, Any], list[int] | None]:
+    def _post_chunk(
+        self, number: int, metas: list[TensorMeta], transfers: list[Transfer],
+        targets: dict[int, Any], places: list[int], need: int, slot: int, checksum: bool,
+        grouped: bool,
+    ) -> Posted:
         """Post every broadcast of the chunk (as one NCCL group call when the sender's request
-        says ``grouped``), wait once; -> (staged views, direct targets, checksums)."""
+        says ``grouped``) into its direct targets and staging slot ``slot``, without waiting
+        (gloo completes them here)."""
         import torch
 
         group = self.group
-        places, need = buffer_places(transfers, lambda k, tr: k not in targets)
         self.largest = max(self.largest, need)
         staged: dict[str, Any] = {}
         direct: dict[str, Any] = {}
         with group.on_device():
-            buf = self.staging.get(need) if need else None
+            staging = self.staging if slot == 0 else self.spare
+            buf = staging.get(need) if need else None
             bufs = []
             for k, tr in enumerate(transfers):
                 if places[k] < 0:
@@ -435,14 +506,12 @@ class StreamReceiver:
                 bufs.append(part)
                 for i, off in zip(tr.members, tr.offsets, strict=True):
                     staged[metas[i].name] = view_as(part, off, metas[i])
-            sums = None
+            box = None
             if checksum:
                 box = torch.empty(len(metas), dtype=torch.int64, device=group.device)
                 bufs.append(box.view(torch.uint8))
-            group.finish_all(group.start_broadcasts(bufs, 0, grouped=grouped))
-            if checksum:
-                sums = [int(x) for x in box.tolist()]
-        return staged, direct, sums
+            pending = group.start_broadcasts(bufs, 0, grouped=grouped)
+        return Posted(number, metas, staged, direct, pending, slot, box)
 
 
 def _direct_targets(sink: Any, metas: list[TensorMeta], transfers: list[Transfer]) -> dict[int, Any]:

@@ -295,7 +295,8 @@ class BroadcastTransferSender(WeightTransferSender):
             shared=False)
         self._inflight: dict[int, tuple[int | None, torch.Tensor | None, PackedLayout | None]] = {}
         self._lock = threading.Lock()
-        self._pack = Staging(group.device)  # a streamed chunk's packed small tensors
+        # a streamed chunk's packed small tensors: two buffers, chunk k in the k % 2nd
+        self._packs = (Staging(group.device), Staging(group.device))
         self._grouped = bool(cfg.group_calls) and group.can_group()
 
     # -- one streamed update --------------------------------------------------------------------
@@ -381,7 +382,7 @@ class BroadcastTransferSender(WeightTransferSender):
         """On the lane thread: the whole streamed update's collectives."""
         try:
             return send_stream(self.group, feed, checksum=bool(self.cfg.checksum),
-                               idle_timeout_s=float(self.cfg.idle_timeout_s), pack=self._pack,
+                               idle_timeout_s=float(self.cfg.idle_timeout_s), packs=self._packs,
                                grouped=self._grouped)
         except BaseException as e:
             self._broken = self._broken or f"{type(e).__name__}: {e}"[:300]
@@ -513,7 +514,8 @@ class BroadcastTransferSender(WeightTransferSender):
     async def close(self) -> None:
         self._lane.close()
         self._buffers.close()
-        self._pack.close()
+        for pack in self._packs:
+            pack.close()
         self.group.close()
 
 
@@ -600,7 +602,7 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
 
     def close(self) -> None:
         self._buf = None
-        self.stream.staging.close()
+        self.stream.close()
         self.group.close()
 
 

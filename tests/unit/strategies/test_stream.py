@@ -18,7 +18,13 @@ import weightsync as ws
 from weightsync.errors import WeightMismatchError
 from weightsync.loaders.torch_module import TorchModuleWeightLoader
 from weightsync.pipeline import make_chunks
-from weightsync.strategies._stream import ALIGN, PACK_BYTES, SMALL_BYTES, plan_transfers
+from weightsync.strategies._stream import (
+    ALIGN,
+    PACK_BYTES,
+    SMALL_BYTES,
+    StreamReceiver,
+    plan_transfers,
+)
 from weightsync.types import TensorMeta
 
 
@@ -278,3 +284,25 @@ def test_an_engine_that_cannot_group_refuses_a_grouped_update_before_any_byte_mo
 
     unchanged, stats = _run(go())
     assert unchanged and stats.versions == [2] and _same(module, Net(9))
+
+
+@pytest.mark.parametrize("overlap_limit", [StreamReceiver.OVERLAP_STAGING, 0])
+def test_a_staged_multi_chunk_stream_lands_with_and_without_overlapping_its_chunks(
+        overlap_limit, monkeypatch):
+    """Chunk k + 1 is posted before chunk k lands, into the other staging buffer; a chunk that
+    needs more staging than ``OVERLAP_STAGING`` waits for the one before it and uses the first
+    buffer only. Either way every chunk lands, checksums checked, bit for bit."""
+    monkeypatch.setattr(StreamReceiver, "OVERLAP_STAGING", overlap_limit)
+    module, ep = _engine()
+    cfg = {**STREAM, "staged": True, "checksum": True, "bucket_size_mb": 1.5}
+
+    async def go():
+        async with ws.connect([ep], cfg, device="cpu") as sync:
+            stats = await sync.push(Net(7), version=1)
+            stream = ep.receiver.stream
+            return stats, stream.staging.nbytes, stream.spare.nbytes
+
+    stats, first, spare = _run(go())
+    assert stats.versions == [1] and stats.num_chunks >= 3 and _same(module, Net(7))
+    assert first > 0
+    assert (spare > 0) if overlap_limit else (spare == 0)
