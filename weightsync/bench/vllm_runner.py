@@ -271,10 +271,10 @@ class Bench:
             (times if i >= cfg.warmup else rec.setdefault("warmup_s", [])).append(dt)
             if i >= cfg.warmup and stats.front_ms:
                 fronts.append(stats.front_ms)
-        if fronts:  # a push row: the front door's split (SyncStats.front_ms), median per part
-            rec["front_ms"] = {k: statistics.median(f[k] for f in fronts) for k in fronts[0]}
             self.log(f"{row}: sync {i + 1}/{cfg.warmup + cfg.repeats} {dt * 1e3:.1f} ms "
                      f"({stats.num_chunks} chunks)")
+        if fronts:  # a push row: the front door's split (SyncStats.front_ms), median per part
+            rec["front_ms"] = {k: statistics.median(f[k] for f in fronts) for k in fronts[0]}
         rec.update(seconds=statistics.median(times), seconds_all=times,
                    num_chunks=stats.num_chunks, num_tensors=stats.num_tensors,
                    bytes=stats.total_bytes)

@@ -29,11 +29,11 @@ sync, staged updates). A receiver posts chunk ``k + 1`` before it lands chunk ``
 loader's work overlaps the next bytes; see ``StreamReceiver``), and the sender issues chunk
 ``k + 1`` before it waits for chunk ``k``. A receiver whose loader fails keeps receiving into
 staging until the stream ends (the chunk already posted still lands in place: the update is
-torn either way), so the group stays in step, and raises then. On NCCL every collective of a chunk is
-issued before the first is waited for, and the host waits once per chunk; with ``grouped`` (the
-request's field, set from the sender's ``group_calls``) a chunk's broadcasts are one NCCL group
-call, so a model of many mid-sized tensors does not pay one kernel launch and one NCCL
-handshake per tensor.
+torn either way), so the group stays in step, and raises then. On NCCL every collective of a
+chunk is issued before the first is waited for, and the host waits once per chunk; with
+``grouped`` (the request's field, set from the sender's ``group_calls``) a chunk's broadcasts
+are one NCCL group call, so a model of many mid-sized tensors does not pay one kernel launch
+and one NCCL handshake per tensor.
 
 Processes: ``send_stream`` runs on the sender's lane thread (the training process), fed by
 ``StreamFeed`` from the event loop that runs the extraction; ``StreamReceiver`` in each engine
