@@ -6,9 +6,9 @@ layers through mbridge and pushes into a real engine; this one runs, where Trans
 is installed, the Transformer Engine layers the bridges build, with the bridge the extractor
 finds itself from ``hf_model_path`` (Megatron-Bridge when installed, else mbridge), and without
 it mbridge on Megatron-Core's local layers moved to the GPU (``_megatron_local``), bf16 on CUDA,
-the collectives over NCCL. Rank 0 consumes the chunks one at
-a time, as a sender does, and compares each tensor with the bridge's own export made apart
-(bit-exact), checks the chunks are packed threshold buckets on the GPU, and rank 1 gets none.
+the collectives over NCCL. Rank 0 consumes the chunks one at a time, as a sender does, and
+compares each tensor with the bridge's own export made apart (bit-exact), checks the chunks are
+packed threshold buckets on the GPU, and rank 1 gets none.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@ tiny HF Qwen2 checkpoint by mbridge: on CPU, and on a GPU without Transformer En
 
 mbridge (and Megatron-Bridge) build their models with Transformer Engine layers, which need
 CUDA and a Transformer Engine build for the machine's torch; here the model is built with
-Megatron-Core's own local layers instead and mbridge is told their names (the local spec keeps the two RMSNorms as modules, where TE fuses them into
-the next linear layer: ``input_layernorm`` / ``pre_mlp_layernorm`` instead of
-``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``). Everything else is
+Megatron-Core's own local layers instead and mbridge is told their names (the local spec
+keeps the two RMSNorms as modules, where TE fuses them into the next linear layer:
+``input_layernorm`` / ``pre_mlp_layernorm`` instead of ``linear_qkv.layer_norm_weight`` /
+``linear_fc1.layer_norm_weight``). Everything else is
 mbridge's and Megatron-Core's own code: the tensor-parallel layers, ``load_weights`` (HF ->
 Megatron, scattered over the TP group), ``export_weights`` (TP all-gather, QKV and gate/up
 splits, Megatron -> HF names). mbridge 0.15.1 reads ``rope_theta`` from the HF config, which
