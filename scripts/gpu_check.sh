@@ -133,9 +133,9 @@ case "$stage" in
     # the internal rows first, the push rows after them on the same engine (on 2026-11-26 each
     # push row ran first after its engine started and was 8 / 4.5 ms slower at 7B)
     bench qwen2-7b 330 --shape qwen2-7b \
-        --rows broadcast,push_broadcast,broadcast_ungrouped,ludic,native_nccl,cuda_ipc,push_cuda_ipc
+        --rows broadcast,push_broadcast,broadcast_serial,broadcast_ungrouped,ludic,native_nccl,cuda_ipc,push_cuda_ipc
     bench qwen2-0.5b 200 --shape qwen2-0.5b \
-        --rows broadcast,push_broadcast,broadcast_ungrouped,native_nccl,cuda_ipc,push_cuda_ipc,native_ipc
+        --rows broadcast,push_broadcast,broadcast_serial,broadcast_ungrouped,native_nccl,cuda_ipc,push_cuda_ipc,native_ipc
     summary
     ;;
   bench-small)

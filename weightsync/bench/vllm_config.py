@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 # cuda_ipc_load_weights: cuda_ipc with the loader's copy plan off (vLLM's load_weights for every
 # tensor of every sync): what the copy plan saves
 # broadcast_ungrouped: broadcast with group_calls off (one NCCL call per tensor, not one group
-# call per chunk): what the group call saves
-OURS = ("broadcast", "broadcast_ungrouped", "cuda_ipc", "packed_cuda_ipc", "cuda_ipc_1chunk",
-        "cuda_ipc_load_weights")
+# call per chunk): what the group call saves; broadcast_serial: with overlap_chunks off (one
+# chunk at a time on both sides): what overlapping the chunks saves
+OURS = ("broadcast", "broadcast_ungrouped", "broadcast_serial", "cuda_ipc", "packed_cuda_ipc",
+        "cuda_ipc_1chunk", "cuda_ipc_load_weights")
 # the headline rows: the path users take, ``ws.connect([llm], strategy).push(model, version=)``
 # (NCCL to an engine on the next GPU; CUDA IPC into an engine on the trainer's GPU)
 PUSH = ("push_broadcast", "push_cuda_ipc")
@@ -23,8 +24,8 @@ LUDIC = "ludic"  # the Ludic/TRL protocol: one announce, one broadcast per tenso
 NATIVE = ("native_nccl", "native_ipc", "native_ipc_packed")
 ALL_ROWS = (*PUSH, *OURS, PER_PARAM, LUDIC, *NATIVE)
 # engine on another GPU (NCCL)
-REMOTE_ROWS = ("push_broadcast", "broadcast", "broadcast_ungrouped", PER_PARAM, LUDIC,
-               "native_nccl")
+REMOTE_ROWS = ("push_broadcast", "broadcast", "broadcast_ungrouped", "broadcast_serial",
+               PER_PARAM, LUDIC, "native_nccl")
 
 
 @dataclass(kw_only=True)

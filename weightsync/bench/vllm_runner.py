@@ -201,6 +201,9 @@ class Bench:
             strategy = {"type": "broadcast", "backend": backend, **common}
         elif row == "broadcast_ungrouped":
             strategy = {"type": "broadcast", "backend": backend, "group_calls": False, **common}
+        elif row == "broadcast_serial":
+            strategy = {"type": "broadcast", "backend": backend, "overlap_chunks": False,
+                        **common}
         elif row == "cuda_ipc_load_weights":
             strategy = {"type": "cuda_ipc", **common}
         elif row == "cuda_ipc_1chunk":  # one chunk: a bucket larger than the model
@@ -460,7 +463,7 @@ class Bench:
     def native_comparison(self) -> None:
         by = {r["row"]: r for r in self.rows if r.get("seconds")}
         pairs = {"push_broadcast": "native_nccl", "broadcast": "native_nccl",
-                 "broadcast_ungrouped": "native_nccl",
+                 "broadcast_ungrouped": "native_nccl", "broadcast_serial": "native_nccl",
                  "per_param": "native_nccl", "ludic": "native_nccl",
                  "push_cuda_ipc": "native_ipc", "cuda_ipc": "native_ipc",
                  "packed_cuda_ipc": "native_ipc", "cuda_ipc_1chunk": "native_ipc",
@@ -473,9 +476,10 @@ class Bench:
             for slow in ("per_param", "ludic"):
                 if slow in by and fast in by:
                     by[fast][f"{slow}_speedup"] = by[slow]["seconds"] / by[fast]["seconds"]
-        if "broadcast" in by and "broadcast_ungrouped" in by:  # what one NCCL group call saves
-            by["broadcast"]["grouped_speedup"] = (by["broadcast_ungrouped"]["seconds"]
-                                                  / by["broadcast"]["seconds"])
+        for slow, key in (("broadcast_ungrouped", "grouped_speedup"),  # one NCCL group call
+                          ("broadcast_serial", "overlap_speedup")):  # overlapping chunks
+            if "broadcast" in by and slow in by:
+                by["broadcast"][key] = by[slow]["seconds"] / by["broadcast"]["seconds"]
         for push, inner in (("push_broadcast", "broadcast"), ("push_cuda_ipc", "cuda_ipc")):
             if push in by and inner in by:  # what the front door adds to the path it drives
                 by[push]["x_internal"] = by[push]["seconds"] / by[inner]["seconds"]

@@ -239,7 +239,8 @@ class Staging:
 
 
 def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_s: float,
-                packs: Sequence[Staging], grouped: bool = False) -> bool | str:
+                packs: Sequence[Staging], grouped: bool = False,
+                overlap: bool = True) -> bool | str:
     """The sender's whole update on the lane thread (see the module docstring): True when every
     chunk went out, ``"aborted"`` when the stream failed (the receivers were told), False when a
     receiver voted no (nothing moved). A failed collective raises (the group is out of step).
@@ -247,7 +248,8 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
     the receivers issue theirs the same way). Chunk ``k + 1`` (its header and its broadcasts)
     is issued before chunk ``k`` is waited for; chunk ``k`` packs its small tensors into
     ``packs[k % 2]`` (two buffers: the one chunk ``k + 2`` reuses is free by then), and its feed
-    slot comes back once it completed."""
+    slot comes back once it completed. ``overlap`` False: each chunk is waited for before the
+    next is taken (``BroadcastConfig.overlap_chunks``)."""
     import torch
 
     with group.on_device():
@@ -293,6 +295,10 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
                 group.finish_all(prev)
                 feed.done()
             prev = pending
+            if not overlap:
+                group.finish_all(prev)
+                feed.done()
+                prev = None
             chunks += 1
 
 
@@ -374,13 +380,15 @@ class StreamReceiver:
     (a first update, before the loader knew where tensors go, stages whole chunks) waits until
     the chunk before it landed and uses ``staging``, so the engine never holds two large
     buffers. A buffer is kept between updates unless it is more than four times what the last
-    update needed."""
+    update needed. ``overlap`` False: each chunk lands before the next is posted."""
 
     #: the most staging a chunk may need and still be posted while the one before it lands
     OVERLAP_STAGING = 128 << 20
 
-    def __init__(self, group: Group, staging: Staging, *, header_timeout_s: float) -> None:
+    def __init__(self, group: Group, staging: Staging, *, header_timeout_s: float,
+                 overlap: bool = True) -> None:
         self.group = group
+        self.overlap = overlap
         self.staging = staging
         self.spare = Staging(staging.device)
         self.header_timeout_s = header_timeout_s
@@ -439,7 +447,11 @@ class StreamReceiver:
                                      need, slot, checksum, grouped)
             if held is not None:
                 failure = await self._land(sink, held, failure)  # overlaps `posted`'s bytes
-            held = posted
+                held = None
+            if self.overlap:
+                held = posted
+            else:
+                failure = await self._land(sink, posted, failure)
             index += count
             chunks += 1
         if failure is not None:

@@ -110,6 +110,10 @@ class BroadcastConfig(StrategyConfig):
     # tensors instead of one kernel per tensor (the fixed cost of a model with many mid-sized
     # tensors); False: one NCCL call per tensor, as before
     group_calls: bool = True
+    # (stream) chunk k + 1 moves while chunk k is waited for and landed, on both sides
+    # (strategies/_stream.py); False: one chunk at a time, as before (the bench's
+    # broadcast_serial row)
+    overlap_chunks: bool = True
     # 2 works over gloo (tested) and cut a 7B NCCL sync from 0.111 to 0.097 s on 2 x H200, but in
     # that run the bench's check after the syncs did not finish in time and the cause is not
     # known yet (docs/benchmarks.md). Until a GPU run clears it, broadcast sends one chunk at a
@@ -383,7 +387,7 @@ class BroadcastTransferSender(WeightTransferSender):
         try:
             return send_stream(self.group, feed, checksum=bool(self.cfg.checksum),
                                idle_timeout_s=float(self.cfg.idle_timeout_s), packs=self._packs,
-                               grouped=self._grouped)
+                               grouped=self._grouped, overlap=bool(self.cfg.overlap_chunks))
         except BaseException as e:
             self._broken = self._broken or f"{type(e).__name__}: {e}"[:300]
             raise
@@ -534,7 +538,8 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
         self.group = group
         self._buf: torch.Tensor | None = None
         self.stream = StreamReceiver(group, Staging(group.device),
-                                     header_timeout_s=float(cfg.idle_timeout_s))
+                                     header_timeout_s=float(cfg.idle_timeout_s),
+                                     overlap=bool(cfg.overlap_chunks))
 
     async def _receive_and_load(
         self, request: WeightUpdateRequest, loader: WeightLoader

@@ -286,15 +286,18 @@ def test_an_engine_that_cannot_group_refuses_a_grouped_update_before_any_byte_mo
     assert unchanged and stats.versions == [2] and _same(module, Net(9))
 
 
-@pytest.mark.parametrize("overlap_limit", [StreamReceiver.OVERLAP_STAGING, 0])
+@pytest.mark.parametrize(("overlap_limit", "overlap"), [
+    (StreamReceiver.OVERLAP_STAGING, True), (0, True), (StreamReceiver.OVERLAP_STAGING, False)])
 def test_a_staged_multi_chunk_stream_lands_with_and_without_overlapping_its_chunks(
-        overlap_limit, monkeypatch):
+        overlap_limit, overlap, monkeypatch):
     """Chunk k + 1 is posted before chunk k lands, into the other staging buffer; a chunk that
     needs more staging than ``OVERLAP_STAGING`` waits for the one before it and uses the first
-    buffer only. Either way every chunk lands, checksums checked, bit for bit."""
+    buffer only; ``overlap_chunks: false`` moves one chunk at a time on both sides. Every way
+    every chunk lands, checksums checked, bit for bit."""
     monkeypatch.setattr(StreamReceiver, "OVERLAP_STAGING", overlap_limit)
     module, ep = _engine()
-    cfg = {**STREAM, "staged": True, "checksum": True, "bucket_size_mb": 1.5}
+    cfg = {**STREAM, "staged": True, "checksum": True, "bucket_size_mb": 1.5,
+           "overlap_chunks": overlap}
 
     async def go():
         async with ws.connect([ep], cfg, device="cpu") as sync:
@@ -305,4 +308,4 @@ def test_a_staged_multi_chunk_stream_lands_with_and_without_overlapping_its_chun
     stats, first, spare = _run(go())
     assert stats.versions == [1] and stats.num_chunks >= 3 and _same(module, Net(7))
     assert first > 0
-    assert (spare > 0) if overlap_limit else (spare == 0)
+    assert (spare > 0) if overlap_limit and overlap else (spare == 0)
