@@ -371,7 +371,7 @@ class WeightUpdateEndpoint:
                 raise
             update.sink.end_chunk()
             update.chunks_done += 1
-            update.ms["chunks"] = update.ms.get("chunks", 0.0) + (time.perf_counter() - t0) * 1e3
+            update.ms["chunks"] += (time.perf_counter() - t0) * 1e3
 
     async def finish_weight_update(self, finish: dict) -> int:
         """Close an update: publish its version if every chunk landed and the finish hook ran;

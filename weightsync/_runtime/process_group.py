@@ -114,16 +114,10 @@ class Group:
 
     # -- collectives ---------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        import torch.distributed as dist
-
         nbytes = tensor.numel() * tensor.element_size()
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        opts.timeout = self.op_timeout(nbytes)
-        peer = "from the sender (rank 0)" if src == 0 else f"from rank {src}"
-        self._wait(self.pg.broadcast([tensor], opts), f"broadcast of {nbytes} bytes {peer}",
-                   opts.timeout)
+        opts = _broadcast_options(src, self.op_timeout(nbytes))
+        self._wait(self.pg.broadcast([tensor], opts),
+                   f"broadcast of {nbytes} bytes {_from(src)}", opts.timeout)
 
     def start_broadcast(self, tensor: torch.Tensor, src: int = 0,
                         timeout_s: float | None = None) -> Pending:
@@ -131,17 +125,11 @@ class Group:
         gloo: waited for here, so gloo's operations complete in issue order). Finish a batch of
         them with ``finish_all``. ``timeout_s``: the wait's limit (default: the group's fixed
         part plus its per-GB part for these bytes)."""
-        import torch.distributed as dist
-
         nbytes = tensor.numel() * tensor.element_size()
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        opts.timeout = (self.op_timeout(nbytes) if timeout_s is None
-                        else datetime.timedelta(seconds=float(timeout_s)))
-        peer = "from the sender (rank 0)" if src == 0 else f"from rank {src}"
+        opts = _broadcast_options(src, self.op_timeout(nbytes) if timeout_s is None
+                                  else datetime.timedelta(seconds=float(timeout_s)))
         pending = Pending(self.pg.broadcast([tensor], opts), tensor,
-                          f"broadcast of {nbytes} bytes {peer}", opts.timeout)
+                          f"broadcast of {nbytes} bytes {_from(src)}", opts.timeout)
         if self.backend_name != "nccl":
             self._wait(pending.work, pending.what, pending.timeout)
             pending.work = None
@@ -163,22 +151,16 @@ class Group:
         tensors = list(tensors)
         if not grouped or not self.can_group() or len(tensors) < 2:
             return [self.start_broadcast(t, src) for t in tensors]
-        import torch.distributed as dist
-
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        opts.timeout = self.op_timeout(nbytes)
+        opts = _broadcast_options(src, self.op_timeout(nbytes))
         self.pg._start_coalescing()
         try:
             for t in tensors:
                 self.pg.broadcast([t], opts)
         finally:
             work = self.pg._end_coalescing()
-        peer = "from the sender (rank 0)" if src == 0 else f"from rank {src}"
         return [Pending(work, tensors, f"{len(tensors)} grouped broadcasts of {nbytes} bytes "
-                                       f"{peer}", opts.timeout)]
+                                       f"{_from(src)}", opts.timeout)]
 
     def finish_all(self, pending: list[Pending]) -> None:
         """Wait until every broadcast of ``pending`` completed (its tensors may be reused, read
@@ -255,6 +237,21 @@ class Group:
             except Exception:  # pragma: no cover
                 pass
         self.store = None
+
+
+def _broadcast_options(src: int, timeout: datetime.timedelta) -> Any:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    opts.timeout = timeout
+    return opts
+
+
+def _from(src: int) -> str:
+    """Whom a broadcast's receivers wait for (error texts)."""
+    return "from the sender (rank 0)" if src == 0 else f"from rank {src}"
 
 
 def build_group(

@@ -291,14 +291,12 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
                                     device=group.device)
                 bufs.append(sums.view(torch.uint8))
             pending += group.start_broadcasts(bufs, 0, grouped=grouped)
+            if not overlap:
+                pending, prev = [], pending  # this chunk is the one to wait for now
             if prev is not None:
                 group.finish_all(prev)
                 feed.done()
-            prev = pending
-            if not overlap:
-                group.finish_all(prev)
-                feed.done()
-                prev = None
+            prev = pending or None
             chunks += 1
 
 
@@ -418,7 +416,7 @@ class StreamReceiver:
         while True:
             count, first = await in_thread(self._recv_header)
             if count in (END, ABORT) and held is not None:
-                failure = await self._land(sink, held, failure)
+                failure = await self._land_posted(sink, held, failure)
                 held = None
             if count == END:
                 if first != chunks or index != len(metas):
@@ -440,24 +438,24 @@ class StreamReceiver:
             targets = {} if failure is not None else _direct_targets(sink, part, transfers)
             places, need = buffer_places(transfers, lambda k, tr, t=targets: k not in t)
             if held is not None and need > self.OVERLAP_STAGING:
-                failure = await self._land(sink, held, failure)  # no second large buffer
+                failure = await self._land_posted(sink, held, failure)  # no second large buffer
                 held = None
             slot = 0 if held is None else 1 - held.slot
             posted = await in_thread(self._post_chunk, chunks, part, transfers, targets, places,
                                      need, slot, checksum, grouped)
             if held is not None:
-                failure = await self._land(sink, held, failure)  # overlaps `posted`'s bytes
+                failure = await self._land_posted(sink, held, failure)  # overlaps `posted`'s bytes
                 held = None
             if self.overlap:
                 held = posted
             else:
-                failure = await self._land(sink, posted, failure)
+                failure = await self._land_posted(sink, posted, failure)
             index += count
             chunks += 1
         if failure is not None:
             raise failure
 
-    async def _land(self, sink: Any, posted: Posted,
+    async def _land_posted(self, sink: Any, posted: Posted,
                     failure: BaseException | None) -> BaseException | None:
         """Wait for ``posted``'s collectives, then hand it to the sink unless an earlier chunk
         failed; -> the update's failure so far (a loader's failure is kept, not raised: the
