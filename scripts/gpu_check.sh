@@ -14,6 +14,9 @@
 #                                          the rows users take (push_broadcast, push_cuda_ipc), the
 #                                          internal rows they drive and the references (ludic, vLLM
 #                                          native): one 10-minute call
+#   bash scripts/gpu_check.sh layouts      benchmarks/bench_broadcast_layouts.py on qwen2-7b and qwen2-0.5b: NCCL
+#                                          per tensor, grouped, or packed in slices, vs one flat
+#                                          broadcast (no vLLM, no control plane)
 #   bash scripts/gpu_check.sh bench-small  benchmarks/bench_vllm_sync.py on qwen2-0.5b and qwen2-1.5b
 #                                          (every row on 2+ GPUs, the colocated rows on one)
 #   bash scripts/gpu_check.sh bench-7b     the same on qwen2-7b
@@ -128,6 +131,14 @@ case "$stage" in
     need_vllm; need_gpus 2
     pytest_stage servers_tests 560 tests/gpu/test_servers_gpu.py
     ;;
+  layouts)
+    need_gpus 2
+    for shape in qwen2-7b qwen2-0.5b; do
+      timeout -s ABRT 150 python3 benchmarks/bench_broadcast_layouts.py --shape $shape \
+          --slices-mb 16,64,256 --json "$OUT/layouts_$shape.json" > "$OUT/layouts_$shape.txt" 2>&1
+      echo "layouts $shape rc=$?"; tail -8 "$OUT/layouts_$shape.txt"
+    done
+    ;;
   perf)
     need_vllm; need_gpus 2
     # the internal rows first, the push rows after them on the same engine (on 2026-11-26 each
@@ -222,11 +233,19 @@ case "$stage" in
     # the extra wheels staged by scripts/stage_extras_gpu.sh (.whl/extras1, .whl/extras2, carried
     # in two calls that each copy theirs to /tmp/extras/) go into /tmp/site beside vLLM; each
     # test skips, saying so, when its package does not import
-    wheels=$(ls /tmp/extras/*.whl .whl/extras*/*.whl 2>/dev/null | sort -u)
-    if [ -n "$wheels" ]; then
+    # (one copy of each wheel: /tmp/extras when the two calls put them there, else .whl/)
+    wheels=$(ls /tmp/extras/*.whl 2>/dev/null || ls .whl/extras*/*.whl 2>/dev/null)
+    if [ -n "$wheels" ] && ! python3 -c "import sglang, mbridge" 2>/dev/null; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-          --target /tmp/site $wheels 2>&1 | tail -2
+          --target /tmp/site $wheels 2>&1 | grep -v "already exists" | tail -2
     fi
+    # sglang 0.5.17 registers Qwen3-ASR's config with transformers, which the GPU image's 5.17
+    # ships itself: without exist_ok its import fails ("'qwen3_asr' is already used by a
+    # Transformers config"); the installed copy is told exist_ok (in every process it starts)
+    asr=/tmp/site/sglang/srt/configs/qwen3_asr.py
+    [ -f "$asr" ] && sed -i -E \
+        's/AutoConfig\.register\(("qwen3_asr[a-z_]*"), (Qwen3ASR[A-Za-z]*Config)\)$/AutoConfig.register(\1, \2, exist_ok=True)/' \
+        "$asr"
     export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
     for m in sglang megatron.core mbridge transformer_engine; do
       python3 -c "import $m" >/dev/null 2>&1 && echo "import $m: ok" || echo "import $m: no"
@@ -241,7 +260,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {perf|tests|tests-vllm|tests-servers|sleep|lora|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {perf|layouts|tests|tests-vllm|tests-servers|sleep|lora|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac

@@ -106,9 +106,10 @@ async def _rank_async(rank: int, world: int, pkg: str, te: bool, out: str) -> No
     else:
         ext = MegatronWeightExtractor(MegatronExtractorConfig(bucket_size_mb=BUCKET_MB),
                                       bridge=bridge)
-    from weightsync.extractors.megatron import export_function
+    from weightsync.extractors.megatron import as_model_list, export_function
 
-    want = {n: t.detach().clone() for n, t in export_function(ext.bridge)(model)}
+    want = {n: t.detach().clone()  # the bridge's own export: it takes the list of model chunks
+            for n, t in export_function(ext.bridge)(as_model_list(model))}
     metas = ext.metadata(model)
     report: dict = {"names": [m.name for m in metas], "want": sorted(want), "chunks": []}
     async for chunk in ext.extract_weights(model):  # one at a time, as a sender takes them

@@ -1,0 +1,246 @@
+"""How a model's tensors should cross one NCCL broadcast group: per tensor, grouped, or packed.
+
+    python benchmarks/bench_broadcast_layouts.py [--shape qwen2-7b] [--repeats 5]
+        [--slices-mb 64,256] [--json PATH]
+
+Two processes (GPU 0 sends, GPU 1 receives), the shape's tensors (bf16) on both, no vLLM and no
+weightsync control plane: only the data plane's choices, each timed on the sender from the first
+issue to the receiver's acknowledgement (a 1-int all_reduce), median of ``--repeats`` after one
+warm-up:
+
+- ``flat``: one broadcast of one buffer of every byte (the reference; no copies).
+- ``per_tensor``: one NCCL call per tensor, straight into the receiver's tensors, in chunks of
+  1 GB (chunk ``k + 1`` issued before ``k`` is waited for).
+- ``grouped``: the same with each chunk's calls as one NCCL group call.
+- ``packed_<S>``: tensors of at least ``S`` MB alone (into their tensors); the others packed in
+  order into slices of at most ``S`` MB: the sender copies a slice's tensors into one of two
+  pack buffers (one ``torch._foreach_copy_``), broadcasts it into one of two receive buffers,
+  and the receiver copies them out (one ``_foreach_copy_``); stream order only, the host waits
+  once at the end.
+
+Each row is checked: the receiver's tensors equal the sender's (a per-tensor float64 sum of the
+bits, compared on the sender). ``host ms`` is how long the receiver's Python took to issue the
+row's work (the part that grows with the number of tensors). The table and JSON say which layout
+reaches the floor on this machine; ``strategies/_stream.py`` chooses its packing from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+CHUNK = 1 << 30
+
+
+def _plan_packed(nbytes: list[int], slice_bytes: int) -> list[tuple[str, list[int]]]:
+    """[("alone", [i]) | ("pack", [i, j, ...])] in order; a pack is at most ``slice_bytes``."""
+    out: list[tuple[str, list[int]]] = []
+    cur: list[int] = []
+    size = 0
+    for i, n in enumerate(nbytes):
+        if n >= slice_bytes:
+            if cur:
+                out.append(("pack", cur))
+                cur, size = [], 0
+            out.append(("alone", [i]))
+            continue
+        if cur and size + n > slice_bytes:
+            out.append(("pack", cur))
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        out.append(("pack", cur))
+    return out
+
+
+def _chunks(nbytes: list[int]) -> list[list[int]]:
+    out, cur, size = [], [], 0
+    for i, n in enumerate(nbytes):
+        if cur and size + n > CHUNK:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from weightsync.bench.shapes import shape_specs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    gpu = torch.cuda.device_count() >= 2
+    dev = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=dev,
+                                timeout=timedelta(seconds=120))
+    else:  # a check of the layouts' bookkeeping on CPU (gloo: no group calls, no overlap)
+        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    pg = dist.group.WORLD._get_backend(dev)
+    specs = shape_specs(args.shape)
+    tensors = [torch.empty(s, dtype=torch.bfloat16, device=dev) for _, s in specs]
+    for t in tensors:
+        if rank == 0:
+            t.normal_()
+        else:
+            t.zero_()
+    nbytes = [t.numel() * t.element_size() for t in tensors]
+    total = sum(nbytes)
+    flat = torch.empty(total, dtype=torch.uint8, device=dev)
+
+    def bcast(t: torch.Tensor) -> object:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        return pg.broadcast([t], opts)
+
+    def ack() -> None:
+        x = torch.ones(1, device=dev)
+        dist.all_reduce(x)
+        if gpu:
+            torch.cuda.synchronize(dev)
+
+    def as_u8(t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1).view(torch.uint8)
+
+    def run_flat() -> None:
+        bcast(flat).wait()
+
+    def run_per_tensor(grouped: bool) -> None:
+        prev = None
+        for chunk in _chunks(nbytes):
+            if grouped and gpu:
+                pg._start_coalescing()
+                for i in chunk:
+                    bcast(as_u8(tensors[i]))
+                works = [pg._end_coalescing()]
+            else:
+                works = [bcast(as_u8(tensors[i])) for i in chunk]
+            if prev is not None:
+                for w in prev:
+                    w.wait()
+            prev = works
+        for w in prev or []:
+            w.wait()
+
+    bufs: dict[int, list[torch.Tensor]] = {}
+
+    def run_packed(slice_bytes: int) -> None:
+        two = bufs.setdefault(slice_bytes, [torch.empty(slice_bytes, dtype=torch.uint8,
+                                                        device=dev) for _ in range(2)])
+        plan = _plan_packed(nbytes, slice_bytes)
+        works: list[object] = []
+        last: list[object] = [None, None]  # the broadcast that last used each buffer
+        k = 0
+        for kind, members in plan:
+            if kind == "alone":
+                works.append(bcast(as_u8(tensors[members[0]])))
+                continue
+            slot = k % 2
+            buf = two[slot]
+            k += 1
+            if rank == 0 and last[slot] is not None:
+                last[slot].wait()  # stream order: the pack waits until that broadcast read it
+            views, pos = [], 0
+            for i in members:
+                views.append(buf[pos: pos + nbytes[i]].view(torch.bfloat16).view(
+                    tensors[i].shape))
+                pos += nbytes[i]
+            if rank == 0:
+                torch._foreach_copy_(views, [tensors[i] for i in members])
+                w = bcast(buf[:pos])
+            else:  # the next broadcast into buf is issued after this copy: NCCL waits for it
+                w = bcast(buf[:pos])
+                w.wait()  # the current stream waits for the bytes (no host wait)
+                torch._foreach_copy_([tensors[i] for i in members], views)
+            last[slot] = w
+            works.append(w)
+        for w in works:
+            w.wait()
+
+    rows = [("flat", run_flat), ("per_tensor", lambda: run_per_tensor(False)),
+            ("grouped", lambda: run_per_tensor(True))]
+    for mb in args.slices_mb:
+        rows.append((f"packed_{mb}", lambda b=mb << 20: run_packed(b)))
+    report: dict = {"shape": args.shape, "tensors": len(tensors), "bytes": total, "rows": {}}
+    for name, fn in rows:
+        if rank == 1:
+            for t in tensors:
+                t.zero_()
+        times, hosts = [], []
+        for r in range(args.repeats + 1):
+            ack()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            ack()
+            t2 = time.perf_counter()
+            if r:
+                times.append((t2 - t0) * 1e3)
+                hosts.append((t1 - t0) * 1e3)
+        sums = torch.stack([t.float().sum(dtype=torch.float64) for t in tensors])
+        got = [torch.empty_like(sums) for _ in range(2)]
+        dist.all_gather(got, sums)
+        if name == "flat":
+            exact = None  # the flat buffer is not the tensors
+        else:
+            exact = bool(torch.equal(got[0], got[1]))
+        host = torch.tensor([statistics.median(hosts)], dtype=torch.float64, device=dev)
+        hall = [torch.empty_like(host) for _ in range(2)]
+        dist.all_gather(hall, host)
+        if rank == 0:
+            report["rows"][name] = {"ms": statistics.median(times), "min_ms": min(times),
+                                    "sender_host_ms": hall[0].item(),
+                                    "receiver_host_ms": hall[1].item(), "exact": exact}
+            with open(out, "w") as f:
+                json.dump(report, f, indent=1)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen2-7b")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--slices-mb", default="64,256",
+                   type=lambda s: [int(x) for x in s.split(",") if x])
+    p.add_argument("--json", default="broadcast_layouts.json")
+    args = p.parse_args(argv)
+    if torch.cuda.device_count() < 2:
+        print("fewer than 2 GPUs: gloo on the CPU (checks the layouts, times nothing useful)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(args, port, args.json), nprocs=2, join=True)
+    with open(args.json) as f:
+        report = json.load(f)
+    rows = report["rows"]
+    ref = rows["flat"]["ms"]
+    print(f"{args.shape}: {report['tensors']} tensors, {report['bytes'] / 1e9:.2f} GB, bf16, "
+          f"GPU0 -> GPU1")
+    print(f"{'layout':<12} {'ms':>8} {'x flat':>7} {'send host ms':>13} {'recv host ms':>13} exact")
+    bad = False
+    for name, r in rows.items():
+        print(f"{name:<12} {r['ms']:8.2f} {r['ms'] / ref:7.2f} {r['sender_host_ms']:13.2f} "
+              f"{r['receiver_host_ms']:13.2f} {'-' if r['exact'] is None else r['exact']}")
+        bad |= r["exact"] is False
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
