@@ -79,6 +79,18 @@ need_vllm() {
   echo "vLLM is not importable here: install it first (docs/benchmarks.md, GPU section)"; exit 2
 }
 
+# vLLM's FP8 layers and SGLang's model loader import compressed-tensors (0.17.0 for vLLM 0.26;
+# it needs loguru): wheels staged under .whl/ct (carried) are installed beside vLLM
+need_compressed_tensors() {
+  if ! python3 -c "import compressed_tensors" 2>/dev/null; then
+    ls .whl/ct/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
+        --no-compile --no-cache-dir --target /tmp/site .whl/ct/*.whl 2>&1 | grep -v "already exists"
+    python3 -c "import compressed_tensors" 2>/dev/null || {
+      echo "compressed_tensors is not importable: stage compressed-tensors==0.17.0 and loguru" \
+           "wheels under .whl/ct and carry it (docs/benchmarks.md)"; exit 2; }
+  fi
+}
+
 need_gpus() {
   if [ "$gpus" -lt "$1" ]; then
     echo "stage $stage needs $1 GPUs; this machine has $gpus: not run"; exit 3
@@ -214,15 +226,7 @@ case "$stage" in
     ;;
   fp8)
     need_vllm
-    # vLLM's FP8 layers import compressed-tensors (0.17.0 for vLLM 0.26; it needs loguru):
-    # wheels staged under .whl/ct are installed beside vLLM
-    if ! python3 -c "import compressed_tensors" 2>/dev/null; then
-      ls .whl/ct/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
-          --no-compile --no-cache-dir --target /tmp/site .whl/ct/*.whl
-      python3 -c "import compressed_tensors" 2>/dev/null || {
-        echo "compressed_tensors is not importable: stage compressed-tensors==0.17.0 and loguru" \
-             "wheels under .whl/ct and carry it (docs/benchmarks.md)"; exit 2; }
-    fi
+    need_compressed_tensors
     pytest_stage fp8 400 tests/gpu/test_gpu_fp8.py
     timeout -s ABRT 150 python3 benchmarks/bench_fp8.py --size 1.5b --device cuda \
         --strategy cuda_ipc --json "$OUT/fp8_1.5b.json" > "$OUT/fp8_1.5b.txt" 2> "$OUT/fp8_1.5b.log"
@@ -246,6 +250,7 @@ case "$stage" in
     [ -f "$asr" ] && sed -i -E \
         's/AutoConfig\.register\(("qwen3_asr[a-z_]*"), (Qwen3ASR[A-Za-z]*Config)\)$/AutoConfig.register(\1, \2, exist_ok=True)/' \
         "$asr"
+    need_compressed_tensors
     export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
     for m in sglang megatron.core mbridge transformer_engine; do
       python3 -c "import $m" >/dev/null 2>&1 && echo "import $m: ok" || echo "import $m: no"

@@ -1,7 +1,8 @@
 """``sglang`` loader against a real SGLang engine (marked ``gpu``; skipped where SGLang is not
 importable or there is no GPU).
 
-A tiny Llama (head size 64, bf16) served by ``sglang.Engine`` in this process's GPU:
+A tiny Llama (head size 64, bf16) served by ``sglang.Engine`` (its worker on the last GPU; the
+trainer's end of the NCCL group below on GPU 0: NCCL refuses two ranks on one device):
 
 1. through our strategies: a trainer pushes new weights with ``ws.connect`` (gloo ``broadcast``
    of CPU tensors) into a ``WeightUpdateEndpoint`` whose loader is the ``SGLangWeightLoader``;
@@ -35,7 +36,8 @@ def _engine(model_dir: str):
     # (scripts/stage_extras_gpu.sh), and neither choice changes what a weight update does
     return sglang.Engine(model_path=model_dir, dtype="bfloat16", mem_fraction_static=0.3,
                          disable_cuda_graph=True, random_seed=0, log_level="error",
-                         attention_backend="triton", sampling_backend="pytorch")
+                         attention_backend="triton", sampling_backend="pytorch",
+                         base_gpu_id=torch.cuda.device_count() - 1)
 
 
 def _norm(engine) -> list[float]:
@@ -107,10 +109,12 @@ def test_sglang_data_plane_receives_the_broadcasts(served) -> None:
     )
     from weightsync.testing.servers import free_port
 
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (the trainer's rank and SGLang's worker on different devices)")
     model_dir, engine = served
     trained = _trained(model_dir, seed=2)
     names = ["model.norm.weight", "model.embed_tokens.weight"]
-    tensors = [trained[n].to(torch.bfloat16).cuda() for n in names]
+    tensors = [trained[n].to(torch.bfloat16).to("cuda:0") for n in names]
     info = TorchDistributedWeightSyncInfo(master_addr="127.0.0.1", master_port=free_port(),
                                           world_size=2, group_name="ws-test", backend="nccl")
     loader = SGLangWeightLoader(engine=engine)
@@ -128,6 +132,7 @@ def test_sglang_data_plane_receives_the_broadcasts(served) -> None:
         receiving = asyncio.ensure_future(loader.receive_broadcast(req))
 
         def send() -> None:
+            torch.cuda.set_device(0)
             for t in tensors:
                 dist.broadcast(t, src=0, group=group)
             torch.cuda.synchronize()
