@@ -1,7 +1,7 @@
 """How a model's tensors should cross one NCCL broadcast group: per tensor, grouped, or packed.
 
     python benchmarks/bench_broadcast_layouts.py [--shape qwen2-7b] [--repeats 5]
-        [--slices-mb 64,256] [--json PATH]
+        [--packs 16:256,64,256] [--json PATH]
 
 Two processes (GPU 0 sends, GPU 1 receives), the shape's tensors (bf16) on both, no vLLM and no
 weightsync control plane: only the data plane's choices, each timed on the sender from the first
@@ -12,8 +12,9 @@ warm-up:
 - ``per_tensor``: one NCCL call per tensor, straight into the receiver's tensors, in chunks of
   1 GB (chunk ``k + 1`` issued before ``k`` is waited for).
 - ``grouped``: the same with each chunk's calls as one NCCL group call.
-- ``packed_<S>``: tensors of at least ``S`` MB alone (into their tensors); the others packed in
-  order into slices of at most ``S`` MB: the sender copies a slice's tensors into one of two
+- ``packed_<B>_<S>`` (``--packs B:S``; ``S`` alone means ``S:S``): tensors of at least ``B`` MB
+  alone (into their tensors); the others packed in order into slices of at most ``S`` MB (the
+  streamed broadcast's ``pack_below_mb`` / ``pack_mb``): the sender copies a slice's tensors into one of two
   pack buffers (one ``torch._foreach_copy_``), broadcasts it into one of two receive buffers,
   and the receiver copies them out (one ``_foreach_copy_``); stream order only, the host waits
   once at the end.
@@ -37,13 +38,14 @@ from datetime import timedelta
 CHUNK = 1 << 30
 
 
-def _plan_packed(nbytes: list[int], slice_bytes: int) -> list[tuple[str, list[int]]]:
+def _plan_packed(nbytes: list[int], below: int,
+                 slice_bytes: int) -> list[tuple[str, list[int]]]:
     """[("alone", [i]) | ("pack", [i, j, ...])] in order; a pack is at most ``slice_bytes``."""
     out: list[tuple[str, list[int]]] = []
     cur: list[int] = []
     size = 0
     for i, n in enumerate(nbytes):
-        if n >= slice_bytes:
+        if n >= below:
             if cur:
                 out.append(("pack", cur))
                 cur, size = [], 0
@@ -56,6 +58,15 @@ def _plan_packed(nbytes: list[int], slice_bytes: int) -> list[tuple[str, list[in
         size += n
     if cur:
         out.append(("pack", cur))
+    return out
+
+
+def _packs(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        if part:
+            below, _, size = part.partition(":")
+            out.append((int(below), int(size or below)))
     return out
 
 
@@ -136,10 +147,10 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
 
     bufs: dict[int, list[torch.Tensor]] = {}
 
-    def run_packed(slice_bytes: int) -> None:
+    def run_packed(below: int, slice_bytes: int) -> None:
         two = bufs.setdefault(slice_bytes, [torch.empty(slice_bytes, dtype=torch.uint8,
                                                         device=dev) for _ in range(2)])
-        plan = _plan_packed(nbytes, slice_bytes)
+        plan = _plan_packed(nbytes, below, slice_bytes)
         works: list[object] = []
         last: list[object] = [None, None]  # the broadcast that last used each buffer
         k = 0
@@ -171,8 +182,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
 
     rows = [("flat", run_flat), ("per_tensor", lambda: run_per_tensor(False)),
             ("grouped", lambda: run_per_tensor(True))]
-    for mb in args.slices_mb:
-        rows.append((f"packed_{mb}", lambda b=mb << 20: run_packed(b)))
+    for below, mb in args.packs:
+        rows.append((f"packed_{below}_{mb}", lambda b=below << 20, m=mb << 20: run_packed(b, m)))
     report: dict = {"shape": args.shape, "tensors": len(tensors), "bytes": total, "rows": {}}
     for name, fn in rows:
         if rank == 1:
@@ -192,10 +203,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
         sums = torch.stack([t.float().sum(dtype=torch.float64) for t in tensors])
         got = [torch.empty_like(sums) for _ in range(2)]
         dist.all_gather(got, sums)
-        if name == "flat":
-            exact = None  # the flat buffer is not the tensors
-        else:
-            exact = bool(torch.equal(got[0], got[1]))
+        # (flat: the buffer is not the tensors, nothing to compare)
+        exact = None if name == "flat" else bool(torch.equal(got[0], got[1]))
         host = torch.tensor([statistics.median(hosts)], dtype=torch.float64, device=dev)
         hall = [torch.empty_like(host) for _ in range(2)]
         dist.all_gather(hall, host)
@@ -217,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen2-7b")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--slices-mb", default="64,256",
-                   type=lambda s: [int(x) for x in s.split(",") if x])
+    p.add_argument("--packs", default="16:256,64,256", type=_packs,
+                   help="B:S (pack tensors under B MB into slices of S MB) or S (= S:S), "
+                        "comma-separated")
     p.add_argument("--json", default="broadcast_layouts.json")
     args = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -233,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     ref = rows["flat"]["ms"]
     print(f"{args.shape}: {report['tensors']} tensors, {report['bytes'] / 1e9:.2f} GB, bf16, "
           f"GPU0 -> GPU1")
-    print(f"{'layout':<12} {'ms':>8} {'x flat':>7} {'send host ms':>13} {'recv host ms':>13} exact")
+    print(f"{'layout':<16} {'ms':>8} {'x flat':>7} {'send host ms':>13} {'recv host ms':>13} exact")
     bad = False
     for name, r in rows.items():
-        print(f"{name:<12} {r['ms']:8.2f} {r['ms'] / ref:7.2f} {r['sender_host_ms']:13.2f} "
+        print(f"{name:<16} {r['ms']:8.2f} {r['ms'] / ref:7.2f} {r['sender_host_ms']:13.2f} "
               f"{r['receiver_host_ms']:13.2f} {'-' if r['exact'] is None else r['exact']}")
         bad |= r["exact"] is False
     return 1 if bad else 0

@@ -147,7 +147,7 @@ case "$stage" in
     need_gpus 2
     for shape in qwen2-7b qwen2-0.5b; do
       timeout -s ABRT 150 python3 benchmarks/bench_broadcast_layouts.py --shape $shape \
-          --slices-mb 16,64,256 --json "$OUT/layouts_$shape.json" > "$OUT/layouts_$shape.txt" 2>&1
+          --packs 16:256,16,64,256 --json "$OUT/layouts_$shape.json" > "$OUT/layouts_$shape.txt" 2>&1
       echo "layouts $shape rc=$?"; tail -8 "$OUT/layouts_$shape.txt"
     done
     ;;
@@ -155,10 +155,9 @@ case "$stage" in
     need_vllm; need_gpus 2
     # the internal rows first, the push rows after them on the same engine (on 2026-11-26 each
     # push row ran first after its engine started and was 8 / 4.5 ms slower at 7B)
-    bench qwen2-7b 330 --shape qwen2-7b \
-        --rows broadcast,push_broadcast,broadcast_serial,broadcast_ungrouped,ludic,native_nccl,cuda_ipc,push_cuda_ipc
-    bench qwen2-0.5b 200 --shape qwen2-0.5b \
-        --rows broadcast,push_broadcast,broadcast_serial,broadcast_ungrouped,native_nccl,cuda_ipc,push_cuda_ipc,native_ipc
+    # (PERF_ROWS_7B / PERF_ROWS_SMALL: fewer rows when device time is short)
+    bench qwen2-7b 330 --shape qwen2-7b --rows "${PERF_ROWS_7B:-broadcast,push_broadcast,broadcast_serial,broadcast_ungrouped,ludic,native_nccl,cuda_ipc,push_cuda_ipc}"
+    bench qwen2-0.5b 200 --shape qwen2-0.5b --rows "${PERF_ROWS_SMALL:-broadcast,push_broadcast,broadcast_serial,broadcast_ungrouped,native_nccl,cuda_ipc,push_cuda_ipc,native_ipc}"
     summary
     ;;
   bench-small)

@@ -134,12 +134,15 @@ def test_engine_killed_mid_push_the_push_names_it_and_the_survivor_rolls_back(
     assert _push([e0, e1], _cfg(strategy), w1, 1).versions == [1, 1]
     v1 = _digest(e1)
     chunks = list(make_chunks(w2.items(), bucket_size_mb=BUCKET_MB))
-    assert len(chunks) > 6
+    assert len(chunks) > 8
 
     def stream(chunks):
         for i, c in enumerate(chunks):
-            if i == 3:
-                e0.kill()  # the real fault: SIGKILL, chunks 0-2 went out, 2 may be in flight
+            if i == 6:
+                # the real fault: SIGKILL. The streamed sender takes up to 3 chunks ahead of
+                # what has landed (one in flight, one going out, one announced), so at least
+                # chunks 0-2 went out: the survivor was written to
+                e0.kill()
             yield c
 
     elapsed, err = _send_stream([e0, e1], _cfg(strategy, staged=staged), chunks, 2, stream)

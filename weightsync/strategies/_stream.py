@@ -9,17 +9,23 @@ receive buffer (nor the copy out of it) on the engine for tensors whose loader n
 go.
 
 Wire (on the broadcast group; every member derives the same sequence of collectives from the
-manifest, so besides the weights only two ints per chunk cross):
+manifest, so besides the weights only two ints per chunk cross; ``WIRE_VERSION`` 2, carried by
+the request, which an engine checks before it votes):
 
 1. **vote**: an all_reduce MIN of one int (1 = go). The sender and every receiver that accepted
    the update vote 1; an engine that refused its start votes 0 and no byte moves.
-2. **per chunk** of the sender's stream: a header ``[count, first]`` (the chunk carries
-   manifest entries ``first .. first + count - 1``), then one broadcast per *transfer* of the
-   chunk (``plan_transfers``: each tensor of at least ``SMALL_BYTES`` alone, in manifest order,
-   then the smaller ones packed into buffers of at most ``PACK_BYTES``), then, with checksums,
-   one int64 broadcast of the chunk's checksums (``weightsync.integrity``).
-3. **end**: a header ``[0, chunks]``; or ``[-1, 0]`` when the sender's stream failed (the
-   extraction raised, the caller cancelled): every receiver then refuses the update.
+2. **headers one chunk ahead**: header 0, then for each chunk ``k`` of the sender's stream the
+   header of what follows it (chunk ``k + 1``'s, or the end), then chunk ``k``'s data. A header
+   is ``[count, first]`` (the chunk carries manifest entries ``first .. first + count - 1``); the
+   end is ``[0, chunks]``, or ``[-1, 0]`` when the sender's stream failed (the extraction
+   raised, the caller cancelled): every receiver then refuses the update. So a receiver knows
+   chunk ``k + 1`` before chunk ``k``'s bytes have landed and posts it while they move: the link
+   never waits for a receiver's host to read a header (with the header behind its chunk, as in
+   wire 1, each of a 7B update's 15 chunks waited ~2 ms for it on 2 x H100).
+3. **a chunk's data**: one broadcast per *transfer* (``plan_transfers``: each tensor of at
+   least ``pack_below`` bytes alone, in manifest order, then the smaller ones packed into
+   buffers of at most ``pack_bytes``; both from the request), then, with checksums, one int64
+   broadcast of the chunk's checksums (``weightsync.integrity``).
 
 Receivers write a lone tensor straight into the engine tensor its loader names
 (``WeightLoader.direct_target``: a contiguous view of the weight, same dtype and size) when
@@ -59,10 +65,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from weightsync._runtime.process_group import Group, Pending
     from weightsync.interfaces import WeightLoader
 
-#: tensors smaller than this are packed (one broadcast for many norms and biases)
-SMALL_BYTES = 1 << 20
-#: the largest packed buffer
-PACK_BYTES = 64 << 20
+#: the stream's wire (the request's ``wire_version``; see the module docstring)
+WIRE_VERSION = 2
+#: tensors smaller than this are packed (the request's default ``pack_below_bytes``): one
+#: broadcast for many norms, biases and small projections. On 2 x H100 (2026-11-26,
+#: ``benchmarks/bench_broadcast_layouts.py``) a broadcast costs the host ~25 us to issue, the
+#: copy in and out of a packed buffer ~0.7 ms per GB: qwen2-0.5b's 290 tensors took 10.3 ms as
+#: one group call, 4.7 ms packed in 256 MB buffers (one flat broadcast: 2.75 ms); qwen2-7b's,
+#: whose issue overlaps earlier chunks' bytes, 41.4 ms per tensor (flat 40.9) and 44.8 ms packed
+#: below 64 MB (the copies cost more than the calls)
+SMALL_BYTES = 16 << 20
+#: the largest packed buffer (the request's default ``pack_bytes``)
+PACK_BYTES = 256 << 20
 #: every tensor starts at a multiple of this inside a packed or staging buffer
 ALIGN = 256
 
@@ -86,10 +100,11 @@ class Transfer:
     packed: bool
 
 
-def plan_transfers(metas: Sequence[TensorMeta]) -> list[Transfer]:
-    """The chunk's broadcasts: every tensor of at least ``SMALL_BYTES`` alone (chunk order),
-    then the smaller ones packed in chunk order into buffers of at most ``PACK_BYTES``.
-    Zero-size tensors take no broadcast."""
+def plan_transfers(metas: Sequence[TensorMeta], pack_below: int = SMALL_BYTES,
+                   pack_bytes: int = PACK_BYTES) -> list[Transfer]:
+    """The chunk's broadcasts: every tensor of at least ``pack_below`` bytes alone (chunk
+    order), then the smaller ones packed in chunk order into buffers of at most
+    ``pack_bytes``. Zero-size tensors take no broadcast."""
     singles: list[Transfer] = []
     packs: list[Transfer] = []
     members: list[int] = []
@@ -99,11 +114,11 @@ def plan_transfers(metas: Sequence[TensorMeta]) -> list[Transfer]:
         n = m.nbytes
         if n == 0:
             continue
-        if n >= SMALL_BYTES:
+        if n >= pack_below:
             singles.append(Transfer((i,), (0,), n, False))
             continue
         start = align_up(pos, ALIGN)
-        if members and start + n > PACK_BYTES:
+        if members and start + n > pack_bytes:
             packs.append(Transfer(tuple(members), tuple(offsets), pos, True))
             members, offsets, start = [], [], 0
         members.append(i)
@@ -239,40 +254,39 @@ class Staging:
 
 
 def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_s: float,
-                packs: Sequence[Staging], grouped: bool = False,
-                overlap: bool = True) -> bool | str:
+                packs: Sequence[Staging], grouped: bool = False, overlap: bool = True,
+                pack_below: int = SMALL_BYTES, pack_bytes: int = PACK_BYTES) -> bool | str:
     """The sender's whole update on the lane thread (see the module docstring): True when every
     chunk went out, ``"aborted"`` when the stream failed (the receivers were told), False when a
     receiver voted no (nothing moved). A failed collective raises (the group is out of step).
-    ``grouped``: each chunk's broadcasts go out as one NCCL group call (the request says so, and
-    the receivers issue theirs the same way). Chunk ``k + 1`` (its header and its broadcasts)
-    is issued before chunk ``k`` is waited for; chunk ``k`` packs its small tensors into
+
+    Chunk ``k``'s data goes out after the header of what follows it, so the sender takes chunk
+    ``k + 1`` from the feed (the extraction made it) before it sends chunk ``k``: it holds up to
+    three feed slots (chunk ``k - 1`` in flight, ``k``, ``k + 1``). ``grouped``: each chunk's
+    broadcasts go out as one NCCL group call (the request says so, and the receivers issue
+    theirs the same way). Chunk ``k`` is issued before chunk ``k - 1`` is waited for; it packs
+    its small tensors (below ``pack_below`` bytes, in buffers of at most ``pack_bytes``) into
     ``packs[k % 2]`` (two buffers: the one chunk ``k + 2`` reuses is free by then), and its feed
     slot comes back once it completed. ``overlap`` False: each chunk is waited for before the
-    next is taken (``BroadcastConfig.overlap_chunks``)."""
+    next one's data is issued (``BroadcastConfig.overlap_chunks``)."""
     import torch
 
     with group.on_device():
         if group.all_reduce_min(1) == 0:
             return False
         feed.voted()
+        item = feed.get(idle_timeout_s)
+        pending = _start_header(group, item, 0)  # header 0
         chunks = 0
         prev: list[Pending] | None = None  # the chunk before: issued, not waited for
-        while True:
-            item = feed.get(idle_timeout_s)
-            if item is None or isinstance(item, StreamAbort):
-                end = _start_header(group, END, chunks) if item is None else _start_header(
-                    group, ABORT, 0)
-                group.finish_all((prev or []) + end)
-                if prev is not None:
-                    feed.done()
-                return True if item is None else "aborted"
+        while isinstance(item, FeedItem):
+            nxt = feed.get(idle_timeout_s)
+            pending += _start_header(group, nxt, chunks + 1)  # what follows chunk k
             chunk = item.chunk
             if item.ready is not None:
                 torch.cuda.current_stream(group.device).wait_event(item.ready)
-            pending = _start_header(group, len(chunk), item.first)
             metas = chunk.metas()
-            transfers = plan_transfers(metas)
+            transfers = plan_transfers(metas, pack_below, pack_bytes)
             places, need = buffer_places(transfers, lambda k, tr: tr.packed)
             packed = packs[chunks % 2].get(need) if need else None
             if packed is not None:
@@ -291,13 +305,22 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
                                     device=group.device)
                 bufs.append(sums.view(torch.uint8))
             pending += group.start_broadcasts(bufs, 0, grouped=grouped)
-            if not overlap:
-                pending, prev = [], pending  # this chunk is the one to wait for now
             if prev is not None:
                 group.finish_all(prev)
                 feed.done()
-            prev = pending or None
+                prev = None
+            if overlap:
+                prev = pending
+            else:
+                group.finish_all(pending)
+                feed.done()
+            pending = []
+            item = nxt
             chunks += 1
+        group.finish_all((prev or []) + pending)
+        if prev is not None:
+            feed.done()
+        return True if item is None else "aborted"
 
 
 def buffer_places(transfers: list[Transfer],
@@ -334,10 +357,17 @@ def _pack(buf: torch.Tensor, transfers: list[Transfer], places: list[int],
         torch._foreach_copy_(ds, ss)
 
 
-def _start_header(group: Group, count: int, first: int) -> list[Pending]:
+def _start_header(group: Group, item: FeedItem | StreamAbort | None,
+                  chunks: int) -> list[Pending]:
+    """Broadcast the header of ``item`` (the next chunk, the end after ``chunks`` chunks, or
+    the abort)."""
     import torch
 
-    header = torch.tensor([count, first], dtype=torch.int64, device=group.device)
+    if isinstance(item, FeedItem):
+        values = [len(item.chunk), item.first]
+    else:
+        values = [END, chunks] if item is None else [ABORT, 0]
+    header = torch.tensor(values, dtype=torch.int64, device=group.device)
     return [group.start_broadcast(header.view(torch.uint8), src=0)]
 
 
@@ -413,8 +443,10 @@ class StreamReceiver:
         held: Posted | None = None  # posted, not landed yet
         checksum = request.checksums is not None
         grouped = bool(getattr(request, "grouped", False))
+        pack = (int(request.pack_below_bytes), int(request.pack_bytes))
+        header = await in_thread(self._wait_header, await in_thread(self._post_header))
         while True:
-            count, first = await in_thread(self._recv_header)
+            count, first = header
             if count in (END, ABORT) and held is not None:
                 failure = await self._land_posted(sink, held, failure)
                 held = None
@@ -434,15 +466,16 @@ class StreamReceiver:
                     f"streamed update {request.update_id}: header [{count}, {first}] after "
                     f"{index} of {len(metas)} tensors: sender and engine are out of step")
             part = metas[index : index + count]
-            transfers = plan_transfers(part)
+            transfers = plan_transfers(part, *pack)
             targets = {} if failure is not None else _direct_targets(sink, part, transfers)
             places, need = buffer_places(transfers, lambda k, tr, t=targets: k not in t)
             if held is not None and need > self.OVERLAP_STAGING:
                 failure = await self._land_posted(sink, held, failure)  # no second large buffer
                 held = None
             slot = 0 if held is None else 1 - held.slot
-            posted = await in_thread(self._post_chunk, chunks, part, transfers, targets, places,
-                                     need, slot, checksum, grouped)
+            # the next header, then this chunk's data: the order the sender issues them in
+            after, posted = await in_thread(self._post_chunk, chunks, part, transfers, targets,
+                                            places, need, slot, checksum, grouped)
             if held is not None:
                 failure = await self._land_posted(sink, held, failure)  # overlaps `posted`'s bytes
                 held = None
@@ -452,6 +485,7 @@ class StreamReceiver:
                 failure = await self._land_posted(sink, posted, failure)
             index += count
             chunks += 1
+            header = await in_thread(self._wait_header, after)
         if failure is not None:
             raise failure
 
@@ -476,14 +510,22 @@ class StreamReceiver:
             group.finish_all(posted.pending)
             return None if posted.box is None else [int(x) for x in posted.box.tolist()]
 
-    def _recv_header(self) -> tuple[int, int]:
+    def _post_header(self) -> tuple[torch.Tensor, list[Any]]:
+        """Post the receive of the sender's next header (gloo: received here; it may wait up to
+        ``header_timeout_s`` for the sender's extraction)."""
         import torch
 
         group = self.group
         with group.on_device():
             header = torch.empty(2, dtype=torch.int64, device=group.device)
-            group.finish_all([group.start_broadcast(header.view(torch.uint8), src=0,
-                                                    timeout_s=self.header_timeout_s)])
+            return header, [group.start_broadcast(header.view(torch.uint8), src=0,
+                                                  timeout_s=self.header_timeout_s)]
+
+    def _wait_header(self, posted: tuple[torch.Tensor, list[Any]]) -> tuple[int, int]:
+        header, pending = posted
+        group = self.group
+        with group.on_device():
+            group.finish_all(pending)
             count, first = header.tolist()
         return int(count), int(first)
 
@@ -491,12 +533,13 @@ class StreamReceiver:
         self, number: int, metas: list[TensorMeta], transfers: list[Transfer],
         targets: dict[int, Any], places: list[int], need: int, slot: int, checksum: bool,
         grouped: bool,
-    ) -> Posted:
-        """Post every broadcast of the chunk (as one NCCL group call when the sender's request
-        says ``grouped``) into its direct targets and staging slot ``slot``, without waiting
-        (gloo completes them here)."""
+    ) -> tuple[tuple[torch.Tensor, list[Any]], Posted]:
+        """Post the receive of the next header, then every broadcast of the chunk (as one NCCL
+        group call when the sender's request says ``grouped``) into its direct targets and
+        staging slot ``slot``, without waiting (gloo completes them here)."""
         import torch
 
+        after = self._post_header()
         group = self.group
         self.largest = max(self.largest, need)
         staged: dict[str, Any] = {}
@@ -521,7 +564,7 @@ class StreamReceiver:
                 box = torch.empty(len(metas), dtype=torch.int64, device=group.device)
                 bufs.append(box.view(torch.uint8))
             pending = group.start_broadcasts(bufs, 0, grouped=grouped)
-        return Posted(number, metas, staged, direct, pending, slot, box)
+        return after, Posted(number, metas, staged, direct, pending, slot, box)
 
 
 def _direct_targets(sink: Any, metas: list[TensorMeta], transfers: list[Transfer]) -> dict[int, Any]:

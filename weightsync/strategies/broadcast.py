@@ -62,7 +62,15 @@ from weightsync.strategies._layout import (
     pack_into,
     plan_layout,
 )
-from weightsync.strategies._stream import Staging, StreamFeed, StreamReceiver, send_stream
+from weightsync.strategies._stream import (
+    PACK_BYTES,
+    SMALL_BYTES,
+    WIRE_VERSION,
+    Staging,
+    StreamFeed,
+    StreamReceiver,
+    send_stream,
+)
 from weightsync.types import (
     MAX_WORLD_SIZE,
     SyncStats,
@@ -114,6 +122,20 @@ class BroadcastConfig(StrategyConfig):
     # (strategies/_stream.py); False: one chunk at a time, as before (the bench's
     # broadcast_serial row)
     overlap_chunks: bool = True
+    # (stream) tensors under pack_below_mb MB travel packed, in buffers of at most pack_mb MB
+    # (one broadcast for many small tensors: fewer calls for the host to issue, one copy in and
+    # out); larger ones straight from the trainer's tensor into the engine's (strategies/
+    # _stream.py says how the defaults were measured). The engines follow the request
+    pack_below_mb: float = SMALL_BYTES / (1 << 20)
+    pack_mb: float = PACK_BYTES / (1 << 20)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.pack_below_mb >= 0:
+            raise ValueError(f"strategy {self.type!r}: pack_below_mb must be >= 0, got "
+                             f"{self.pack_below_mb!r}")
+        if not self.pack_mb > 0:
+            raise ValueError(f"strategy {self.type!r}: pack_mb must be > 0, got {self.pack_mb!r}")
     # 2 works over gloo (tested) and cut a 7B NCCL sync from 0.111 to 0.097 s on 2 x H200, but in
     # that run the bench's check after the syncs did not finish in time and the cause is not
     # known yet (docs/benchmarks.md). Until a GPU run clears it, broadcast sends one chunk at a
@@ -172,6 +194,20 @@ class BroadcastWeightUpdateRequest(WeightUpdateRequest):
     #: (stream, NCCL) each chunk's broadcasts are one NCCL group call on every rank; receivers
     #: must issue theirs the same way, so the sender decides and says so here
     grouped: bool = False
+    #: (stream) the order of the stream's collectives (``strategies/_stream.py``); an engine
+    #: that speaks another refuses the update before any byte moves. Absent: 1 (an older sender)
+    wire_version: int = 1
+    #: (stream) how each chunk's tensors are cut into broadcasts (``plan_transfers``): tensors
+    #: under ``pack_below_bytes`` packed into buffers of at most ``pack_bytes``
+    pack_below_bytes: int = SMALL_BYTES
+    pack_bytes: int = PACK_BYTES
+
+    def _coerce(self) -> None:
+        super()._coerce()
+        for f, low in (("wire_version", 1), ("pack_below_bytes", 0), ("pack_bytes", 1)):
+            v = getattr(self, f)
+            if not is_int(v) or v < low:
+                raise ValueError(f"broadcast request: {f} must be an int >= {low}, got {v!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,6 +338,9 @@ class BroadcastTransferSender(WeightTransferSender):
         # a streamed chunk's packed small tensors: two buffers, chunk k in the k % 2nd
         self._packs = (Staging(group.device), Staging(group.device))
         self._grouped = bool(cfg.group_calls) and group.can_group()
+        self._wire = WIRE_VERSION  # the order of the stream's collectives this sender issues
+        self._pack = (int(float(cfg.pack_below_mb) * (1 << 20)),
+                      max(1, int(float(cfg.pack_mb) * (1 << 20))))
 
     # -- one streamed update --------------------------------------------------------------------
     async def send_chunks(
@@ -338,7 +377,8 @@ class BroadcastTransferSender(WeightTransferSender):
         request = BroadcastWeightUpdateRequest(
             names=[m.name for m in manifest], dtypes=[m.dtype for m in manifest],
             shapes=[list(m.shape) for m in manifest], src_rank=0, packed=False, stream=True,
-            grouped=self._grouped,
+            grouped=self._grouped, wire_version=self._wire,
+            pack_below_bytes=self._pack[0], pack_bytes=self._pack[1],
             update_id=stats.update_id, chunk_index=0, is_last=True, version=version,
             checksums=[0] * len(manifest) if self.cfg.checksum else None)
         finish = WeightUpdateFinish(update_id=stats.update_id, version=version, num_chunks=1)
@@ -348,7 +388,7 @@ class BroadcastTransferSender(WeightTransferSender):
         await inference_client.start_weight_update(start.to_dict())
         engines = asyncio.ensure_future(
             _chunk_then_finish(inference_client, request.to_dict(), finish.to_dict()))
-        feed = StreamFeed(depth=2)
+        feed = StreamFeed(depth=3)  # chunk k - 1 in flight, k going out, k + 1 announced
         data = asyncio.wrap_future(self._lane.submit(
             self._stream_data, feed))
         feeder = asyncio.ensure_future(feed.fill(chunks, manifest))
@@ -387,7 +427,8 @@ class BroadcastTransferSender(WeightTransferSender):
         try:
             return send_stream(self.group, feed, checksum=bool(self.cfg.checksum),
                                idle_timeout_s=float(self.cfg.idle_timeout_s), packs=self._packs,
-                               grouped=self._grouped, overlap=bool(self.cfg.overlap_chunks))
+                               grouped=self._grouped, overlap=bool(self.cfg.overlap_chunks),
+                               pack_below=self._pack[0], pack_bytes=self._pack[1])
         except BaseException as e:
             self._broken = self._broken or f"{type(e).__name__}: {e}"[:300]
             raise
@@ -545,6 +586,13 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
         self, request: WeightUpdateRequest, loader: WeightLoader
     ) -> None:
         if getattr(request, "stream", False):
+            if request.wire_version != WIRE_VERSION:
+                await in_thread(self._vote_no)  # nobody moves a byte
+                raise WeightSyncError(
+                    f"update {request.update_id}: the sender streams wire version "
+                    f"{request.wire_version}, this engine speaks {WIRE_VERSION} (weightsync "
+                    f"versions differ between trainer and engine: install the same on both); "
+                    f"this engine's weights are unchanged")
             if getattr(request, "grouped", False) and not self.group.can_group():
                 await in_thread(self._vote_no)  # nobody moves a byte
                 raise WeightSyncError(

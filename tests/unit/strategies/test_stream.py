@@ -22,6 +22,7 @@ from weightsync.strategies._stream import (
     ALIGN,
     PACK_BYTES,
     SMALL_BYTES,
+    WIRE_VERSION,
     StreamReceiver,
     plan_transfers,
 )
@@ -37,13 +38,18 @@ def _meta(name: str, nbytes: int, dtype: str = "uint8") -> TensorMeta:
 
 def test_large_tensors_go_alone_in_order_and_small_ones_are_packed_after_them():
     metas = [_meta("norm", 100), _meta("q", SMALL_BYTES), _meta("bias", 10, "float32"),
-             _meta("empty", 0), _meta("k", 3 * SMALL_BYTES), _meta("b2", 7)]
+             _meta("empty", 0), _meta("k", 3 * SMALL_BYTES), _meta("b2", 7),
+             _meta("mid", SMALL_BYTES - 1)]
     plan = plan_transfers(metas)
     assert [(t.members, t.packed) for t in plan] == [((1,), False), ((4,), False),
-                                                     ((0, 2, 5), True)]
+                                                     ((0, 2, 5, 6), True)]
     pack = plan[-1]
-    assert pack.offsets == (0, ALIGN, 2 * ALIGN)  # each small tensor starts aligned
-    assert pack.nbytes == 2 * ALIGN + 7
+    assert pack.offsets == (0, ALIGN, 2 * ALIGN, 3 * ALIGN)  # each small tensor starts aligned
+    assert pack.nbytes == 3 * ALIGN + SMALL_BYTES - 1
+    # the request's thresholds: below 1 KB packed, in buffers of at most 2 KB
+    plan = plan_transfers(metas, 1024, 2048)
+    assert [(t.members, t.packed) for t in plan] == [
+        ((1,), False), ((4,), False), ((6,), False), ((0, 2, 5), True)]
 
 
 def test_packs_are_split_at_the_pack_limit():
@@ -83,7 +89,9 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-STREAM = {"type": "broadcast", "backend": "gloo", "bucket_size_mb": 2.5, "timeout_s": 20}
+# tensors of 1 MB and more alone (into the module's own tensors), smaller ones packed
+STREAM = {"type": "broadcast", "backend": "gloo", "bucket_size_mb": 2.5, "timeout_s": 20,
+          "pack_below_mb": 1, "pack_mb": 64}
 
 
 def test_a_stream_lands_bit_exact_with_the_large_tensors_written_in_place():
@@ -105,6 +113,52 @@ def test_a_stream_lands_bit_exact_with_the_large_tensors_written_in_place():
     assert [s.versions for s in stats] == [[1], [2]]
     assert stats[0].num_chunks == 2 and stats[0].num_tensors == 5  # two chunks on the wire
     assert ep.loader.loads >= 2
+
+
+def test_with_the_default_packing_every_small_tensor_travels_packed_and_lands_exact():
+    """Net's tensors are all under the default ``pack_below_mb`` (16): each chunk is one packed
+    broadcast, loaded through the loader, nothing written in place; the request carries the
+    thresholds and the wire version."""
+    module, ep = _engine()
+    cfg = {k: v for k, v in STREAM.items() if not k.startswith("pack")}
+    seen = []
+
+    async def go():
+        async with ws.connect([ep], cfg, device="cpu") as sync:
+            original = ep.receiver.stream.run
+
+            async def spy(request, sink):
+                seen.append(request)
+                await original(request, sink)
+
+            ep.receiver.stream.run = spy
+            return await sync.push(Net(5), version=1), ep.receiver.stream.direct
+
+    stats, direct = _run(go())
+    assert stats.versions == [1] and stats.num_chunks == 2 and _same(module, Net(5))
+    assert direct == 0
+    (req,) = seen
+    assert (req.pack_below_bytes, req.pack_bytes) == (SMALL_BYTES, PACK_BYTES)
+    assert req.wire_version == WIRE_VERSION
+
+
+def test_an_engine_refuses_another_wire_version_before_any_byte_moves():
+    """A sender of another weightsync version (its stream's collectives in another order).
+    Setting the sender's private wire version is the only way to have two versions on one
+    machine; the engine's refusal, the vote and the unchanged weights are real."""
+    module, ep = _engine()
+    before = {n: t.clone() for n, t in module.state_dict().items()}
+
+    async def go():
+        async with ws.connect([ep], STREAM, device="cpu") as sync:
+            sync.sender._wire = WIRE_VERSION - 1
+            with pytest.raises(ws.WeightSyncError, match="wire version 1, this engine speaks 2"):
+                await sync.push(Net(6), version=1)
+            unchanged = all(torch.equal(t, before[n]) for n, t in module.state_dict().items())
+            return unchanged, await sync.push(Net(6), version=2)  # a fresh sender
+
+    unchanged, stats = _run(go())
+    assert unchanged and stats.versions == [2] and _same(module, Net(6))
 
 
 def test_a_staged_stream_writes_nothing_in_place():
