@@ -23,6 +23,7 @@ from weightsync.strategies._stream import (
     PACK_BYTES,
     SMALL_BYTES,
     WIRE_VERSION,
+    Staging,
     StreamReceiver,
     plan_transfers,
 )
@@ -58,6 +59,27 @@ def test_packs_are_split_at_the_pack_limit():
     plan = plan_transfers(metas)
     assert len(plan) == 2 and all(t.packed and t.nbytes <= PACK_BYTES for t in plan)
     assert [i for t in plan for i in t.members] == list(range(len(metas)))  # all, in order
+
+
+def test_a_staging_buffer_keeps_a_layouts_views_until_it_is_replaced():
+    staging = Staging("cpu")
+    built = []
+
+    def build(tag):
+        def make():
+            built.append(tag)
+            return staging.get(8)[:4]
+        return make
+
+    staging.get(64)
+    first = staging.views("a", build("a"))
+    assert staging.views("a", build("a")) is first and built == ["a"]  # made once
+    staging.get(32)  # fits: the same buffer, the views stay
+    assert staging.views("a", build("a")) is first and built == ["a"]
+    staging.get(128)  # a bigger buffer: the old views (and their memory) are dropped
+    assert staging.views("a", build("a")) is not first and built == ["a", "a"]
+    staging.close()
+    assert staging.nbytes == 0 and staging.views("b", build("b")) is not None
 
 
 # -- whole updates -------------------------------------------------------------------------------
@@ -159,6 +181,35 @@ def test_an_engine_refuses_another_wire_version_before_any_byte_moves():
 
     unchanged, stats = _run(go())
     assert unchanged and stats.versions == [2] and _same(module, Net(6))
+
+
+def test_later_updates_reuse_the_views_of_the_first_on_both_sides():
+    """Every update of one model cuts its chunks alike: the engine hands the loader the same
+    staging views each time, and the sender packs into the same views (made once)."""
+    module, ep = _engine()
+    cfg = {k: v for k, v in STREAM.items() if not k.startswith("pack")}  # everything packed
+    seen: list[list[int]] = []
+
+    async def go():
+        async with ws.connect([ep], cfg, device="cpu") as sync:
+            loader = ep.loader
+            original = loader.load_weights
+
+            async def spy(named):
+                seen[-1].extend(id(t) for t in named.values())
+                await original(named)
+
+            loader.load_weights = spy
+            for v in (1, 2, 3):
+                seen.append([])
+                assert (await sync.push(Net(v), version=v)).versions == [v]
+                assert _same(module, Net(v)), v
+            packs = sync.sender._packs
+            return [len(p._views) for p in packs], len(ep.receiver.stream.staging._views)
+
+    (sent0, sent1), received = _run(go())
+    assert seen[0] and seen[0] == seen[1] == seen[2]  # the same view objects every update
+    assert sent0 >= 1 and sent1 >= 1 and received >= 1  # made once per chunk layout
 
 
 def test_a_staged_stream_writes_nothing_in_place():
