@@ -298,7 +298,10 @@ class WeightUpdateEndpoint:
             elif loader is not self.loader:  # an adapter: its own names, every start checked
                 if msg.manifest is not None:
                     self._validate(msg.manifest, msg, whole_update=True, loader=loader)
-                staged = True  # installed whole at finish: the engine serves the last version
+                # installed whole at finish (the engine serves the last version until then);
+                # the adapter loader keeps its own copies of what arrives, so the sink does not
+                # stage them too (one copy per tensor, not two)
+                staged = False
             elif msg.manifest is not None and not self._accepted_before(msg):
                 self._validate(msg.manifest, msg, whole_update=True)
                 self._accepted = (msg.manifest, msg.training_mode, msg.head_name_patterns)

@@ -864,7 +864,7 @@ def test_training_mode_policy(mode, names, needle):
     assert training_mode_offenders(["score.weight"], ws.TrainingMode.HEAD_ONLY) == []
 
 
-# -- LoRA adapter-only updates: the adapter's own loader, staged, never torn ----------------------
+# -- LoRA adapter-only updates: the adapter's own loader, never torn -------------------------------
 
 
 class _AdapterLoader(WeightLoader):
@@ -910,7 +910,10 @@ def test_adapter_update_lands_in_the_adapter_loader_and_a_failed_one_is_not_torn
     e.start("u1", None, [ws.TensorMeta(n, "float32", list(t.shape)) for n, t in a.items()],
             lora_adapter=spec)
     e.chunk("u1", 0, a)
-    assert loader.adapters[-1].kept == {}  # staged: the adapter loader sees it at the finish
+    # the adapter loader keeps its own copy as the chunk lands (the sink does not stage it too)
+    # and installs nothing before the finish
+    assert list(loader.adapters[-1].kept) == list(a) and loader.adapters[-1].installed is None
+    assert e.ep.status().update.staged is False
     if fail:
         with pytest.raises(RuntimeError, match=fail):
             e.finish("u1", None, 1)

@@ -144,6 +144,10 @@ class FeedItem:
     ready: Any = None
 
 
+#: ``StreamFeed.ready``: the extraction has not made the next item yet
+NOT_READY = object()
+
+
 class StreamAbort:
     """Put on the feed instead of a chunk when the sender's stream failed."""
 
@@ -207,6 +211,13 @@ class StreamFeed:
             return self._queue.get(timeout=timeout_s)
         except queue.Empty:
             return StreamAbort(None)
+
+    def ready(self) -> FeedItem | StreamAbort | None | object:
+        """The next item if the extraction has made it already, else ``NOT_READY``."""
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return NOT_READY
 
     def done(self) -> None:
         """A chunk's broadcasts completed: its slot is free (called on the lane thread)."""
@@ -286,16 +297,16 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
     receiver voted no (nothing moved). A failed collective raises (the group is out of step).
 
     Chunk ``k``'s data goes out after the header of what follows it, so the sender takes chunk
-    ``k + 1`` from the feed (the extraction made it) before it sends chunk ``k``: it holds up to
-    three feed slots (chunk ``k - 1`` in flight, ``k``, ``k + 1``). ``grouped``: each chunk's
-    broadcasts go out as one NCCL group call (the request says so, and the receivers issue
-    theirs the same way). Chunk ``k`` is issued before chunk ``k - 1`` is waited for; it packs
+    ``k + 1`` from the feed before it sends chunk ``k``: it holds up to three feed slots (chunk
+    ``k - 1`` in flight, ``k``, ``k + 1``). When chunk ``k + 1`` is not made yet, chunk
+    ``k - 1`` is waited for and released first: an extractor that bounds the chunks alive
+    (the sharded ones' ``max_live_chunks``, 2 by default) may be waiting for its memory.
+    ``grouped``: each chunk's broadcasts go out as one NCCL group call (the request says so,
+    and the receivers issue theirs the same way). Chunk ``k`` is issued before chunk ``k - 1`` is waited for; it packs
     its small tensors (below ``pack_below`` bytes, in buffers of at most ``pack_bytes``) into
     ``packs[k % 2]`` (two buffers: the one chunk ``k + 2`` reuses is free by then), and its feed
     slot comes back once it completed. ``overlap`` False: each chunk is waited for before the
     next one's data is issued (``BroadcastConfig.overlap_chunks``)."""
-    import torch
-
     with group.on_device():
         if group.all_reduce_min(1) == 0:
             return False
@@ -305,32 +316,20 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
         chunks = 0
         prev: list[Pending] | None = None  # the chunk before: issued, not waited for
         while isinstance(item, FeedItem):
-            nxt = feed.get(idle_timeout_s)
+            nxt = feed.ready()
+            if nxt is NOT_READY:
+                # the extraction may be waiting for memory that chunk k - 1 still holds (a
+                # sharded extractor keeps at most max_live_chunks alive): let it go first
+                if prev is not None:
+                    group.finish_all(prev)
+                    feed.done()
+                    prev = None
+                nxt = feed.get(idle_timeout_s)
             pending += _start_header(group, nxt, chunks + 1)  # what follows chunk k
-            chunk = item.chunk
-            if item.ready is not None:
-                torch.cuda.current_stream(group.device).wait_event(item.ready)
-            metas = chunk.metas()
-            transfers = plan_transfers(metas, pack_below, pack_bytes)
-            places, need = buffer_places(transfers, lambda k, tr: tr.packed)
-            pack = packs[chunks % 2]
-            packed = pack.get(need) if need else None
-            if packed is not None:
-                _pack(pack, packed, transfers, places, metas, chunk)
-            bufs = []
-            for tr, at in zip(transfers, places, strict=True):
-                if tr.packed:
-                    assert packed is not None
-                    bufs.append(packed[at : at + tr.nbytes])
-                else:
-                    bufs.append(_on_device(as_bytes(chunk.tensors[tr.members[0]]), group))
-            if checksum:
-                from weightsync.integrity import tensor_checksums
-
-                sums = torch.tensor(tensor_checksums(chunk.tensors), dtype=torch.int64,
-                                    device=group.device)
-                bufs.append(sums.view(torch.uint8))
-            pending += group.start_broadcasts(bufs, 0, grouped=grouped)
+            pending += _start_chunk(group, item, packs[chunks % 2], checksum=checksum,
+                                    grouped=grouped, pack_below=pack_below,
+                                    pack_bytes=pack_bytes)
+            item = None  # chunk k lives on in `pending` only (released with it)
             if prev is not None:
                 group.finish_all(prev)
                 feed.done()
@@ -347,6 +346,37 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
         if prev is not None:
             feed.done()
         return True if item is None else "aborted"
+
+
+def _start_chunk(group: Group, item: FeedItem, pack: Staging, *, checksum: bool, grouped: bool,
+                 pack_below: int, pack_bytes: int) -> list[Pending]:
+    """Issue one chunk's broadcasts (its small tensors packed into ``pack`` first, then, with
+    ``checksum``, its checksums); the chunk stays referenced by the returned ``Pending`` s only."""
+    import torch
+
+    chunk = item.chunk
+    if item.ready is not None:
+        torch.cuda.current_stream(group.device).wait_event(item.ready)
+    metas = chunk.metas()
+    transfers = plan_transfers(metas, pack_below, pack_bytes)
+    places, need = buffer_places(transfers, lambda k, tr: tr.packed)
+    packed = pack.get(need) if need else None
+    if packed is not None:
+        _pack(pack, packed, transfers, places, metas, chunk)
+    bufs = []
+    for tr, at in zip(transfers, places, strict=True):
+        if tr.packed:
+            assert packed is not None
+            bufs.append(packed[at : at + tr.nbytes])
+        else:
+            bufs.append(_on_device(as_bytes(chunk.tensors[tr.members[0]]), group))
+    if checksum:
+        from weightsync.integrity import tensor_checksums
+
+        sums = torch.tensor(tensor_checksums(chunk.tensors), dtype=torch.int64,
+                            device=group.device)
+        bufs.append(sums.view(torch.uint8))
+    return group.start_broadcasts(bufs, 0, grouped=grouped)
 
 
 def buffer_places(transfers: list[Transfer],
