@@ -302,10 +302,10 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
     ``k - 1`` is waited for and released first: an extractor that bounds the chunks alive
     (the sharded ones' ``max_live_chunks``, 2 by default) may be waiting for its memory.
     ``grouped``: each chunk's broadcasts go out as one NCCL group call (the request says so,
-    and the receivers issue theirs the same way). Chunk ``k`` is issued before chunk ``k - 1`` is waited for; it packs
-    its small tensors (below ``pack_below`` bytes, in buffers of at most ``pack_bytes``) into
-    ``packs[k % 2]`` (two buffers: the one chunk ``k + 2`` reuses is free by then), and its feed
-    slot comes back once it completed. ``overlap`` False: each chunk is waited for before the
+    and the receivers issue theirs the same way). Chunk ``k`` is issued before chunk ``k - 1``
+    is waited for; it packs its small tensors (below ``pack_below`` bytes, in buffers of at
+    most ``pack_bytes``) into ``packs[k % 2]`` (two buffers: the one chunk ``k + 2`` reuses is
+    free by then), and its feed slot comes back once it completed. ``overlap`` False: each chunk is waited for before the
     next one's data is issued (``BroadcastConfig.overlap_chunks``)."""
     with group.on_device():
         if group.all_reduce_min(1) == 0:
@@ -329,7 +329,6 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
             pending += _start_chunk(group, item, packs[chunks % 2], checksum=checksum,
                                     grouped=grouped, pack_below=pack_below,
                                     pack_bytes=pack_bytes)
-            item = None  # chunk k lives on in `pending` only (released with it)
             if prev is not None:
                 group.finish_all(prev)
                 feed.done()
@@ -351,7 +350,8 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
 def _start_chunk(group: Group, item: FeedItem, pack: Staging, *, checksum: bool, grouped: bool,
                  pack_below: int, pack_bytes: int) -> list[Pending]:
     """Issue one chunk's broadcasts (its small tensors packed into ``pack`` first, then, with
-    ``checksum``, its checksums); the chunk stays referenced by the returned ``Pending`` s only."""
+    ``checksum``, its checksums). Its own function so that, once issued, the chunk's tensors
+    are held by the returned ``Pending`` s and the feed item only."""
     import torch
 
     chunk = item.chunk
