@@ -12,9 +12,10 @@ warm-up:
 - ``per_tensor``: one NCCL call per tensor, straight into the receiver's tensors, in chunks of
   1 GB (chunk ``k + 1`` issued before ``k`` is waited for).
 - ``grouped``: the same with each chunk's calls as one NCCL group call.
-- ``packed_<B>_<S>`` (``--packs B:S``; ``S`` alone means ``S:S``): tensors of at least ``B`` MB
-  alone (into their tensors); the others packed in order into slices of at most ``S`` MB (the
-  streamed broadcast's ``pack_below_mb`` / ``pack_mb``): the sender copies a slice's tensors into one of two
+- ``packed_<B>_<S>`` (``--packs B:S``; ``S`` alone means ``S:S``): each 1 GB chunk cut as the
+  streamed broadcast cuts it (``strategies/_stream.plan_transfers`` with ``pack_below_mb`` B and
+  ``pack_mb`` S): tensors of at least ``B`` MB alone (into their tensors), the others packed in
+  order into buffers of at most ``S`` MB; the sender copies a slice's tensors into one of two
   pack buffers (one ``torch._foreach_copy_``), broadcasts it into one of two receive buffers,
   and the receiver copies them out (one ``_foreach_copy_``); stream order only, the host waits
   once at the end.
@@ -36,29 +37,6 @@ import time
 from datetime import timedelta
 
 CHUNK = 1 << 30
-
-
-def _plan_packed(nbytes: list[int], below: int,
-                 slice_bytes: int) -> list[tuple[str, list[int]]]:
-    """[("alone", [i]) | ("pack", [i, j, ...])] in order; a pack is at most ``slice_bytes``."""
-    out: list[tuple[str, list[int]]] = []
-    cur: list[int] = []
-    size = 0
-    for i, n in enumerate(nbytes):
-        if n >= below:
-            if cur:
-                out.append(("pack", cur))
-                cur, size = [], 0
-            out.append(("alone", [i]))
-            continue
-        if cur and size + n > slice_bytes:
-            out.append(("pack", cur))
-            cur, size = [], 0
-        cur.append(i)
-        size += n
-    if cur:
-        out.append(("pack", cur))
-    return out
 
 
 def _packs(text: str) -> list[tuple[int, int]]:
@@ -88,6 +66,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from weightsync.bench.shapes import shape_specs
+    from weightsync.strategies._layout import view_as
+    from weightsync.strategies._stream import plan_transfers
+    from weightsync.types import TensorMeta
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     gpu = torch.cuda.device_count() >= 2
@@ -107,6 +88,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
         else:
             t.zero_()
     nbytes = [t.numel() * t.element_size() for t in tensors]
+    metas = [TensorMeta(n, "bfloat16", list(sh)) for n, sh in specs]
     total = sum(nbytes)
     flat = torch.empty(total, dtype=torch.uint8, device=dev)
 
@@ -150,33 +132,31 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     def run_packed(below: int, slice_bytes: int) -> None:
         two = bufs.setdefault(slice_bytes, [torch.empty(slice_bytes, dtype=torch.uint8,
                                                         device=dev) for _ in range(2)])
-        plan = _plan_packed(nbytes, below, slice_bytes)
         works: list[object] = []
         last: list[object] = [None, None]  # the broadcast that last used each buffer
         k = 0
-        for kind, members in plan:
-            if kind == "alone":
-                works.append(bcast(as_u8(tensors[members[0]])))
-                continue
-            slot = k % 2
-            buf = two[slot]
-            k += 1
-            if rank == 0 and last[slot] is not None:
-                last[slot].wait()  # stream order: the pack waits until that broadcast read it
-            views, pos = [], 0
-            for i in members:
-                views.append(buf[pos: pos + nbytes[i]].view(torch.bfloat16).view(
-                    tensors[i].shape))
-                pos += nbytes[i]
-            if rank == 0:
-                torch._foreach_copy_(views, [tensors[i] for i in members])
-                w = bcast(buf[:pos])
-            else:  # the next broadcast into buf is issued after this copy: NCCL waits for it
-                w = bcast(buf[:pos])
-                w.wait()  # the current stream waits for the bytes (no host wait)
-                torch._foreach_copy_([tensors[i] for i in members], views)
-            last[slot] = w
-            works.append(w)
+        for chunk in _chunks(nbytes):  # the streamed broadcast's own cut of each chunk
+            for tr in plan_transfers([metas[i] for i in chunk], below, slice_bytes):
+                members = [chunk[m] for m in tr.members]
+                if not tr.packed:
+                    works.append(bcast(as_u8(tensors[members[0]])))
+                    continue
+                slot = k % 2
+                buf = two[slot][: tr.nbytes]
+                k += 1
+                if rank == 0 and last[slot] is not None:
+                    last[slot].wait()  # stream order: the pack waits until that one read it
+                views = [view_as(buf, off, metas[i]) for i, off in zip(members, tr.offsets,
+                                                                         strict=True)]
+                if rank == 0:
+                    torch._foreach_copy_(views, [tensors[i] for i in members])
+                    w = bcast(buf)
+                else:  # the next broadcast into buf is issued after this copy: NCCL waits
+                    w = bcast(buf)
+                    w.wait()  # the current stream waits for the bytes (no host wait)
+                    torch._foreach_copy_([tensors[i] for i in members], views)
+                last[slot] = w
+                works.append(w)
         for w in works:
             w.wait()
 

@@ -586,20 +586,11 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
         self, request: WeightUpdateRequest, loader: WeightLoader
     ) -> None:
         if getattr(request, "stream", False):
-            if request.wire_version != WIRE_VERSION:
+            why = self._cannot_stream(request)
+            if why:
                 await in_thread(self._vote_no)  # nobody moves a byte
-                raise WeightSyncError(
-                    f"update {request.update_id}: the sender streams wire version "
-                    f"{request.wire_version}, this engine speaks {WIRE_VERSION} (weightsync "
-                    f"versions differ between trainer and engine: install the same on both); "
-                    f"this engine's weights are unchanged")
-            if getattr(request, "grouped", False) and not self.group.can_group():
-                await in_thread(self._vote_no)  # nobody moves a byte
-                raise WeightSyncError(
-                    f"update {request.update_id} asks for grouped NCCL broadcasts (the sender's "
-                    f"group_calls: true) but this engine's {self.group.backend_name} group "
-                    f"cannot issue them (torch without coalescing); set group_calls: false on "
-                    f"the sender; this engine's weights are unchanged")
+                raise WeightSyncError(f"update {request.update_id}: {why}; this engine's "
+                                      f"weights are unchanged")
             if not await in_thread(self._vote_yes):
                 raise WeightSyncError(
                     f"update {request.update_id} was rejected by another engine; nothing was "
@@ -613,6 +604,19 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
                 f"moved (this engine's weights are unchanged)"
             )
         await loader.load_weights(tensors)
+
+    def _cannot_stream(self, request: BroadcastWeightUpdateRequest) -> str:
+        """Why this engine cannot take a streamed update as the sender will send it ('' if it
+        can): checked before the vote, so a refusal moves no byte."""
+        if request.wire_version != WIRE_VERSION:
+            return (f"the sender streams wire version {request.wire_version}, this engine "
+                    f"speaks {WIRE_VERSION} (weightsync versions differ between trainer and "
+                    f"engine: install the same on both)")
+        if request.grouped and not self.group.can_group():
+            return (f"it asks for grouped NCCL broadcasts (the sender's group_calls: true) but "
+                    f"this engine's {self.group.backend_name} group cannot issue them (torch "
+                    f"without coalescing); set group_calls: false on the sender")
+        return ""
 
     async def refuse(self, request: WeightUpdateRequest) -> None:
         await in_thread(self._vote_no)
