@@ -71,6 +71,7 @@ import time
 from collections.abc import Awaitable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from weightsync._runtime import trace
 from weightsync.config import (
     DEFAULT_BUCKET_MB,
     broadcast_backend,
@@ -251,16 +252,22 @@ class SyncSession:
             raise RuntimeError("this weight-sync session is closed; connect again")
         from weightsync.types import str_to_dtype
 
-        as_delta = self.delta if delta is None else bool(delta)
-        mode = TrainingMode.parse(training_mode) if training_mode is not None else None
-        heads = _head_patterns(mode, head_name_patterns)
-        cast = str_to_dtype(dtype) if isinstance(dtype, str) else dtype
-        if _is_tensor_mapping(model_or_state_dict):
-            if not self.is_sender:
-                return None
-            return await self._push_tensors(model_or_state_dict, version, mode, heads, cast,
-                                            as_delta)
-        return await self._push_model(model_or_state_dict, version, mode, heads, cast, as_delta)
+        trace.mark("push.begin", version=version)
+        try:
+            as_delta = self.delta if delta is None else bool(delta)
+            mode = TrainingMode.parse(training_mode) if training_mode is not None else None
+            heads = _head_patterns(mode, head_name_patterns)
+            cast = str_to_dtype(dtype) if isinstance(dtype, str) else dtype
+            if _is_tensor_mapping(model_or_state_dict):
+                if not self.is_sender:
+                    return None
+                return await self._push_tensors(model_or_state_dict, version, mode, heads, cast,
+                                                as_delta)
+            return await self._push_model(model_or_state_dict, version, mode, heads, cast,
+                                          as_delta)
+        finally:
+            trace.mark("push.end")
+            trace.flush()
 
     async def _push_model(
         self, model: Any, version: int | None, mode: TrainingMode | None,
@@ -285,12 +292,15 @@ class SyncSession:
 
         async def send(stream: Any) -> SyncStats:
             t1 = time.perf_counter()
+            trace.mark("push.prepared")  # the laps of SyncStats.front_ms
             await self._ensure_sender(_device_name(device_of(model)))
             t2 = time.perf_counter()
+            trace.mark("push.sender_ready")
             laps.update(prepare=(t1 - t0) * 1e3, sender=(t2 - t1) * 1e3)
             out = await self._send(stream(), manifest, version, mode, heads, delta,
                                    lora_adapter=adapter)
             laps["send"] = (time.perf_counter() - t2) * 1e3
+            trace.mark("push.sent")
             return out
 
         stats = await send_extracted(ext, model, dtype, send)
@@ -404,8 +414,13 @@ class SyncSession:
                 f"the sending rank has chunks to send (use push for a sharded model)")
         mode = TrainingMode.parse(training_mode) if training_mode is not None else None
         heads = _head_patterns(mode, head_name_patterns)
-        return await self._send_made(chunks, list(manifest), version, mode, heads, device,
-                                     self.delta, lora_adapter=lora_adapter)
+        trace.mark("push.begin", version=version, chunks_given=True)
+        try:
+            return await self._send_made(chunks, list(manifest), version, mode, heads, device,
+                                         self.delta, lora_adapter=lora_adapter)
+        finally:
+            trace.mark("push.end")
+            trace.flush()
 
     async def _send_made(
         self, chunks: Any, manifest: list[TensorMeta], version: int | None,

@@ -62,6 +62,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync._runtime import trace
 from weightsync.delta.store import DeltaLoader, DeltaStore
 from weightsync.errors import (
     UpdateIncompleteError,
@@ -276,6 +277,13 @@ class WeightUpdateEndpoint:
     async def start_weight_update(self, start: dict) -> None:
         """Validate the whole update before any byte moves; raise (nothing changes) if the
         manifest or the version is refused."""
+        trace.mark("endpoint.start.begin")
+        try:
+            await self._start_update(start)
+        finally:
+            trace.mark("endpoint.start.end")
+
+    async def _start_update(self, start: dict) -> None:
         msg = self._parse_start(start)
         async with self._lock:
             t0 = time.perf_counter()
@@ -325,6 +333,13 @@ class WeightUpdateEndpoint:
         ``ChunkTurnstile`` in front on a transport that may reorder calls). A chunk that is not
         loaded is still ``refuse``d to the receiver, so a collective strategy's peers are
         released."""
+        trace.mark("endpoint.update.begin")
+        try:
+            await self._update_chunk(request)
+        finally:
+            trace.mark("endpoint.update.end")
+
+    async def _update_chunk(self, request: dict) -> None:
         async with self._lock:
             self._refuse_if_closed("update_named_weights")
             receiver = self._receiver
@@ -381,6 +396,14 @@ class WeightUpdateEndpoint:
         returns the served version. A sender's abort (``ok=False``) returns the old version
         without raising; an incomplete update or a failing finish hook raises. Either leaves
         the weights torn if a chunk had landed."""
+        trace.mark("endpoint.finish.begin")
+        try:
+            return await self._finish_update(finish)
+        finally:
+            trace.mark("endpoint.finish.end")
+            trace.flush()  # every update this engine finished is on disk
+
+    async def _finish_update(self, finish: dict) -> int:
         msg = WeightUpdateFinish.from_dict(finish)
         async with self._lock:
             self._refuse_if_closed("finish_weight_update")

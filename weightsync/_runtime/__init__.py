@@ -13,6 +13,8 @@
 - ``vllm_compat``: the one place that knows vLLM's version-specific internals.
 - ``http``: the trainer-side HTTP clients' plumbing (``LoopClients``: an httpx client per event
   loop; ``error_from_response``).
+- ``trace``: the opt-in timeline of a push across processes (``WEIGHTSYNC_TRACE_DIR``; read by
+  ``benchmarks/trace_timeline.py``).
 
 Modules outside weightsync must not import from here; inside weightsync, this is the one package
 whose modules other packages may import although its name is private. Nothing here is imported

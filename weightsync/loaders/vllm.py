@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from weightsync._runtime import trace
 from weightsync._runtime import vllm_compat as compat
 from weightsync.config import LoaderConfig
 from weightsync.errors import WeightMismatchError
@@ -213,10 +214,12 @@ class VLLMWeightLoader(WeightLoader):
     async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         """Load and wait for the copies: the tensors may be views of transfer buffers the
         sender reuses as soon as this returns."""
+        trace.mark("vllm.load.begin", tensors=len(named_tensors), mode=self.mode)
         items = self._resolve_aliases(named_tensors)
         if self.mode == "direct":
             if self.plan is not None:
                 self.plan.load(items)
+                trace.mark("vllm.load.plan_done")  # the copy plan replayed (or learned)
             else:
                 compat.load_direct(self.worker, items)
         else:
@@ -225,6 +228,7 @@ class VLLMWeightLoader(WeightLoader):
                 compat.load_reload(self.worker, ready)
                 compat.retie(self.worker, self._ties, (n for n, _ in ready))
         compat.wait_for_copies(self.worker)
+        trace.mark("vllm.load.end")
         self.loads += 1
 
     async def finish_update(self, finish: WeightUpdateFinish) -> None:

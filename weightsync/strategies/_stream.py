@@ -54,6 +54,7 @@ from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from weightsync._runtime import trace
 from weightsync._runtime.threads import in_thread
 from weightsync.errors import WeightSyncError
 from weightsync.strategies._layout import align_up, as_bytes, view_as
@@ -193,18 +194,22 @@ class StreamFeed:
                         f"and dtypes")
                 await self._slots.acquire()
                 self._queue.put(FeedItem(chunk, index, _record_ready(chunk)))
+                nbytes = chunk.total_size_bytes
+                trace.mark("feed.chunk", chunk=self.chunks, first=index, bytes=nbytes)
                 index += len(chunk)
                 self.chunks += 1
                 self.tensors += len(chunk)
-                self.nbytes += chunk.total_size_bytes
+                self.nbytes += nbytes
             if index != len(manifest):
                 raise ValueError(
                     f"streamed update: the chunks carried {index} tensors, the manifest "
                     f"announced {len(manifest)}")
         except BaseException as e:
             self._queue.put(StreamAbort(e))
+            trace.mark("feed.abort", chunks=self.chunks)
             raise
         self._queue.put(None)
+        trace.mark("feed.end", chunks=self.chunks)
 
     def get(self, timeout_s: float) -> FeedItem | StreamAbort | None:
         try:
@@ -309,7 +314,9 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
     next one's data is issued (``BroadcastConfig.overlap_chunks``)."""
     with group.on_device():
         if group.all_reduce_min(1) == 0:
+            trace.mark("lane.vote", go=False)
             return False
+        trace.mark("lane.vote", go=True)
         feed.voted()
         item = feed.get(idle_timeout_s)
         pending = _start_header(group, item, 0)  # header 0
@@ -322,28 +329,35 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
                 # sharded extractor keeps at most max_live_chunks alive): let it go first
                 if prev is not None:
                     group.finish_all(prev)
+                    trace.mark("lane.chunk.done", chunk=chunks - 1)
                     feed.done()
                     prev = None
                 nxt = feed.get(idle_timeout_s)
             pending += _start_header(group, nxt, chunks + 1)  # what follows chunk k
+            trace.mark("lane.chunk.begin", chunk=chunks)
             pending += _start_chunk(group, item, packs[chunks % 2], checksum=checksum,
                                     grouped=grouped, pack_below=pack_below,
                                     pack_bytes=pack_bytes)
+            trace.mark("lane.chunk.end", chunk=chunks)
             if prev is not None:
                 group.finish_all(prev)
+                trace.mark("lane.chunk.done", chunk=chunks - 1)
                 feed.done()
                 prev = None
             if overlap:
                 prev = pending
             else:
                 group.finish_all(pending)
+                trace.mark("lane.chunk.done", chunk=chunks)
                 feed.done()
             pending = []
             item = nxt
             chunks += 1
         group.finish_all((prev or []) + pending)
         if prev is not None:
+            trace.mark("lane.chunk.done", chunk=chunks - 1)
             feed.done()
+        trace.mark("lane.end", chunks=chunks, aborted=item is not None)
         return True if item is None else "aborted"
 
 
@@ -432,7 +446,9 @@ def _start_header(group: Group, item: FeedItem | StreamAbort | None,
     else:
         values = [END, chunks] if item is None else [ABORT, 0]
     header = torch.tensor(values, dtype=torch.int64, device=group.device)
-    return [group.start_broadcast(header.view(torch.uint8), src=0)]
+    started = [group.start_broadcast(header.view(torch.uint8), src=0)]
+    trace.mark("lane.header", count=values[0], first=values[1])
+    return started
 
 
 def _on_device(b: torch.Tensor, group: Group) -> torch.Tensor:
@@ -489,10 +505,12 @@ class StreamReceiver:
 
     async def run(self, request: Any, sink: WeightLoader) -> None:
         metas = request.metas()
+        trace.mark("recv.metas", tensors=len(metas))
         self.largest = 0  # the most staging one chunk of this update needed
         try:
             await self._run(request, sink, metas)
         finally:
+            trace.mark("recv.end")
             for buf in (self.staging, self.spare):
                 if buf.nbytes > 4 * max(self.largest, 1 << 20):
                     buf.close()  # a first update staged everything; later ones need little
@@ -538,8 +556,10 @@ class StreamReceiver:
                 held = None
             slot = 0 if held is None else 1 - held.slot
             # the next header, then this chunk's data: the order the sender issues them in
+            trace.mark("recv.chunk.post.begin", chunk=chunks, direct=len(targets), staged=need)
             after, posted = await in_thread(self._post_chunk, chunks, part, transfers, targets,
                                             places, need, slot, checksum, grouped)
+            trace.mark("recv.chunk.post.end", chunk=chunks)
             if held is not None:
                 failure = await self._land_posted(sink, held, failure)  # overlaps `posted`'s bytes
                 held = None
@@ -561,6 +581,7 @@ class StreamReceiver:
         sums = await in_thread(self._finish, posted)
         if failure is not None:
             return failure
+        trace.mark("recv.land.begin", chunk=posted.number)
         try:
             await _land(sink, posted.number, posted.metas, posted.staged, posted.direct, sums)
             self.direct += len(posted.direct)
@@ -572,7 +593,9 @@ class StreamReceiver:
         group = self.group
         with group.on_device():
             group.finish_all(posted.pending)
-            return None if posted.box is None else [int(x) for x in posted.box.tolist()]
+            sums = None if posted.box is None else [int(x) for x in posted.box.tolist()]
+        trace.mark("recv.finish", chunk=posted.number)
+        return sums
 
     def _post_header(self) -> tuple[torch.Tensor, list[Any]]:
         """Post the receive of the sender's next header (gloo: received here; it may wait up to
@@ -582,8 +605,10 @@ class StreamReceiver:
         group = self.group
         with group.on_device():
             header = torch.empty(2, dtype=torch.int64, device=group.device)
-            return header, [group.start_broadcast(header.view(torch.uint8), src=0,
-                                                  timeout_s=self.header_timeout_s)]
+            pending = [group.start_broadcast(header.view(torch.uint8), src=0,
+                                             timeout_s=self.header_timeout_s)]
+        trace.mark("recv.header.posted")
+        return header, pending
 
     def _wait_header(self, posted: tuple[torch.Tensor, list[Any]]) -> tuple[int, int]:
         header, pending = posted
@@ -591,6 +616,7 @@ class StreamReceiver:
         with group.on_device():
             group.finish_all(pending)
             count, first = header.tolist()
+        trace.mark("recv.header", count=count, first=first)
         return int(count), int(first)
 
     def _post_chunk(
@@ -670,7 +696,10 @@ async def _land(sink: Any, index: int, metas: list[TensorMeta], staged: dict[str
     place, then the staged tensors to the loader."""
     if sums is not None:
         sink.expect_checksums([m.name for m in metas], sums, chunk=index)
+        trace.mark("recv.checksums", chunk=index)
     if direct:
         await sink.landed_in_place(direct)
+        trace.mark("recv.in_place", chunk=index, tensors=len(direct))
     if staged:
         await sink.load_weights(staged)
+        trace.mark("recv.load", chunk=index, tensors=len(staged))

@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from weightsync._runtime import trace
 from weightsync._runtime.pool import BufferPool
 from weightsync._runtime.process_group import (
     Group,
@@ -385,7 +386,9 @@ class BroadcastTransferSender(WeightTransferSender):
         total = request.total_size_bytes
         # the start on its own first: every engine is alive and accepts the update before any
         # rank enters a collective (see the class docstring)
+        trace.mark("rpc.start.begin", tensors=len(manifest), bytes=total)
         await inference_client.start_weight_update(start.to_dict())
+        trace.mark("rpc.start.end")
         engines = asyncio.ensure_future(
             _chunk_then_finish(inference_client, request.to_dict(), finish.to_dict()))
         feed = StreamFeed(depth=3)  # chunk k - 1 in flight, k going out, k + 1 announced
@@ -595,6 +598,7 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
                 raise WeightSyncError(
                     f"update {request.update_id} was rejected by another engine; nothing was "
                     f"moved (this engine's weights are unchanged)")
+            trace.mark("recv.voted")
             await self.stream.run(request, loader)
             return
         tensors = await in_thread(self._recv_data, request)
@@ -674,13 +678,16 @@ async def _chunk_then_finish(client: InferenceEngineClient, request: dict,
     failed request closes the update as aborted."""
     try:
         await client.update_named_weights(request)
+        trace.mark("rpc.request.end")
     except BaseException as e:  # close the update on the engines that are left, in the background
         abort = {**finish, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
         with contextlib.suppress(Exception):
             closing = asyncio.ensure_future(client.finish_weight_update(abort))
             closing.add_done_callback(_consume)
         raise
-    return list(await client.finish_weight_update(finish))
+    versions = list(await client.finish_weight_update(finish))
+    trace.mark("rpc.finish.end")
+    return versions
 
 
 def _stream_error(feeder: asyncio.Future, error: BaseException) -> BaseException:

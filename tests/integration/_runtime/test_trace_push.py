@@ -1,0 +1,87 @@
+"""A traced push between real processes: the trainer (this process, ``trace.configure``) and a
+``LocalEngineProcess`` engine (``WEIGHTSYNC_TRACE_DIR`` in its environment) over a real gloo
+streamed broadcast; ``benchmarks/trace_timeline.py`` merges both files into one push whose
+trainer and engine events are in the protocol's order."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+import weightsync as ws
+from weightsync._runtime import trace
+from weightsync.local import LocalEngineProcess
+from weightsync.local.modules import qwen2_module
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+ROOT = Path(__file__).resolve().parents[3]
+FACTORY = "weightsync.local.modules:qwen2_module"
+SMALL = {"size": "small", "dtype": "float32"}
+# ~13 MB in 2 MB chunks; tensors from 256 KB on written in place, the smaller ones packed
+STREAM = {"type": "broadcast", "backend": "gloo", "timeout_s": 30, "bucket_size_mb": 2,
+          "pack_below_mb": 0.25, "checksum": True}
+
+
+def load_timeline():
+    spec = importlib.util.spec_from_file_location(
+        "trace_timeline", ROOT / "benchmarks" / "trace_timeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _first(rows: list[dict], proc: str, label: str) -> int:
+    return next(i for i, r in enumerate(rows) if r["proc"] == proc and r["label"] == label)
+
+
+def test_a_traced_push_has_the_trainer_and_the_engine_in_protocol_order(tmp_path, capsys):
+    trace.flush()
+    trace.configure(tmp_path)
+    engine = LocalEngineProcess.spawn(FACTORY, {**SMALL, "fill": "zeros"}, name="engine0",
+                                      env={trace.ENV: str(tmp_path)})
+    try:
+        async def go():
+            async with ws.connect([engine], STREAM) as sync:
+                return [await sync.push(qwen2_module(**SMALL, seed=v), version=v)
+                        for v in (1, 2)]
+
+        stats = asyncio.run(go())
+    finally:
+        engine.stop()
+        trace.configure(None)
+    assert [s.versions for s in stats] == [[1], [2]]
+
+    tl = load_timeline()
+    events = tl.read_events(str(tmp_path))
+    assert len(list(tmp_path.glob("trace-*.jsonl"))) == 2  # the trainer's and the engine's
+    names = tl.process_names(events)
+    assert sorted(names.values()) == ["engine", "trainer"]
+    pushes = tl.split_pushes(events)
+    assert len(pushes) == 2
+    rows = tl.timeline(pushes[-1], names)
+    chunks = stats[1].num_chunks
+    assert chunks > 3
+    order = [_first(rows, "trainer", "push.begin"), _first(rows, "engine", "endpoint.start.begin"),
+             _first(rows, "trainer", "rpc.start.end"), _first(rows, "trainer", "lane.vote"),
+             _first(rows, "engine", "recv.chunk.post.begin"),
+             _first(rows, "engine", "recv.end"), _first(rows, "trainer", "rpc.request.end"),
+             _first(rows, "engine", "endpoint.finish.end"), _first(rows, "trainer", "push.end")]
+    assert order == sorted(order), [rows[i]["label"] for i in order]
+    assert rows[order[-1]] is rows[-1] and rows[0]["ms"] == 0.0
+    labels = [(r["proc"], r["label"], r["fields"].get("chunk")) for r in rows]
+    for k in range(chunks):  # every chunk: issued and done on the trainer, landed on the engine
+        for who, label in (("trainer", "lane.chunk.end"), ("trainer", "lane.chunk.done"),
+                           ("trainer", "feed.chunk"), ("engine", "recv.finish"),
+                           ("engine", "recv.checksums"), ("engine", "recv.in_place")):
+            assert labels.count((who, label, k)) == 1, (who, label, k)
+    assert ("engine", "recv.load", 0) not in labels  # chunk 0 is one large tensor: in place
+
+    assert tl.main([str(tmp_path), "--json", str(tmp_path / "rows.json")]) == 0
+    out = capsys.readouterr().out
+    print(out)  # the sample in the test log (-s)
+    assert out.startswith("push 2 of 2: ") and len(out.splitlines()) <= 1 + 1 + 120 + 2
+    assert (tmp_path / "rows.json").exists()
