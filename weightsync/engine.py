@@ -10,7 +10,8 @@ extension, an in-process channel) forwards the client's plain-dict calls to it, 
                                    training mode's name policy) before any byte moves
     update_named_weights(request)  validate one chunk, receive its bytes, load them
     finish_weight_update(finish)   run the finish hook, publish the version if every chunk landed
-    apply_update(start, requests, finish)   the three above in one call (one round trip)
+    apply_update(start, requests, finish)   the three above in one call (one round trip;
+                                            start None: started by its own call)
     close_weight_transfer()        drop the receiver (the endpoint can be initialised again)
     status()                       state, version, last error, the update in progress
 
@@ -460,7 +461,7 @@ class WeightUpdateEndpoint:
             self._last_update_ms = update.ms
             return self._version
 
-    async def apply_update(self, start: dict, requests: list[dict], finish: dict) -> int:
+    async def apply_update(self, start: dict | None, requests: list[dict], finish: dict) -> int:
         """A whole update in one call: ``start_weight_update(start)``, ``update_named_weights``
         for each request in order, ``finish_weight_update(finish)``; returns the served version.
         Same rules as the three calls made one by one (validation before any byte, torn weights
@@ -472,14 +473,19 @@ class WeightUpdateEndpoint:
         * a failed chunk raises its error after the remaining chunks were refused and the update
           was closed as a sender would close it (``finish`` with ``ok=False``).
 
+        ``start`` None: the update was started by its own ``start_weight_update`` call already
+        (the streamed broadcast starts every engine before any rank enters a collective, then
+        sends its one request and the finish as this one call).
+
         For senders that can make every request before the first is loaded (one chunk, or
         requests that hold no buffer a later chunk needs); channels that carry it set
         ``one_call = True``."""
-        try:
-            await self.start_weight_update(start)
-        except BaseException:
-            await self._refuse_all(requests)
-            raise
+        if start is not None:
+            try:
+                await self.start_weight_update(start)
+            except BaseException:
+                await self._refuse_all(requests)
+                raise
         for i, request in enumerate(requests):
             try:
                 await self.update_named_weights(request)

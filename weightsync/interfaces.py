@@ -354,10 +354,11 @@ class InferenceEngineClient(abc.ABC):
     supports_apply_update: bool = False
 
     async def apply_update(
-        self, start: dict, requests: list[dict], finish: dict
+        self, start: dict | None, requests: list[dict], finish: dict
     ) -> list[int | None]:
         """A whole update in one call per engine (optional; see ``supports_apply_update``):
-        start, every request in order, finish; returns each engine's published version."""
+        start (None: made already by ``start_weight_update``), every request in order, finish;
+        returns each engine's published version."""
         raise NotImplementedError(f"{type(self).__name__} does not carry apply_update")
 
     @staticmethod

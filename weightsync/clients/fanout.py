@@ -136,7 +136,7 @@ class FanOutClient(InferenceEngineClient):
         return all(getattr(ch, "one_call", False) for ch in self.channels)
 
     def apply_update(  # type: ignore[override]
-        self, start: dict, requests: list[dict], finish: dict
+        self, start: dict | None, requests: list[dict], finish: dict
     ) -> Awaitable[list[int | None]]:
         """Issued to every engine before this returns, like ``update_named_weights``; the
         engines answer within ``chunk_timeout_s`` of every request's bytes (a streamed

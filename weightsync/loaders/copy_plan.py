@@ -7,9 +7,14 @@ per tensor on every update, while what it does for an unquantized layer is alway
 a view of the incoming tensor into a view of a parameter. So the first time a name is loaded,
 the plan runs the real loader on the real tensor wrapped in a recording tensor subclass and
 writes down every copy it makes (which view of the source, into which view of which
-parameter). Later loads of that name replay the copies directly, batched (one
-``torch._foreach_copy_`` for the small tensors of a dtype, a plain copy for each large one),
-with no Python per tensor beyond a shape check.
+parameter). Later loads of that name replay the copies directly, batched: one
+``torch._foreach_copy_`` per dtype and device (a plain copy where a copy casts or crosses
+devices), with no Python per tensor beyond a shape check. A batch of the same source tensors as
+before (the streamed receiver hands the loader the same views of its staging buffer every
+update) skips even that: its foreach lists were cut the first time (``_Prepared``; held by weak
+reference to the sources, so a staging buffer is not kept alive by the plan). On 2 x H100
+(2026-11-26) the copy-by-copy replay of qwen2-0.5b's 289 staged tensors took 3.4 ms of host
+time, most of it one launch per large copy.
 
 A name is replayed only when everything the loader did with its tensor was understood:
 
@@ -37,15 +42,15 @@ loader's own are: the caller synchronises before the source buffers may be reuse
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch  # this module is imported only where a model is loaded (a vLLM worker)
 
-#: copies at least this large go through ``copy_`` one by one (a memcpy); smaller ones are
-#: batched per dtype and device through ``torch._foreach_copy_``
-LARGE_COPY_BYTES = 1 << 20
+#: the most batches whose replay is kept cut (``_Prepared``): a 7B model streams ~15 chunks
+MAX_PREPARED = 64
 
 # calls on a recorded tensor that only read metadata (result is not a tensor)
 _METADATA = frozenset({
@@ -93,6 +98,7 @@ class CopyPlan:
         self.replayed = 0  # tensors loaded by replay (cumulative)
         self.loaded = 0  # tensors loaded through load_fn (cumulative)
         self.direct = 0  # tensors a transport wrote into their direct_target (cumulative)
+        self._prepared: dict[tuple[str, ...], _Prepared] = {}  # by the batch's names
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -136,11 +142,21 @@ class CopyPlan:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._prepared.clear()
         self._opaque.clear()
         self._modules = None
         self._owners = []
 
     def load(self, items: Sequence[tuple[str, Any]]) -> None:
+        names = tuple(name for name, _ in items)
+        prepared = self._prepared.get(names)
+        if prepared is not None:
+            tensors = [t for _, t in items]
+            if prepared.holds(tensors):  # the same source tensors as last time
+                with torch.no_grad():
+                    prepared.run(tensors)
+                self.replayed += len(tensors)
+                return
         replay: list[tuple[_Entry, Any]] = []
         learn: list[tuple[str, Any]] = []
         rest: list[tuple[str, Any]] = []
@@ -153,8 +169,13 @@ class CopyPlan:
             else:
                 learn.append((name, t))
         if replay:
+            prepared = _Prepared(replay)
+            if not learn and not rest:  # the whole batch replays: keep it cut
+                if len(self._prepared) >= MAX_PREPARED:
+                    self._prepared.clear()
+                self._prepared[names] = prepared
             with torch.no_grad():
-                _replay(replay)
+                prepared.run([t for _, t in replay])
             self.replayed += len(replay)
         if learn:
             self._learn(learn)
@@ -226,23 +247,45 @@ def _fits(e: _Entry, t: Any) -> bool:
             and e.device_type == t.device.type)
 
 
-def _replay(batch: list[tuple[_Entry, Any]]) -> None:
-    small: dict[tuple, tuple[list, list]] = {}
-    for e, t in batch:
-        for c in e.copies:
-            src = t if c.identity else t.as_strided(c.size, c.stride,
-                                                       t.storage_offset() + c.delta)
-            dst = c.dst
-            nbytes = dst.numel() * dst.element_size()
-            if (nbytes >= LARGE_COPY_BYTES or dst.dtype != src.dtype
-                    or dst.device != src.device):
-                dst.copy_(src, non_blocking=dst.device != src.device)
-            elif nbytes:
-                ds, ss = small.setdefault((dst.dtype, dst.device), ([], []))
-                ds.append(dst)
-                ss.append(src)
-    for ds, ss in small.values():
-        torch._foreach_copy_(ds, ss)
+class _Prepared:
+    """One batch's replay cut into its calls: per dtype and device one ``_foreach_copy_`` over
+    every copy that neither casts nor crosses devices, a ``copy_`` for each one that does.
+    Sources are held by weak reference: ``holds(tensors)`` says whether ``tensors`` are the very
+    objects it was cut for (same storage, offset, shape and strides: the checks ``load`` makes
+    hold for them), and ``run(tensors)`` replays it from them."""
+
+    def __init__(self, batch: list[tuple[_Entry, Any]]) -> None:
+        self._refs = [weakref.ref(t) for _, t in batch]
+        groups: dict[tuple, tuple[list[Any], list[tuple[int, _Copy]]]] = {}
+        self._singles: list[tuple[int, _Copy]] = []
+        for i, (e, t) in enumerate(batch):
+            for c in e.copies:
+                dst = c.dst
+                if not dst.numel():
+                    continue
+                if dst.dtype != t.dtype or dst.device != t.device:
+                    self._singles.append((i, c))
+                    continue
+                dsts, specs = groups.setdefault((dst.dtype, dst.device), ([], []))
+                dsts.append(dst)
+                specs.append((i, c))
+        self._groups = list(groups.values())
+
+    def holds(self, tensors: list[Any]) -> bool:
+        refs = self._refs
+        return len(refs) == len(tensors) and all(
+            r() is t for r, t in zip(refs, tensors, strict=True))
+
+    def run(self, tensors: list[Any]) -> None:
+        for dsts, specs in self._groups:
+            torch._foreach_copy_(dsts, [_source(tensors[i], c) for i, c in specs])
+        for i, c in self._singles:
+            c.dst.copy_(_source(tensors[i], c), non_blocking=c.dst.device != tensors[i].device)
+
+
+def _source(t: Any, c: _Copy) -> Any:
+    """The view of ``t`` that copy ``c`` reads."""
+    return t if c.identity else t.as_strided(c.size, c.stride, t.storage_offset() + c.delta)
 
 
 # --------------------------------------------------------------------------------------------

@@ -313,9 +313,14 @@ class BroadcastTransferSender(WeightTransferSender):
     thread, overlapping the previous chunk's transfer); ``_transfer`` runs the go/no-go vote and
     the broadcasts in a thread while the engines receive.
 
-    Never one ``apply_update`` call: the separate start confirms that every engine is alive and
-    accepts the update before any rank enters a collective (with one call, an engine found dead
-    at start would leave the others in the vote until the group's timeout)."""
+    The start always goes out alone: it confirms that every engine is alive and accepts the
+    update before any rank enters a collective (with one call, an engine found dead at start
+    would leave the others in the vote until the group's timeout). A streamed update's one
+    request and its finish then travel as one ``apply_update`` call (``start`` None) where the
+    client carries it and the update is not staged: two control round trips per update, not
+    three. Each engine then publishes the update as soon as it holds all of it; a staged
+    update keeps the finish apart, sent once every engine received, so that one engine's
+    failure leaves every engine on its old weights."""
 
     single_call = False
 
@@ -358,9 +363,10 @@ class BroadcastTransferSender(WeightTransferSender):
         lora_adapter: dict | None = None,
     ) -> SyncStats:
         """One update. With ``stream`` (default) and a manifest: the streamed protocol
-        (``strategies/_stream.py``): three control calls per update (the start, the whole
-        update as one request while its chunks are broadcast as the extraction yields them,
-        the finish). Otherwise one control call, one vote and one packed broadcast per chunk
+        (``strategies/_stream.py``): two control calls per update (the start; the whole update
+        as one request while its chunks are broadcast as the extraction yields them, with the
+        finish in the same call where the client carries ``apply_update`` and the update is
+        not staged, else the finish as a third call). Otherwise one control call, one vote and one packed broadcast per chunk
         (the base class)."""
         if manifest is None and isinstance(chunks, (list, tuple)):
             manifest = [m for c in chunks for m in c.metas()]
@@ -389,8 +395,10 @@ class BroadcastTransferSender(WeightTransferSender):
         trace.mark("rpc.start.begin", tensors=len(manifest), bytes=total)
         await inference_client.start_weight_update(start.to_dict())
         trace.mark("rpc.start.end")
-        engines = asyncio.ensure_future(
-            _chunk_then_finish(inference_client, request.to_dict(), finish.to_dict()))
+        fused = not start.staged and bool(getattr(inference_client, "supports_apply_update",
+                                                  False))
+        engines = asyncio.ensure_future(_chunk_then_finish(
+            inference_client, request.to_dict(), finish.to_dict(), fused=fused))
         feed = StreamFeed(depth=3)  # chunk k - 1 in flight, k going out, k + 1 announced
         data = asyncio.wrap_future(self._lane.submit(
             self._stream_data, feed))
@@ -673,10 +681,16 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
 
 
 async def _chunk_then_finish(client: InferenceEngineClient, request: dict,
-                             finish: dict) -> list[int | None]:
-    """A streamed update's one request, then its finish (the start was answered already); a
-    failed request closes the update as aborted."""
+                             finish: dict, *, fused: bool = False) -> list[int | None]:
+    """A streamed update's one request, then its finish (the start was answered already): one
+    ``apply_update(None, [request], finish)`` call with ``fused``, else two calls, the finish
+    once every engine answered the request. A failed request closes the update as aborted
+    (an engine whose fused call failed closed it itself; the abort then finds nothing open)."""
     try:
+        if fused:
+            versions = list(await client.apply_update(None, [request], finish))
+            trace.mark("rpc.apply.end")
+            return versions
         await client.update_named_weights(request)
         trace.mark("rpc.request.end")
     except BaseException as e:  # close the update on the engines that are left, in the background

@@ -142,20 +142,44 @@ def test_a_tensor_with_other_strides_is_learned_again():
     assert _same(model, ref) == []
 
 
-def test_replay_takes_large_copies_one_by_one_and_small_ones_batched(monkeypatch):
-    import weightsync.loaders.copy_plan as cp
+def test_replay_is_one_foreach_copy_per_dtype_and_reuses_its_cut_for_the_same_sources(
+        monkeypatch):
+    import gc
+    import weakref
 
     model, ref, plan = _pair()
-    plan.load(_state(0))
+    plan.load(_state(0))  # learned
+    _loader(ref)(_state(0))
     calls = []
     real = torch._foreach_copy_
     monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (calls.append(len(d)), real(d, s)))
-    monkeypatch.setattr(cp, "LARGE_COPY_BYTES", 64)  # 16-row bf16 matrices are "large" now
-    items = _state(1)
-    plan.load(items)
-    _loader(ref)(items)
+    # one staging buffer, cut into the same views every update (as the streamed receiver does)
+    shapes = {n: s for n, s in SHAPES.items() if n in REPLAYED}
+    buf = torch.empty(sum(torch.Size(s).numel() for s in shapes.values()), dtype=torch.bfloat16)
+    views, at = [], 0
+    for n, s in shapes.items():
+        k = torch.Size(s).numel()
+        views.append((n, buf[at:at + k].view(s)))
+        at += k
+    for step in (1, 2, 3):
+        values = dict(_state(step))
+        for n, v in views:
+            v.copy_(values[n])
+        plan.load(views)
+        _loader(ref)(views)
+        assert _same(model, ref) == [], step
+    # every copy of a batch in one call (one dtype, one device), the batch cut once
+    assert calls == [len(REPLAYED) - 1] * 3  # the tied head copies nothing
+    assert len(plan._prepared) == 1
+    # other tensor objects under the same names: not the cut batch's, still exact
+    plan.load(_state(4))
+    _loader(ref)(_state(4))
     assert _same(model, ref) == []
-    assert calls and sum(calls) < len(REPLAYED)  # some went through copy_ one by one
+    # the plan does not keep a staging buffer alive
+    gone = weakref.ref(buf)
+    del buf, views, v  # v: the loop's last view
+    gc.collect()
+    assert gone() is None
 
 
 def test_direct_target_is_the_whole_copy_of_a_learned_name_and_nothing_else():
