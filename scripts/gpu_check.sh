@@ -17,6 +17,9 @@
 #   bash scripts/gpu_check.sh layouts      benchmarks/bench_broadcast_layouts.py on qwen2-7b and qwen2-0.5b: NCCL
 #                                          per tensor, grouped, or packed in slices, vs one flat
 #                                          broadcast (no vLLM, no control plane)
+#   bash scripts/gpu_check.sh trace        qwen2-0.5b broadcast rows with WEIGHTSYNC_TRACE_DIR set, then
+#                                          benchmarks/trace_timeline.py: one push by phase, trainer
+#                                          and engine worker on one clock
 #   bash scripts/gpu_check.sh bench-small  benchmarks/bench_vllm_sync.py on qwen2-0.5b and qwen2-1.5b
 #                                          (every row on 2+ GPUs, the colocated rows on one)
 #   bash scripts/gpu_check.sh bench-7b     the same on qwen2-7b
@@ -160,6 +163,17 @@ case "$stage" in
     bench qwen2-0.5b 200 --shape qwen2-0.5b --rows "${PERF_ROWS_SMALL:-broadcast,push_broadcast,broadcast_serial,broadcast_ungrouped,native_nccl,cuda_ipc,push_cuda_ipc,native_ipc}"
     summary
     ;;
+  trace)
+    # where one push's time goes: the 0.5B rows with the opt-in trace, then the merged timeline
+    # of the last pushes (trainer and engine worker on one clock; benchmarks/trace_timeline.py)
+    need_vllm; need_gpus 2
+    rm -rf /tmp/ws-trace && mkdir -p /tmp/ws-trace
+    WEIGHTSYNC_TRACE_DIR=/tmp/ws-trace bench qwen2-0.5b_traced 200 --shape qwen2-0.5b \
+        --rows "${TRACE_ROWS:-broadcast,push_broadcast}"
+    timeout 60 python3 benchmarks/trace_timeline.py /tmp/ws-trace --last 2 --limit 80 \
+        --json "$OUT/timeline.json" > "$OUT/timeline.txt" 2>&1
+    summary; cat "$OUT/timeline.txt"
+    ;;
   bench-small)
     need_vllm; rows=$(rows_for_gpus)
     bench qwen2-0.5b 270 --shape qwen2-0.5b --rows "$rows"
@@ -264,7 +278,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {perf|layouts|tests|tests-vllm|tests-servers|sleep|lora|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {perf|layouts|trace|tests|tests-vllm|tests-servers|sleep|lora|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac

@@ -318,7 +318,9 @@ class Bench:
         out = {"total_s": total, "chunks": stats.num_chunks, **times, **client.times}
         out.update({f"engine_{k}": v for k, v in worker.items() if k != "chunks"})
         out["engine_receive_s"] = out.get("engine_chunk_s", 0.0) - out.get("engine_load_s", 0.0)
-        out["chunk_overhead_s"] = out.get("chunk_rpc_s", 0.0) - out.get("engine_chunk_s", 0.0)
+        # the chunk's round trip (or the one call that carried it) minus the engine's time in it
+        out["chunk_overhead_s"] = out.get("chunk_rpc_s", out.get("apply_rpc_s", 0.0)) - out.get(
+            "engine_chunk_s", 0.0)
         # every round trip minus the endpoint's own time in it: collective_rpc, serialisation,
         # thread hops, and the prefix-cache reset after the finish
         control = sum(out.get(k, 0.0) for k in ("start_rpc_s", "chunk_rpc_s", "finish_rpc_s",
