@@ -168,8 +168,8 @@ case "$stage" in
     # of the last pushes (trainer and engine worker on one clock; benchmarks/trace_timeline.py)
     need_vllm; need_gpus 2
     rm -rf /tmp/ws-trace && mkdir -p /tmp/ws-trace
-    WEIGHTSYNC_TRACE_DIR=/tmp/ws-trace bench qwen2-0.5b_traced 200 --shape qwen2-0.5b \
-        --rows "${TRACE_ROWS:-broadcast,push_broadcast}"
+    (export WEIGHTSYNC_TRACE_DIR=/tmp/ws-trace
+     bench qwen2-0.5b_traced 200 --shape qwen2-0.5b --rows "${TRACE_ROWS:-broadcast,push_broadcast}")
     timeout 60 python3 benchmarks/trace_timeline.py /tmp/ws-trace --last 2 --limit 80 \
         --json "$OUT/timeline.json" > "$OUT/timeline.txt" 2>&1
     summary; cat "$OUT/timeline.txt"
