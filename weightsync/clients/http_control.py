@@ -11,6 +11,9 @@ Lives in the sending process. The endpoint protocol maps onto the server's route
     update_named_weights      POST /update_param_batch  {metadata: request, training_mode?, ...}
     finish_weight_update      POST /update_param_batch  {metadata: finish, training_mode?, ...}
                                                                   -> {version}
+    apply_update              POST /update_param_batch  {metadata: {type: apply, start (or null:
+                                                         started by its own call), requests,
+                                                         finish}, training_mode?, ...} -> {version}
     close_weight_transfer     POST /close_communicator  {communicator_id?}
     status                    GET  /runtime_version                -> {version, state, ...}
 
@@ -22,7 +25,9 @@ the wrong data plane. Error answers are rebuilt by the codec (``error_from_http`
 address where nothing answered yet refusing the connection is an ``EngineUnreachableError``
 (no engine there: a wrong URL, a server not started), a connection that breaks once the server
 had answered an ``EngineDiedError``, no answer in time a ``WeightSyncTimeout``. Not ordered: HTTP requests may overtake each other, so a sender keeps one
-chunk in flight. With ``api_key`` every call sends ``Authorization: Bearer <key>``.
+chunk in flight. With ``api_key`` every call sends ``Authorization: Bearer <key>``. Carries the
+endpoint's ``apply_update`` (``one_call``): a one-chunk update, or a streamed broadcast's request
+with its finish, is one POST.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ def server_strategy(host: str, group_port: int | None = None) -> dict[str, Any]:
 
 class HttpChannel:
     ordered = False
+    one_call = True  # the server runs apply_update's steps for one POST (UpdateControl.apply)
 
     def __init__(self, base_url: str, *, api_key: str | None = None, name: str | None = None,
                  timeout_s: float = 30.0) -> None:
@@ -104,6 +110,20 @@ class HttpChannel:
     async def _finish(self, timeout_s: float, *, finish: dict) -> int | None:
         answer = await self._request("POST", "/update_param_batch", self._update_body(finish),
                                      timeout_s)
+        version = answer.get("version")
+        return int(version) if version is not None else None
+
+    async def _apply(self, timeout_s: float, *, start: dict | None, requests: list[dict],
+                     finish: dict) -> int | None:
+        extra: dict[str, Any] = {}
+        if start is not None:  # as _start: the mode then travels with the update's calls
+            mode = start.get("training_mode")
+            self._training_mode = str(mode) if mode is not None else None
+            if start.get("version") is not None:
+                extra["version"] = start["version"]
+        body = {"type": "apply", "start": start, "requests": requests, "finish": finish}
+        answer = await self._request("POST", "/update_param_batch",
+                                     self._update_body(body, extra), timeout_s)
         version = answer.get("version")
         return int(version) if version is not None else None
 
@@ -167,6 +187,7 @@ _ROUTES = {
     "start_weight_update": HttpChannel._start,
     "update_named_weights": HttpChannel._chunk,
     "finish_weight_update": HttpChannel._finish,
+    "apply_update": HttpChannel._apply,
     "close_weight_transfer": HttpChannel._close,
     "status": HttpChannel._status,
 }

@@ -338,14 +338,50 @@ class UpdateControl:
         version: int | None,
         communicator_id: int | None = None,
     ) -> dict:
-        """Our dialect: ``metadata`` is a start, a strategy's chunk request or a finish."""
+        """Our dialect: ``metadata`` is a start, a strategy's chunk request, a finish, or a whole
+        update in one call (``type: apply``; see ``apply``)."""
         self.check_communicator(communicator_id)
         kind = metadata.get("type")
         if kind == "start":
             return await self.start(metadata, training_mode, version)
         if kind == "finish":
             return await self.finish(metadata, version)
+        if kind == "apply":
+            return await self.apply(metadata, training_mode, version)
         return await self.chunk(metadata, training_mode)
+
+    async def apply(self, metadata: dict, mode: TrainingMode | None,
+                    version: int | None) -> dict:
+        """``{type: apply, start, requests, finish}``: the endpoint's ``apply_update`` over HTTP
+        (``HttpChannel`` carries it): ``start`` (null: the update was started by its own call,
+        as the streamed broadcast does), every request in order, then the finish: the same
+        steps, gate, checks and logs as the calls one by one, one round trip instead of up to
+        three. A refused start, or a failed request, still hands every request not yet run to
+        the workers, which refuse it to their receivers (a collective sender waiting on its
+        vote gets a no); a failed request has ended the update already (``chunk``)."""
+        start, requests, finish = (metadata.get("start"), metadata.get("requests"),
+                                   metadata.get("finish"))
+        if start is not None and not isinstance(start, dict):
+            raise ServiceError(400, "metadata.start: an object, or null when the update was "
+                                    "started by its own call")
+        if not isinstance(requests, list) or not all(isinstance(r, dict) for r in requests):
+            raise ServiceError(400, "metadata.requests: a list of chunk requests (objects)")
+        if not isinstance(finish, dict):
+            raise ServiceError(400, "metadata.finish: the update's finish (an object)")
+        done = 0
+        try:
+            if start is not None:
+                await self.start(start, mode, version)
+            for request in requests:
+                done += 1
+                await self.chunk(request, mode)
+        except BaseException:
+            for later in requests[done:]:  # each is refused by the workers: peers get a no
+                with contextlib.suppress(Exception):
+                    await self.call_workers("update_named_weights", {"request": later},
+                                            what="a request refused after its update failed")
+            raise
+        return await self.finish(finish, version)
 
     async def start(
         self, metadata: dict, mode: TrainingMode | None, version: int | None

@@ -11,7 +11,7 @@ GET  /runtime_version (open)          ``{version, state, update_in_progress}``  
 GET  /get_world_size                  ``{world_size}`` (workers: TP x PP)                same
 POST /init_communicator               ``{strategy, sync_info, rank_offset?}``            ``{host, port, world_size, backend?}``
                                       -> ``{ok, world_size, communicator_id}``           -> ``{status: ok}`` (group joins after)
-POST /update_param_batch              ``{metadata: start|chunk|finish dict,``            ``{metadata: [{name, dtype, shape}],``
+POST /update_param_batch              ``{metadata: start|chunk|finish|apply dict,``      ``{metadata: [{name, dtype, shape}],``
                                       ``training_mode?, version?, communicator_id?}``    ``version?, training_mode?}`` -> ``batch_id``
 POST /close_communicator              ``{communicator_id?}``                             ``{}``
 POST /get_num_background_tasks        ``{num_background_tasks}``                         same (poll until 0 after a batch)
@@ -19,7 +19,9 @@ POST /reset_prefix_cache              ``{ok, status}``                          
 GET  /batch_ready/{batch_id}          --                                                 ``{ready}`` (Ludic's ready signal)
 ====================================  =================================================  ==========================================
 
-A ``communicator_id`` that is not the current one gets 409 (another sender took the
+``apply`` (``{type: apply, start | null, requests, finish}``) is a whole update, or a started
+update's requests and finish, in one call (``UpdateControl.apply``). A ``communicator_id`` that
+is not the current one gets 409 (another sender took the
 receivers), so a stale sender never drives the new data plane.
 
 Every route answers within a bound, whatever the body (``docs/reliability.md``, section 7):

@@ -8,6 +8,7 @@ prompt logprobs (vLLM's ``prompt_logprobs`` extension of ``/v1/completions``) an
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -67,8 +68,21 @@ def test_front_door_push_of_a_new_model_gives_its_logprobs_and_version_5(
         finally:
             await sync.close()
 
-    stats = asyncio.run(go())
+    from weightsync._runtime import trace
+
+    trace.flush()
+    trace.configure(tmp_path / "trace")  # the trainer's side of the push: which calls it made
+    try:
+        stats = asyncio.run(go())
+    finally:
+        trace.flush()
+        trace.configure(None)
     assert stats.versions == [target]
+    labels = [json.loads(line)["label"] for f in (tmp_path / "trace").glob("trace-*.jsonl")
+              for line in f.read_text().splitlines()]
+    # two POSTs of the update: the start, then the streamed request with its finish
+    assert labels.count("rpc.start.end") == 1 and labels.count("rpc.apply.end") == 1, labels
+    assert "rpc.request.end" not in labels and "rpc.finish.end" not in labels, labels
     assert httpx.get(policy_server.url + "/runtime_version").json()["version"] == target
     for p in PROMPTS:
         assert check_against(policy_server, unseen, p) == target
@@ -346,6 +360,30 @@ def test_binds_loopback_only(policy_server):
 def test_restore_base_weights_for_other_tests(restored):
     restored.restore()
     check_against(restored, Reference(restored.model_dir), PROMPTS[0])
+
+
+def test_an_update_in_one_call_refused_at_start_or_malformed_is_4xx_and_changes_nothing(restored):
+    """``{metadata: {type: apply, start, requests, finish}}``: a start the engine refuses is 400
+    naming the tensor, a malformed body 400 naming the field; the served version stays and the
+    next update lands."""
+    v0 = restored.version()
+    finish = {"type": "finish", "update_id": "one-call", "version": None, "num_chunks": 1,
+              "ok": True, "error": ""}
+    start = {"type": "start", "update_id": "one-call", "manifest": [
+        {"name": "model.norm.weight", "dtype": "float32", "shape": [65]}]}
+    r = httpx.post(restored.url + "/update_param_batch", headers=restored.headers, json={
+        "metadata": {"type": "apply", "start": start, "requests": [], "finish": finish}})
+    assert r.status_code == 400 and "model.norm.weight" in r.text, r.text
+    for bad, field_name in (({"requests": {}}, "metadata.requests"),
+                            ({"finish": None}, "metadata.finish"),
+                            ({"start": "yes"}, "metadata.start")):
+        body = {"type": "apply", "start": None, "requests": [], "finish": finish, **bad}
+        r = httpx.post(restored.url + "/update_param_batch", headers=restored.headers,
+                       json={"metadata": body})
+        assert r.status_code == 400 and field_name in r.text, (bad, r.text)
+    assert restored.version() == v0
+    state = httpx.get(restored.url + "/runtime_version").json()
+    assert state["state"] == "ready" and not state["update_in_progress"], state
 
 
 def test_the_log_says_what_each_update_did_and_vllm_partial_reload_noise_is_gone(restored, ref):
