@@ -250,14 +250,18 @@ def test_a_model_is_streamed_not_collected(reward_server, base) -> None:
         async with reward_server.client() as client:
             pub = Recording(client, bucket_size_mb=0.02)
             await pub.publish_async(model, training_mode=Mode.FULL)  # joins the group
-            sent = client._session.client.update_named_weights
+            engines = client._session.client
             count = iter(range(10_000))
+            # a request goes out alone, or with its finish as one apply_update (the streamed
+            # broadcast into a server): record whichever call carries it
+            for method in ("update_named_weights", "apply_update"):
+                real = getattr(engines, method)
 
-            async def recorded_send(request):
-                events.append(("sent", next(count)))
-                return await sent(request)
+                async def recorded_send(*args, _real=real, **kwargs):
+                    events.append(("sent", next(count)))
+                    return await _real(*args, **kwargs)
 
-            client._session.client.update_named_weights = recorded_send
+                setattr(engines, method, recorded_send)
             events.clear()
             stats = await pub.publish_async(model, training_mode=Mode.FULL)
             return stats, await client.score_batch(TEXTS, normalize=False)
