@@ -5,7 +5,8 @@ Lives in the sending process (a trainer actor or a driver). ``call`` submits the
 passes chunks to its endpoint in ``chunk_index`` order through a ``ChunkTurnstile`` (Ray does not
 promise the order of an async actor's tasks): the channel is ordered. A dead actor is an
 ``EngineDiedError``, an actor-side failure is rebuilt through the codec naming the engine, and a
-call that outlives its timeout is cancelled and reported as a ``WeightSyncTimeout``.
+call that outlives its timeout is cancelled and reported as a ``WeightSyncTimeout``. Carries
+the endpoint's ``apply_update`` (``one_call``; the actor's ``apply_update``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def actor_label(handle: Any, index: int) -> str:
 
 class RayChannel:
     ordered = True
+    one_call = True  # the engine actor's apply_update runs the endpoint's (one task per update)
 
     def __init__(self, handle: Any, *, name: str | None = None, index: int = 0) -> None:
         self.handle = handle

@@ -119,6 +119,13 @@ class WeightSyncEngineMixin:
     async def finish_weight_update(self, finish: dict) -> int:
         return await self._weightsync_dispatch("finish_weight_update", {"finish": finish})
 
+    async def apply_update(self, start: dict | None, requests: list[dict], finish: dict) -> int:
+        """The endpoint's ``apply_update`` (a one-chunk update, or a started update's requests
+        and finish, in one actor task): its requests run in order inside the one call, so it
+        takes no turn at the chunk turnstile."""
+        return await self._weightsync_dispatch(
+            "apply_update", {"start": start, "requests": requests, "finish": finish})
+
     async def close_weight_transfer(self) -> None:
         await self._weightsync_dispatch("close_weight_transfer", {})
 
