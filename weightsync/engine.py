@@ -278,11 +278,8 @@ class WeightUpdateEndpoint:
     async def start_weight_update(self, start: dict) -> None:
         """Validate the whole update before any byte moves; raise (nothing changes) if the
         manifest or the version is refused."""
-        trace.mark("endpoint.start.begin")
-        try:
+        with trace.span("endpoint.start"):
             await self._start_update(start)
-        finally:
-            trace.mark("endpoint.start.end")
 
     async def _start_update(self, start: dict) -> None:
         msg = self._parse_start(start)
@@ -334,11 +331,8 @@ class WeightUpdateEndpoint:
         ``ChunkTurnstile`` in front on a transport that may reorder calls). A chunk that is not
         loaded is still ``refuse``d to the receiver, so a collective strategy's peers are
         released."""
-        trace.mark("endpoint.update.begin")
-        try:
+        with trace.span("endpoint.update"):
             await self._update_chunk(request)
-        finally:
-            trace.mark("endpoint.update.end")
 
     async def _update_chunk(self, request: dict) -> None:
         async with self._lock:
@@ -397,11 +391,10 @@ class WeightUpdateEndpoint:
         returns the served version. A sender's abort (``ok=False``) returns the old version
         without raising; an incomplete update or a failing finish hook raises. Either leaves
         the weights torn if a chunk had landed."""
-        trace.mark("endpoint.finish.begin")
         try:
-            return await self._finish_update(finish)
+            with trace.span("endpoint.finish"):
+                return await self._finish_update(finish)
         finally:
-            trace.mark("endpoint.finish.end")
             trace.flush()  # every update this engine finished is on disk
 
     async def _finish_update(self, finish: dict) -> int:

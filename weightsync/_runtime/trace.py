@@ -71,6 +71,22 @@ def mark(label: str, **fields: Any) -> None:
     _events.append((time.perf_counter_ns(), label, fields, threading.current_thread().name))
 
 
+class span:  # noqa: N801 - used as ``with trace.span(...)``, like a function
+    """``with span("endpoint.start"):`` marks ``endpoint.start.begin`` on entry and
+    ``endpoint.start.end`` on exit (an exception too)."""
+
+    __slots__ = ("label",)
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def __enter__(self) -> None:
+        mark(self.label + ".begin")
+
+    def __exit__(self, *exc: Any) -> None:
+        mark(self.label + ".end")
+
+
 def flush() -> str | None:
     """Append every event recorded so far to ``DIR/trace-<pid>.jsonl`` (one JSON object per
     line: ``t_ns``, ``pid``, ``thread``, ``label``, ``fields``) and forget them; -> the file's

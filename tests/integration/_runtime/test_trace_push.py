@@ -6,8 +6,6 @@ trainer and engine events are in the protocol's order."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +16,6 @@ from weightsync.local.modules import qwen2_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-ROOT = Path(__file__).resolve().parents[3]
 FACTORY = "weightsync.local.modules:qwen2_module"
 SMALL = {"size": "small", "dtype": "float32"}
 # ~13 MB in 2 MB chunks; tensors from 256 KB on written in place, the smaller ones packed
@@ -26,19 +23,12 @@ STREAM = {"type": "broadcast", "backend": "gloo", "timeout_s": 30, "bucket_size_
           "pack_below_mb": 0.25, "checksum": True}
 
 
-def load_timeline():
-    spec = importlib.util.spec_from_file_location(
-        "trace_timeline", ROOT / "benchmarks" / "trace_timeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _first(rows: list[dict], proc: str, label: str) -> int:
     return next(i for i, r in enumerate(rows) if r["proc"] == proc and r["label"] == label)
 
 
-def test_a_traced_push_has_the_trainer_and_the_engine_in_protocol_order(tmp_path, capsys):
+def test_a_traced_push_has_the_trainer_and_the_engine_in_protocol_order(tmp_path, capsys,
+                                                                      trace_timeline):
     trace.flush()
     trace.configure(tmp_path)
     engine = LocalEngineProcess.spawn(FACTORY, {**SMALL, "fill": "zeros"}, name="engine0",
@@ -55,7 +45,7 @@ def test_a_traced_push_has_the_trainer_and_the_engine_in_protocol_order(tmp_path
         trace.configure(None)
     assert [s.versions for s in stats] == [[1], [2]]
 
-    tl = load_timeline()
+    tl = trace_timeline
     events = tl.read_events(str(tmp_path))
     assert len(list(tmp_path.glob("trace-*.jsonl"))) == 2  # the trainer's and the engine's
     names = tl.process_names(events)

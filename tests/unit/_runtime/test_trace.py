@@ -4,7 +4,6 @@ reading of them (a real push's trace: ``tests/integration/_runtime/test_trace_pu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,17 +14,6 @@ from pathlib import Path
 import pytest
 
 from weightsync._runtime import trace
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def load_timeline():
-    """``benchmarks/trace_timeline.py`` as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "trace_timeline", ROOT / "benchmarks" / "trace_timeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -100,8 +88,8 @@ def _event(t_ms: float, pid: int, label: str, **fields) -> dict:
             "fields": fields}
 
 
-def test_the_timeline_splits_pushes_names_processes_and_measures_gaps(tmp_path):
-    tl = load_timeline()
+def test_the_timeline_splits_pushes_names_processes_and_measures_gaps(tmp_path, trace_timeline):
+    tl = trace_timeline
     trainer = [_event(0, 10, "push.begin", version=1), _event(9, 10, "push.end"),
                _event(20, 10, "push.begin", version=2), _event(30, 10, "lane.vote"),
                _event(35, 10, "push.end")]
