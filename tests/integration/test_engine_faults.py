@@ -5,6 +5,9 @@
   timeout naming the dead engine and the phase; the surviving engine rolls back as documented
   (in place: torn, 503-style refusal until the next complete update; staged: the last version
   exactly), and a new session without the dead engine lands the next version;
+* the only engine of a streamed broadcast (one control call per update), killed between two
+  pushes: the push fails naming it and the call, without waiting for a timeout; refusing a
+  start in that call: no byte moves, its weights stay, the same session's next push lands;
 * an engine SIGSTOPped mid-push (stuck, not dead): the push raises a timeout naming it and the
   phase within the configured time; once it runs again it accepts a new communicator and a new
   sync, without a restart;
@@ -164,6 +167,57 @@ def test_engine_killed_mid_push_the_push_names_it_and_the_survivor_rolls_back(
     assert _push([e1], _cfg(strategy), w2, 2).versions == [2]
     assert _status(e1)["state"] == "idle"
     assert _digest(e1) == state_digest(w2)
+
+
+# -- the only engine: the streamed broadcast's one call ---------------------------------------------
+
+
+def test_the_only_engine_killed_before_its_update_fails_the_one_call_naming_it(engines):
+    """One engine: the streamed broadcast sends start, request and finish as one call, issued
+    while the sender enters the vote. An engine dead before the update fails that call (not
+    the group's timeout), and the push names it."""
+    (e0,) = engines(1)
+    cfg = _cfg("broadcast")
+
+    async def go():
+        async with ws.connect([e0], strategy=cfg) as sync:
+            first = await sync.push(_weights(1), version=1)
+            e0.kill()  # the real fault, between two pushes of one session
+            t0 = time.monotonic()
+            with pytest.raises(EngineDiedError) as ei:
+                await sync.push(_weights(2), version=2)
+            return first, time.monotonic() - t0, ei.value
+
+    first, elapsed, err = asyncio.run(go())
+    assert first.versions == [1]
+    assert elapsed < 5.0 + 5, elapsed  # the call fails at once; the vote waits no timeout
+    assert "engine0" in str(err) and "apply_update" in str(err), str(err)
+
+
+def test_the_only_engine_refusing_the_start_keeps_its_weights_and_the_group_in_step(engines):
+    """A start the engine refuses (a tensor of another shape) inside the one call: the request
+    is refused too, so the engine votes no and no byte moves; the push names the tensor, the
+    engine keeps version 1 exactly, and the same session's next push lands."""
+    (e0,) = engines(1)
+    w1, w2 = _weights(1), _weights(2)
+    bad = dict(w2)
+    name = next(n for n in bad if n.endswith("mlp.up_proj.weight"))
+    bad[name] = bad[name][:-1]
+
+    async def go():
+        async with ws.connect([e0], strategy=_cfg("broadcast")) as sync:
+            first = await sync.push(w1, version=1)
+            with pytest.raises(ws.WeightMismatchError) as ei:
+                await sync.push(bad, version=2)
+            v1 = await e0.call("state_digest")
+            again = await sync.push(w2, version=2)
+            return first, ei.value, v1, again
+
+    first, err, v1, again = asyncio.run(go())
+    assert first.versions == [1] and again.versions == [2]
+    assert name in str(err), str(err)
+    assert v1 == state_digest(w1)
+    assert _status(e0)["state"] == "idle" and _digest(e0) == state_digest(w2)
 
 
 # -- a stuck engine ---------------------------------------------------------------------------------

@@ -313,14 +313,19 @@ class BroadcastTransferSender(WeightTransferSender):
     thread, overlapping the previous chunk's transfer); ``_transfer`` runs the go/no-go vote and
     the broadcasts in a thread while the engines receive.
 
-    The start always goes out alone: it confirms that every engine is alive and accepts the
-    update before any rank enters a collective (with one call, an engine found dead at start
-    would leave the others in the vote until the group's timeout). A streamed update's one
+    A streamed update into **one engine** whose client carries ``apply_update`` is one control
+    call: ``apply_update(start, [request], finish)``, issued while the lane enters the vote
+    (a refused start refuses the request too, so the engine votes no and the sender gets its
+    error; an engine that died fails the call like a death mid-update does). With **several
+    engines** the start goes out alone first: it confirms that every engine is alive and
+    accepts the update before any rank enters a collective (with one call, an engine found
+    dead at start would leave the others in the vote until the group's timeout). Their one
     request and its finish then travel as one ``apply_update`` call (``start`` None) where the
     client carries it and the update is not staged: two control round trips per update, not
     three. Each engine then publishes the update as soon as it holds all of it; a staged
     update keeps the finish apart, sent once every engine received, so that one engine's
-    failure leaves every engine on its old weights."""
+    failure leaves every engine on its old weights (with one engine, all or nothing is the
+    engine's own: it publishes only a complete update)."""
 
     single_call = False
 
@@ -363,11 +368,12 @@ class BroadcastTransferSender(WeightTransferSender):
         lora_adapter: dict | None = None,
     ) -> SyncStats:
         """One update. With ``stream`` (default) and a manifest: the streamed protocol
-        (``strategies/_stream.py``): two control calls per update (the start; the whole update
-        as one request while its chunks are broadcast as the extraction yields them, with the
-        finish in the same call where the client carries ``apply_update`` and the update is
-        not staged, else the finish as a third call). Otherwise one control call, one vote and one packed broadcast per chunk
-        (the base class)."""
+        (``strategies/_stream.py``): the whole update as one request while its chunks are
+        broadcast as the extraction yields them; one control call into one engine that carries
+        ``apply_update`` (start, request and finish together), else two (the start; the request
+        with its finish where every engine carries ``apply_update`` and the update is not
+        staged, else the finish as a third call; see the class docstring). Otherwise one
+        control call, one vote and one packed broadcast per chunk (the base class)."""
         if manifest is None and isinstance(chunks, (list, tuple)):
             manifest = [m for c in chunks for m in c.metas()]
         if not self.cfg.stream or manifest is None:
@@ -390,15 +396,22 @@ class BroadcastTransferSender(WeightTransferSender):
             checksums=[0] * len(manifest) if self.cfg.checksum else None)
         finish = WeightUpdateFinish(update_id=stats.update_id, version=version, num_chunks=1)
         total = request.total_size_bytes
-        # the start on its own first: every engine is alive and accepts the update before any
-        # rank enters a collective (see the class docstring)
-        trace.mark("rpc.start.begin", tensors=len(manifest), bytes=total)
-        await inference_client.start_weight_update(start.to_dict())
-        trace.mark("rpc.start.end")
-        fused = not start.staged and bool(getattr(inference_client, "supports_apply_update",
-                                                  False))
-        engines = asyncio.ensure_future(_chunk_then_finish(
-            inference_client, request.to_dict(), finish.to_dict(), fused=fused))
+        carries_apply = bool(getattr(inference_client, "supports_apply_update", False))
+        if carries_apply and len(getattr(inference_client, "names", None) or ()) == 1:
+            # one engine: the whole update is one call (see the class docstring)
+            trace.mark("rpc.apply.begin", tensors=len(manifest), bytes=total)
+            engines = asyncio.ensure_future(_chunk_then_finish(
+                inference_client, request.to_dict(), finish.to_dict(), fused=True,
+                start=start.to_dict()))
+        else:
+            # the start on its own first: every engine is alive and accepts the update before
+            # any rank enters a collective (see the class docstring)
+            trace.mark("rpc.start.begin", tensors=len(manifest), bytes=total)
+            await inference_client.start_weight_update(start.to_dict())
+            trace.mark("rpc.start.end")
+            engines = asyncio.ensure_future(_chunk_then_finish(
+                inference_client, request.to_dict(), finish.to_dict(),
+                fused=carries_apply and not start.staged))
         feed = StreamFeed(depth=3)  # chunk k - 1 in flight, k going out, k + 1 announced
         data = asyncio.wrap_future(self._lane.submit(
             self._stream_data, feed))
@@ -681,14 +694,17 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
 
 
 async def _chunk_then_finish(client: InferenceEngineClient, request: dict,
-                             finish: dict, *, fused: bool = False) -> list[int | None]:
-    """A streamed update's one request, then its finish (the start was answered already): one
-    ``apply_update(None, [request], finish)`` call with ``fused``, else two calls, the finish
-    once every engine answered the request. A failed request closes the update as aborted
-    (an engine whose fused call failed closed it itself; the abort then finds nothing open)."""
+                             finish: dict, *, fused: bool = False,
+                             start: dict | None = None) -> list[int | None]:
+    """A streamed update's one request, then its finish: one ``apply_update(start, [request],
+    finish)`` call with ``fused`` (``start`` None: answered already by its own call), else two
+    calls, the finish once every engine answered the request. A failed request closes the
+    update as aborted (an engine whose fused call failed closed it itself; the abort then
+    finds nothing open)."""
+    assert fused or start is None, "a start travels alone or inside apply_update"
     try:
         if fused:
-            versions = list(await client.apply_update(None, [request], finish))
+            versions = list(await client.apply_update(start, [request], finish))
             trace.mark("rpc.apply.end")
             return versions
         await client.update_named_weights(request)

@@ -55,15 +55,21 @@ def test_a_traced_push_has_the_trainer_and_the_engine_in_protocol_order(tmp_path
     rows = tl.timeline(pushes[-1], names)
     chunks = stats[1].num_chunks
     assert chunks > 3
-    order = [_first(rows, "trainer", "push.begin"), _first(rows, "engine", "endpoint.start.begin"),
-             _first(rows, "trainer", "rpc.start.end"), _first(rows, "trainer", "lane.vote"),
+    order = [_first(rows, "trainer", "push.begin"), _first(rows, "trainer", "rpc.apply.begin"),
+             _first(rows, "engine", "endpoint.start.begin"),
              _first(rows, "engine", "recv.chunk.post.begin"),
              _first(rows, "engine", "recv.end"), _first(rows, "engine", "endpoint.finish.end"),
              _first(rows, "trainer", "rpc.apply.end"), _first(rows, "trainer", "push.end")]
     assert order == sorted(order), [rows[i]["label"] for i in order]
     assert rows[order[-1]] is rows[-1] and rows[0]["ms"] == 0.0
-    # the request and the finish went as one call (the engine process carries apply_update)
-    assert not any(r["label"] in ("rpc.request.end", "rpc.finish.end") for r in rows)
+    # one engine that carries apply_update: start, request and finish went as one call
+    assert not any(r["label"] in ("rpc.start.end", "rpc.request.end", "rpc.finish.end")
+                   for r in rows)
+    assert [r["label"] for r in rows].count("rpc.apply.end") == 1
+    # the engine took the start before its receiver posted a byte
+    assert (_first(rows, "engine", "endpoint.start.end")
+            < _first(rows, "engine", "recv.chunk.post.begin"))
+    assert _first(rows, "trainer", "lane.vote") < _first(rows, "trainer", "lane.chunk.end")
     labels = [(r["proc"], r["label"], r["fields"].get("chunk")) for r in rows]
     for k in range(chunks):  # every chunk: issued and done on the trainer, landed on the engine
         for who, label in (("trainer", "lane.chunk.end"), ("trainer", "lane.chunk.done"),

@@ -80,9 +80,9 @@ def test_front_door_push_of_a_new_model_gives_its_logprobs_and_version_5(
     assert stats.versions == [target]
     labels = [json.loads(line)["label"] for f in (tmp_path / "trace").glob("trace-*.jsonl")
               for line in f.read_text().splitlines()]
-    # two POSTs of the update: the start, then the streamed request with its finish
-    assert labels.count("rpc.start.end") == 1 and labels.count("rpc.apply.end") == 1, labels
-    assert "rpc.request.end" not in labels and "rpc.finish.end" not in labels, labels
+    # one server: one POST of the update (start, the streamed request and its finish)
+    assert labels.count("rpc.apply.begin") == 1 and labels.count("rpc.apply.end") == 1, labels
+    assert not {"rpc.start.end", "rpc.request.end", "rpc.finish.end"} & set(labels), labels
     assert httpx.get(policy_server.url + "/runtime_version").json()["version"] == target
     for p in PROMPTS:
         assert check_against(policy_server, unseen, p) == target
