@@ -285,8 +285,11 @@ class SyncSession:
             raise ValueError("push: delta=True with every_rank IPC; push full updates (delta "
                              "sync from every training rank is not supported)")
         adapter = _adapter_of(ext, model, delta)
+        # an unchanged model's last chunks (views of its own tensors): nothing to extract
+        held = (ext.held_update(model, dtype)
+                if adapter is None and self.is_sender and not self.every_rank else None)
         # the same on every rank, and made on every rank (megatron's first one is an export)
-        manifest = ext.metadata(model, dtype)
+        manifest = held[1] if held is not None else ext.metadata(model, dtype)
         if adapter is None:
             _check_mode(manifest, mode, heads)  # every rank refuses alike, before any gather
 
@@ -303,7 +306,10 @@ class SyncSession:
             trace.mark("push.sent")
             return out
 
-        stats = await send_extracted(ext, model, dtype, send)
+        if held is not None:
+            stats = await send(lambda: held[0])
+        else:
+            stats = await send_extracted(ext, model, dtype, send)
         if stats is not None and laps:
             stats.front_ms = {**laps, "total": (time.perf_counter() - t0) * 1e3}
         return stats if self.is_sender else None  # every_rank: every rank sent, rank 0 reports

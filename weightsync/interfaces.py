@@ -176,6 +176,16 @@ class WeightExtractor(abc.ABC):
             for n, t in raw
         ]
 
+    def held_update(
+        self, model: Any, generator_dtype: torch.dtype | None = None
+    ) -> tuple[list[WeightChunk], list[TensorMeta]] | None:
+        """The chunks and manifest of this rank's last extraction when they are still exactly
+        what ``metadata`` + ``extract_weights`` would give now and cost nothing to hold (views
+        of the model's own tensors), else None (the default: extract). The front door asks
+        this first on the sending rank: a held update needs no extraction pass after the
+        engines accepted it. Never a collective."""
+        return None
+
     @property
     def is_sender(self) -> bool:
         return bool(_cfg_value(self.cfg, "is_sender", True))

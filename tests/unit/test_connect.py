@@ -313,3 +313,32 @@ def test_one_extractor_per_model_is_kept_across_pushes_and_a_changed_model_is_se
 
     kept, rebuilt = asyncio.run(go())
     assert kept and rebuilt and _same(modules[0], RewardNet(2))
+
+
+def test_an_unchanged_model_is_pushed_from_its_held_chunks_without_a_new_extraction():
+    modules, eps = _engines()
+    src = RewardNet(1)
+    passes = []
+
+    async def go():
+        async with ws.connect(eps, "broadcast", device="cpu") as sync:
+            await sync.push(src, version=1)  # the first push extracts
+            ext = sync._extractor[1]
+            extract = ext.extract_weights
+
+            def counted(*a, **kw):
+                passes.append(1)
+                return extract(*a, **kw)
+
+            ext.extract_weights = counted
+            with torch.no_grad():
+                src.score.weight.add_(1)  # a training step in place: the same tensors
+            await sync.push(src, version=2)
+            assert _same(modules[0], src) and not passes  # today's values, from held views
+            src.score.weight = torch.nn.Parameter(src.score.weight.detach() * 2)  # replaced
+            await sync.push(src, version=3)
+            assert _same(modules[0], src) and len(passes) == 1  # extracted anew
+            await sync.push(src, version=4)
+            assert len(passes) == 1  # held again
+
+    asyncio.run(go())

@@ -252,6 +252,21 @@ class HFWeightExtractor(WeightExtractor):
         if key is not None and made and all(c.borrowed for c in made):
             self._last_chunks = (key, made)
 
+    def held_update(
+        self, model: Any, generator_dtype: Any = None
+    ) -> tuple[list[WeightChunk], list[TensorMeta]] | None:
+        """The last call's chunks and manifest when both were made for the model's present
+        tensors (one walk of the model: the reuse key of ``extract_weights``); None when either
+        would be made anew (first call, a tensor replaced or reshaped, a cast, a gather)."""
+        chunks = getattr(self, "_last_chunks", None)
+        metas = getattr(self, "_last_metadata", None)
+        if chunks is None or metas is None or chunks[0] != metas[0]:
+            return None
+        key = self._reuse_key(model, _as_dtype(generator_dtype))
+        if key is None or key != chunks[0]:
+            return None
+        return list(chunks[1]), list(metas[1])
+
     def _reuse_key(self, model: Any, dtype: Any) -> tuple | None:
         """What the chunks depend on; None when they cannot be reused (DTensors: every call
         gathers; not the sending rank)."""

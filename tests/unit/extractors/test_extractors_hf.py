@@ -397,3 +397,29 @@ def test_metadata_of_an_unchanged_model_is_reused_and_a_replaced_tensor_is_seen(
     assert ext.metadata(model) == first
     model.weight = torch.nn.Parameter(torch.zeros(5, 4))  # a new tensor of another shape
     assert [m.shape for m in ext.metadata(model)] == [[5, 4], [3]]
+
+
+def test_held_update_is_the_last_extraction_while_the_model_holds_the_same_tensors():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    ext = HFWeightExtractor()
+    assert ext.held_update(model) is None  # nothing extracted yet
+    manifest = ext.metadata(model)
+    chunks = _collect(ext, model)
+    held = ext.held_update(model)
+    assert held is not None
+    assert [c.names for c in held[0]] == [c.names for c in chunks] and held[1] == manifest
+    own = {n: t.data_ptr() for n, t in model.state_dict().items()}
+    assert all(t.data_ptr() == own[n] for c in held[0] for n, t in zip(c.names, c.tensors))
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # a training step in place: still held, today's values
+    held = ext.held_update(model)
+    assert held is not None and torch.equal(held[0][0].tensors[0], model[0].weight)
+    model[1].bias = torch.nn.Parameter(torch.zeros(2))  # a replaced tensor: extract anew
+    assert ext.held_update(model) is None
+    ext.metadata(model)
+    _collect(ext, model)
+    assert ext.held_update(model) is not None
+    assert ext.held_update(model, torch.bfloat16) is None  # another dtype: not what was made
+    ext.metadata(model, torch.bfloat16)
+    _collect(ext, model, torch.bfloat16)  # cast copies are not borrowed: never held
+    assert ext.held_update(model, torch.bfloat16) is None
