@@ -419,6 +419,20 @@ class WeightLoader(abc.ABC):
         in-place update, in the update's thread."""
         return None
 
+    def stage_weights(self, named_tensors: dict[str, torch.Tensor]) -> bool:
+        """A staged update's chunk (the weights must not change before its finish): keep it
+        beside the weights in the loader's own form and return True, or return False (the
+        default) and the caller keeps a copy and hands it to ``load_weights`` at the finish.
+        Returns after the tensors were read (they may be views of reused buffers)."""
+        return False
+
+    def commit_staged(self) -> None:  # noqa: B027
+        """Publish every chunk ``stage_weights`` kept in this update (the staged update's
+        finish; the device's copies have run when it returns)."""
+
+    def discard_staged(self) -> None:  # noqa: B027
+        """Forget the chunks ``stage_weights`` kept in this update (it failed)."""
+
     def loaded_in_place(self, names: Sequence[str]) -> None:  # noqa: B027
         """``names`` were written straight into the tensors ``direct_target`` gave (the device
         work has completed): what ``load_weights`` would do after copying (bookkeeping, tied

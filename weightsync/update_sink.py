@@ -16,7 +16,10 @@ without knowing about it:
 * **staged** (``staged=True``): tensors are copied into staging buffers on their own device and
   the loader sees nothing until ``commit()`` (at the update's finish) hands every staged tensor
   to it in one ``load_weights`` call (one wait for the device's copies, not one per chunk: this
-  is the time generation stands still when an update lands under requests in flight). An
+  is the time generation stands still when an update lands under requests in flight). A loader
+  that keeps staged chunks itself (``stage_weights``; vLLM's direct mode: shadows of its
+  parameters, swapped in by pointer at the finish) gets them as they arrive instead, and
+  ``commit()`` asks it to publish them (``commit_staged``). An
   update that dies before its finish is ``discard()``-ed: the weights are exactly the last
   complete version. Memory cost: one extra copy of the update's bytes on the engine,
   held from the first chunk to the finish (a whole-model update: one more copy of the model).
@@ -57,6 +60,7 @@ class UpdateSink(WeightLoader):
         self._request: WeightUpdateRequest | None = None
         self._want: dict[str, int] | None = None  # name -> the sender's checksum
         self._chunk = 0  # the chunk landing now (its index in a streamed update's stream)
+        self._kept_by_loader = False  # stage_weights took some of this update's chunks
 
     # -- what a receiver calls ---------------------------------------------------------------
     def expected_metadata(self) -> Mapping[str, TensorMeta] | None:
@@ -125,7 +129,12 @@ class UpdateSink(WeightLoader):
             check = asyncio.ensure_future(self._checked(named_tensors))
         try:
             if self.staged:
-                self._stage(named_tensors)
+                if self.loader.stage_weights(named_tensors):
+                    self._kept_by_loader = True
+                    self.staged_bytes += sum(t.numel() * t.element_size()
+                                             for t in named_tensors.values())
+                else:
+                    self._stage(named_tensors)
             else:
                 self.touched = True
                 await self.loader.load_weights(named_tensors)
@@ -170,6 +179,10 @@ class UpdateSink(WeightLoader):
             merged.update(chunk)
         self._staged.clear()
         self.staged_bytes = 0
+        if self._kept_by_loader:  # disjoint from ``merged``: each name once per update
+            self._kept_by_loader = False
+            self.touched = True
+            self.loader.commit_staged()
         if merged:
             self.touched = True
             await self.loader.load_weights(merged)
@@ -178,6 +191,9 @@ class UpdateSink(WeightLoader):
         """Drop every staged tensor (the update failed): the weights never saw them."""
         self._staged.clear()
         self.staged_bytes = 0
+        if self._kept_by_loader:
+            self._kept_by_loader = False
+            self.loader.discard_staged()
 
     def __getattr__(self, item: str) -> Any:  # loader attributes a receiver may read
         return getattr(self.loader, item)

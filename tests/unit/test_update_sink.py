@@ -110,10 +110,41 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in _model(seed).state_dict().items()}
 
 
+class ShadowLoader(TorchModuleWeightLoader):
+    """The ``torch_module`` loader staging through a ``CopyPlan`` (shadows of the parameters,
+    swapped in at the finish), as vLLM's direct mode does: the sink's ``stage_weights`` path."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module=module)
+        from weightsync.loaders.copy_plan import CopyPlan
+
+        def load(items) -> None:
+            params = dict(module.named_parameters())
+            with torch.no_grad():
+                for name, t in items:
+                    params[name].copy_(t)
+
+        self.plan = CopyPlan(module, load)
+
+    async def load_weights(self, named_tensors) -> None:
+        self.plan.load(list(named_tensors.items()))
+        self.loads += 1
+
+    def stage_weights(self, named_tensors) -> bool:
+        return self.plan.stage(list(named_tensors.items()))
+
+    def commit_staged(self) -> None:
+        self.plan.commit_staged(swap=True)
+
+    def discard_staged(self) -> None:
+        self.plan.discard_staged()
+
+
 class Engine:
-    def __init__(self, stage_updates: bool | None = None) -> None:
+    def __init__(self, stage_updates: bool | None = None, shadow: bool = False) -> None:
         self.module = _model(0)
-        self.loader = TorchModuleWeightLoader(module=self.module)
+        self.loader = (ShadowLoader(self.module) if shadow
+                       else TorchModuleWeightLoader(module=self.module))
         self.ep = WeightUpdateEndpoint(self.loader, name="eng0", stage_updates=stage_updates)
         _run(self.ep.init_weight_transfer({"type": STRATEGY}, ws.EmptyWeightSyncInfo().to_dict(), 1))
 
@@ -276,6 +307,37 @@ def test_staged_update_lands_only_at_finish_and_reports_its_staging():
     assert e.finish("u", 7, 2) == 7 and e.ep.state == "idle"
     _same(e.weights(), new)
     assert e.loader.loads == 1  # both chunks in one load: one wait for the copies
+
+
+def test_a_loader_that_keeps_staged_chunks_gets_them_as_they_come_and_publishes_at_finish():
+    e = Engine(shadow=True)
+    e.start("u0", 1)
+    e.chunk("u0", 0, _weights(1))  # in place: the plan learns the module
+    assert e.finish("u0", 1, 1) == 1
+    before, loads = e.weights(), e.loader.loads
+    ptr = e.module[0].weight.data_ptr()
+    new = _weights(2)
+    a, b = _halves(new)
+    e.start("u", 2, staged=True)
+    e.chunk("u", 0, a)
+    e.chunk("u", 1, b)
+    progress = e.ep.status().update
+    assert progress.staged and progress.staged_bytes == sum(t.numel() * 4 for t in new.values())
+    _same(e.weights(), before)  # kept by the loader, beside the weights
+    assert e.finish("u", 2, 2) == 2
+    _same(e.weights(), new)
+    # swapped in by pointer at the finish: no load call, the parameter has new storage
+    assert e.loader.loads == loads and e.loader.plan.swapped == 4
+    assert e.module[0].weight.data_ptr() != ptr
+    # a staged update that dies: the loader forgets it, the weights are the last version
+    e.start("u2", 3, staged=True)
+    e.chunk("u2", 0, _halves(_weights(3))[0])
+    assert e.finish("u2", 3, 2, ok=False) == 2
+    _same(e.weights(), new)
+    e.start("u3", 3, staged=True)  # the next staged update lands whole
+    e.chunk("u3", 0, _weights(3))
+    assert e.finish("u3", 3, 1) == 3
+    _same(e.weights(), _weights(3))
 
 
 @pytest.mark.parametrize("how", ["abort", "superseded", "closed", "transport"])

@@ -220,6 +220,17 @@ def wait_for_copies(worker: Any) -> None:
         torch.cuda.current_stream().synchronize()
 
 
+def runs_eagerly(worker: Any) -> bool:
+    """No captured CUDA graph holds the addresses of the worker's parameters: the engine was
+    started with ``enforce_eager``, or its compilation config captures none
+    (``cudagraph_mode`` NONE); a parameter may then be given new storage between steps."""
+    if getattr(getattr(worker, "model_config", None), "enforce_eager", False):
+        return True
+    config = getattr(getattr(worker, "vllm_config", None), "compilation_config", None)
+    mode = getattr(config, "cudagraph_mode", None)
+    return mode is not None and str(getattr(mode, "name", mode)) == "NONE"
+
+
 def after_load(worker: Any) -> None:
     """Drop worker-side caches derived from the old weights; wait for device copies."""
     runner = getattr(worker, "model_runner", None)

@@ -34,6 +34,16 @@ model's parameters changed identity or storage since it was learned (``check``):
 Order: replayed copies run before the loader's calls for the rest of the same batch; the two
 sets write disjoint bytes for every model we know (the loader writes each byte once).
 
+**Staging beside the weights** (a staged update: the weights must not change before its
+finish). ``stage(items)`` replays a batch into *shadows* of the parameters it writes (one
+``empty_like`` each, made the first time) instead of the parameters; ``commit_staged(swap=)``
+then publishes them: a parameter whose every byte this update wrote is swapped in by pointer
+(``param.data = shadow``; the old storage becomes its shadow for the next update), the rest of
+what was staged is copied from the shadows (one ``_foreach_copy_``). Swapping is for engines
+that read their parameters through the module (eager); a captured CUDA graph holds the old
+addresses, so there the caller asks for the copy. Memory: one shadow per parameter an update
+writes, kept (a whole-model update: one more copy of the model, as any staging).
+
 Callers: ``weightsync.loaders.vllm.VLLMWeightLoader`` (direct mode), in the vLLM worker process,
 on the thread that runs the loader. Copies are asynchronous on the current CUDA stream, as the
 loader's own are: the caller synchronises before the source buffers may be reused.
@@ -99,6 +109,12 @@ class CopyPlan:
         self.loaded = 0  # tensors loaded through load_fn (cumulative)
         self.direct = 0  # tensors a transport wrote into their direct_target (cumulative)
         self._prepared: dict[tuple[str, ...], _Prepared] = {}  # by the batch's names
+        # staging beside the weights: storage pointer of a parameter -> its shadow
+        self._shadows: dict[int, Any] = {}
+        self._staged_prepared: dict[tuple[str, ...], _Prepared] = {}
+        self._covered: dict[int, int] = {}  # storage pointer -> bytes staged this update
+        self._staged_names: list[str] = []
+        self.swapped = 0  # parameters swapped in by pointer (cumulative)
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -146,6 +162,116 @@ class CopyPlan:
         self._opaque.clear()
         self._modules = None
         self._owners = []
+        self._shadows.clear()
+        self._staged_prepared.clear()
+        self.discard_staged()
+
+    # -- staging beside the weights (see the module docstring) -------------------------------
+    def stage(self, items: Sequence[tuple[str, Any]]) -> bool:
+        """Replay a batch into the shadows of the parameters it writes. False (and nothing
+        copied) unless every name replays and writes only whole, contiguous parameters: the
+        caller then keeps its own copy of the batch and loads it at the finish."""
+        owners = self._whole_owners()
+        entries = []
+        for name, t in items:
+            e = self._entries.get(name)
+            if e is None or not _fits(e, t) or any(
+                    c.dst.untyped_storage().data_ptr() not in owners for c in e.copies):
+                return False
+            entries.append(e)
+        names = tuple(name for name, _ in items)
+        tensors = [t for _, t in items]
+        prepared = self._staged_prepared.get(names)
+        if prepared is None or not prepared.holds(tensors):
+            shadowed = [(_Entry(e.shape, e.stride, e.dtype, e.device_type, tuple(
+                _Copy(self._shadow_view(c.dst, owners), c.size, c.stride, c.delta, c.identity)
+                for c in e.copies)), t) for e, t in zip(entries, tensors, strict=True)]
+            prepared = _Prepared(shadowed)
+            if len(self._staged_prepared) >= MAX_PREPARED:
+                self._staged_prepared.clear()
+            self._staged_prepared[names] = prepared
+        with torch.no_grad():
+            prepared.run(tensors)
+        for e in entries:
+            for c in e.copies:
+                ptr = c.dst.untyped_storage().data_ptr()
+                self._covered[ptr] = self._covered.get(ptr, 0) + c.dst.numel() * c.dst.element_size()
+        self._staged_names.extend(names)
+        return True
+
+    def commit_staged(self, *, swap: bool) -> None:
+        """Publish what ``stage`` staged in this update: with ``swap``, a parameter every byte of
+        which was staged is swapped in by pointer; everything else staged is copied from the
+        shadows. Copies are asynchronous on the current stream, as ``load``'s."""
+        if not self._covered:
+            return
+        owners = self._whole_owners()
+        full = {ptr for ptr, n in self._covered.items()
+                if swap and ptr in owners and n == _nbytes(owners[ptr])}
+        copies: dict[tuple, tuple[list[Any], list[Any]]] = {}
+        for name in self._staged_names:
+            for c in self._entries[name].copies:
+                ptr = c.dst.untyped_storage().data_ptr()
+                if ptr in full:
+                    continue
+                dsts, srcs = copies.setdefault((c.dst.dtype, c.dst.device), ([], []))
+                dsts.append(c.dst)
+                srcs.append(self._shadow_view(c.dst, owners))
+        with torch.no_grad():
+            for dsts, srcs in copies.values():
+                torch._foreach_copy_(dsts, srcs)
+        if full:
+            self._swap(full, owners)
+        self.discard_staged()
+
+    def discard_staged(self) -> None:
+        """Forget what was staged in this update (the shadows stay, for the next one)."""
+        self._covered.clear()
+        self._staged_names.clear()
+
+    def _whole_owners(self) -> dict[int, Any]:
+        """Storage pointer -> the model's tensor that is the whole of that storage (contiguous,
+        offset 0): the parameters a shadow can stand in for."""
+        out = {}
+        for _table, _key, t, _ptr in self._owners:
+            if t.is_contiguous() and t.storage_offset() == 0 and \
+                    t.untyped_storage().nbytes() == _nbytes(t):
+                out[t.untyped_storage().data_ptr()] = t
+        return out
+
+    def _shadow_view(self, dst: Any, owners: dict[int, Any]) -> Any:
+        ptr = dst.untyped_storage().data_ptr()
+        shadow = self._shadows.get(ptr)
+        if shadow is None:
+            shadow = self._shadows[ptr] = torch.empty_like(
+                owners[ptr], memory_format=torch.contiguous_format)
+        return shadow.as_strided(tuple(dst.shape), tuple(dst.stride()), dst.storage_offset())
+
+    def _swap(self, ptrs: set[int], owners: dict[int, Any]) -> None:
+        """``param.data = shadow`` for every model tensor on those storages (identity kept: the
+        model's tables and vLLM's weight loaders hold the same objects); the old storage
+        becomes the shadow, and the plan's copies are pointed at the new storage."""
+        moved: dict[int, Any] = {}  # old storage pointer -> the tensor now serving
+        done: set[int] = set()
+        with torch.no_grad():
+            for _table, _key, t, _ptr in self._owners:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in ptrs or id(t) in done:
+                    continue
+                done.add(id(t))
+                shadow = self._shadows.pop(ptr)
+                old = t.data
+                t.data = shadow
+                moved[ptr] = t
+                self._shadows[shadow.untyped_storage().data_ptr()] = old
+        self.swapped += len(moved)
+        self._owners = [(table, key, t, t.data_ptr()) for table, key, t, _ in self._owners]
+        for name, e in list(self._entries.items()):
+            if any(c.dst.untyped_storage().data_ptr() in moved for c in e.copies):
+                self._entries[name] = _Entry(e.shape, e.stride, e.dtype, e.device_type, tuple(
+                    _retarget(c, moved) for c in e.copies))
+        self._prepared.clear()
+        self._staged_prepared.clear()
 
     def load(self, items: Sequence[tuple[str, Any]]) -> None:
         names = tuple(name for name, _ in items)
@@ -232,6 +358,19 @@ class CopyPlan:
             del self._entries[name]
         self._owners = owners
         self._modules = [id(m) for m in self.model.modules()]
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def _retarget(c: _Copy, moved: dict[int, Any]) -> _Copy:
+    """``c`` writing into the same view of the tensor that now serves in its storage's place."""
+    now = moved.get(c.dst.untyped_storage().data_ptr())
+    if now is None:
+        return c
+    dst = now.data.as_strided(tuple(c.dst.shape), tuple(c.dst.stride()), c.dst.storage_offset())
+    return _Copy(dst, c.size, c.stride, c.delta, c.identity)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -72,12 +72,16 @@ class VLLMLoaderConfig(LoaderConfig):
     whose dtype differs from the served dtype (otherwise vLLM casts on copy). ``copy_plan``
     (direct mode): replay the copies ``model.load_weights`` made the first time it loaded a
     name, instead of running it again (``weightsync.loaders.copy_plan``); False runs
-    ``model.load_weights`` for every chunk."""
+    ``model.load_weights`` for every chunk. ``swap_staged`` (direct mode with a copy plan, an
+    eager engine): a staged update lands in shadows of the parameters and its finish swaps
+    them in by pointer instead of copying (``CopyPlan.stage``); an engine that captured CUDA
+    graphs copies from the shadows (the graphs hold the old addresses)."""
 
     type: str = "vllm"
     load_mode: str = "auto"
     strict_dtype: bool = True
     copy_plan: bool = True
+    swap_staged: bool = True
 
 
 class VLLMWeightLoader(WeightLoader):
@@ -206,6 +210,33 @@ class VLLMWeightLoader(WeightLoader):
 
         return VLLMLoRAAdapterLoader(self.worker, spec, base_meta=self._meta,
                                      model_name=self.model_name)
+
+    def stage_weights(self, named_tensors: dict[str, torch.Tensor]) -> bool:
+        """Direct mode with a copy plan: the chunk into shadows of the parameters it writes
+        (``CopyPlan.stage``) when every tensor replays; else False (the endpoint keeps a copy)."""
+        if self.plan is None:
+            return False
+        trace.mark("vllm.stage.begin", tensors=len(named_tensors))
+        if not self.plan.stage(self._resolve_aliases(named_tensors)):
+            return False
+        compat.wait_for_copies(self.worker)
+        trace.mark("vllm.stage.end")
+        return True
+
+    def commit_staged(self) -> None:
+        """The staged update's finish: swap fully written parameters in by pointer (an eager
+        engine with ``swap_staged``), copy the rest from their shadows."""
+        if self.plan is None:
+            return
+        trace.mark("vllm.commit.begin")
+        swap = bool(self.cfg.swap_staged) and compat.runs_eagerly(self.worker)
+        self.plan.commit_staged(swap=swap)
+        compat.wait_for_copies(self.worker)
+        trace.mark("vllm.commit.end", swapped=self.plan.swapped)
+
+    def discard_staged(self) -> None:
+        if self.plan is not None:
+            self.plan.discard_staged()
 
     def loaded_in_place(self, names: Sequence[str]) -> None:
         if self.plan is not None:

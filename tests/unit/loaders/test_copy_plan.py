@@ -201,3 +201,50 @@ def test_direct_target_is_the_whole_copy_of_a_learned_name_and_nothing_else():
     plan.load([(n, t) for n, t in items.items() if n not in direct])
     _loader(ref)(list(items.items()))
     assert _same(model, ref) == []
+
+
+def test_staged_batches_land_only_at_commit_by_pointer_swap_or_copy_and_replay_follows():
+    model, ref, plan = _pair()
+    plan.load(_state(0))  # learned
+    _loader(ref)(_state(0))
+    ptrs = {n: t.data_ptr() for n, t in model.named_parameters()}
+    qkv = model.qkv
+    replayed = [(n, t) for n, t in _state(1) if n in REPLAYED]
+    # a batch with a name the plan cannot replay is refused whole, nothing copied
+    assert not plan.stage(_state(1))
+    assert plan.stage(replayed[:3]) and plan.stage(replayed[3:])
+    assert _same(model, ref) == []  # staged: the weights did not change
+    plan.commit_staged(swap=True)
+    _loader(ref)(replayed)
+    assert _same(model, ref) == []
+    # every byte of qkv, gate_up, norm and the buffer was staged: swapped in by pointer (the
+    # same Parameter object, new storage); the embedding's padded rows were not: copied
+    assert plan.swapped == 4
+    assert model.qkv is qkv and qkv.data_ptr() != ptrs["qkv"]
+    assert model.embed.data_ptr() == ptrs["embed"]
+    assert plan.check() and set(plan.names) == REPLAYED  # the plan follows the swap
+    plan.load(_state(2))  # an in-place update replays into the storage that now serves
+    _loader(ref)(_state(2))
+    assert _same(model, ref) == []
+    # a failed staged update: discarded, the weights stay
+    assert plan.stage([(n, t) for n, t in _state(3) if n in REPLAYED])
+    plan.discard_staged()
+    assert _same(model, ref) == []
+    # a swap again: the two storages take turns (the old one became the shadow)
+    batch = [(n, t) for n, t in _state(4) if n in REPLAYED]
+    assert plan.stage(batch)
+    plan.commit_staged(swap=True)
+    _loader(ref)(batch)
+    assert _same(model, ref) == [] and qkv.data_ptr() == ptrs["qkv"] and plan.swapped == 8
+    # without swapping (an engine with CUDA graphs): copied, the addresses stay
+    batch = [(n, t) for n, t in _state(5) if n in REPLAYED]
+    assert plan.stage(batch)
+    plan.commit_staged(swap=False)
+    _loader(ref)(batch)
+    assert _same(model, ref) == [] and qkv.data_ptr() == ptrs["qkv"] and plan.swapped == 8
+    # a staged update that writes only part of a parameter (q of qkv): copied, not swapped
+    batch = [(n, t) for n, t in _state(6) if n == "q_proj.weight"]
+    assert plan.stage(batch)
+    plan.commit_staged(swap=True)
+    _loader(ref)(batch)
+    assert _same(model, ref) == [] and qkv.data_ptr() == ptrs["qkv"] and plan.swapped == 8
