@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 # tensor of every sync): what the copy plan saves
 # broadcast_ungrouped: broadcast with group_calls off (one NCCL call per tensor, not one group
 # call per chunk): what the group call saves; broadcast_serial: with overlap_chunks off (one
-# chunk at a time on both sides): what overlapping the chunks saves
-OURS = ("broadcast", "broadcast_ungrouped", "broadcast_serial", "cuda_ipc", "packed_cuda_ipc",
-        "cuda_ipc_1chunk", "cuda_ipc_load_weights")
+# chunk at a time on both sides): what overlapping the chunks saves; broadcast_staged: with
+# staged on (the engine keeps the update beside its weights until the finish; vLLM's direct
+# mode swaps it in by pointer on an eager engine): what an update that never tears costs
+OURS = ("broadcast", "broadcast_ungrouped", "broadcast_serial", "broadcast_staged", "cuda_ipc",
+        "packed_cuda_ipc", "cuda_ipc_1chunk", "cuda_ipc_load_weights")
 # the headline rows: the path users take, ``ws.connect([llm], strategy).push(model, version=)``
 # (NCCL to an engine on the next GPU; CUDA IPC into an engine on the trainer's GPU)
 PUSH = ("push_broadcast", "push_cuda_ipc")
@@ -25,7 +27,7 @@ NATIVE = ("native_nccl", "native_ipc", "native_ipc_packed")
 ALL_ROWS = (*PUSH, *OURS, PER_PARAM, LUDIC, *NATIVE)
 # engine on another GPU (NCCL)
 REMOTE_ROWS = ("push_broadcast", "broadcast", "broadcast_ungrouped", "broadcast_serial",
-               PER_PARAM, LUDIC, "native_nccl")
+               "broadcast_staged", PER_PARAM, LUDIC, "native_nccl")
 
 
 @dataclass(kw_only=True)

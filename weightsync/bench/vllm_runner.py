@@ -204,6 +204,8 @@ class Bench:
         elif row == "broadcast_serial":
             strategy = {"type": "broadcast", "backend": backend, "overlap_chunks": False,
                         **common}
+        elif row == "broadcast_staged":
+            strategy = {"type": "broadcast", "backend": backend, "staged": True, **common}
         elif row == "cuda_ipc_load_weights":
             strategy = {"type": "cuda_ipc", **common}
         elif row == "cuda_ipc_1chunk":  # one chunk: a bucket larger than the model
@@ -466,6 +468,7 @@ class Bench:
         by = {r["row"]: r for r in self.rows if r.get("seconds")}
         pairs = {"push_broadcast": "native_nccl", "broadcast": "native_nccl",
                  "broadcast_ungrouped": "native_nccl", "broadcast_serial": "native_nccl",
+                 "broadcast_staged": "native_nccl",
                  "per_param": "native_nccl", "ludic": "native_nccl",
                  "push_cuda_ipc": "native_ipc", "cuda_ipc": "native_ipc",
                  "packed_cuda_ipc": "native_ipc", "cuda_ipc_1chunk": "native_ipc",

@@ -31,7 +31,8 @@ def test_cli_runs_every_cpu_row_and_verifies_it(tmp_path):
     result = json.loads(out.read_text())
     rows = {r["row"]: r for r in result["rows"]}
     assert set(rows) == {"push_broadcast", "push_cuda_ipc", "broadcast", "broadcast_ungrouped",
-                         "broadcast_serial", "cuda_ipc", "packed_cuda_ipc", "cuda_ipc_1chunk",
+                         "broadcast_serial", "broadcast_staged", "cuda_ipc", "packed_cuda_ipc",
+                         "cuda_ipc_1chunk",
                          "cuda_ipc_load_weights", "per_param", "ludic"}  # native: GPU-only
     # the headline rows go through the front door and say what it adds to the path it drives,
     # split: the extractor and manifest, the sender, the sender's send_chunks
@@ -46,6 +47,7 @@ def test_cli_runs_every_cpu_row_and_verifies_it(tmp_path):
     # gloo cannot group its calls: the ungrouped row is the same protocol (both exact, above)
     assert rows["broadcast_ungrouped"]["strategy"]["group_calls"] is False
     assert rows["broadcast_serial"]["strategy"]["overlap_chunks"] is False
+    assert rows["broadcast_staged"]["strategy"]["staged"] is True  # exact below, like the rest
     for r in rows.values():
         assert r["verified"] and r["bit_exact"] and r["logprobs"]["ok"], r
         assert r["check"]["compared"] > 0 and not r["check"]["mismatched"]
