@@ -114,6 +114,8 @@ class CopyPlan:
         self._staged_prepared: dict[tuple[str, ...], _Prepared] = {}
         self._covered: dict[int, int] = {}  # storage pointer -> bytes staged this update
         self._staged_names: list[str] = []
+        self._whole: dict[int, Any] | None = None  # storage pointer -> whole-storage owner
+        self._moved: dict[int, Any] = {}  # swapped storages whose copies are not yet retargeted
         self.swapped = 0  # parameters swapped in by pointer (cumulative)
 
     # -- public ----------------------------------------------------------------------------
@@ -133,6 +135,7 @@ class CopyPlan:
         source into a contiguous view of the same dtype and size: most tensors of an unsharded
         model, q/k/v into their rows of a fused ``qkv_proj``); else None. Bytes written there
         are exactly what a replay would copy."""
+        self._settle()
         e = self._entries.get(name)
         if e is None or len(e.copies) != 1 or e.dtype != dtype or e.shape != tuple(shape):
             return None
@@ -150,6 +153,7 @@ class CopyPlan:
         for a 7B model)."""
         if self._modules is None:
             return True
+        self._settle()
         same = [id(m) for m in self.model.modules()] == self._modules and all(
             table.get(key) is t and t.data_ptr() == ptr for table, key, t, ptr in self._owners)
         if not same:
@@ -164,6 +168,8 @@ class CopyPlan:
         self._owners = []
         self._shadows.clear()
         self._staged_prepared.clear()
+        self._whole = None
+        self._moved.clear()
         self.discard_staged()
 
     # -- staging beside the weights (see the module docstring) -------------------------------
@@ -171,6 +177,7 @@ class CopyPlan:
         """Replay a batch into the shadows of the parameters it writes. False (and nothing
         copied) unless every name replays and writes only whole, contiguous parameters: the
         caller then keeps its own copy of the batch and loads it at the finish."""
+        self._settle()
         owners = self._whole_owners()
         entries = []
         for name, t in items:
@@ -205,6 +212,7 @@ class CopyPlan:
         shadows. Copies are asynchronous on the current stream, as ``load``'s."""
         if not self._covered:
             return
+        self._settle()
         owners = self._whole_owners()
         full = {ptr for ptr, n in self._covered.items()
                 if swap and ptr in owners and n == _nbytes(owners[ptr])}
@@ -231,13 +239,31 @@ class CopyPlan:
 
     def _whole_owners(self) -> dict[int, Any]:
         """Storage pointer -> the model's tensor that is the whole of that storage (contiguous,
-        offset 0): the parameters a shadow can stand in for."""
-        out = {}
-        for _table, _key, t, _ptr in self._owners:
-            if t.is_contiguous() and t.storage_offset() == 0 and \
-                    t.untyped_storage().nbytes() == _nbytes(t):
-                out[t.untyped_storage().data_ptr()] = t
-        return out
+        offset 0): the parameters a shadow can stand in for. Worked out once per learned plan
+        (vLLM's parameter subclasses make each query a Python call: ~10 us)."""
+        if self._whole is None:
+            out = {}
+            with torch._C.DisableTorchFunctionSubclass():
+                for _table, _key, t, _ptr in self._owners:
+                    if t.is_contiguous() and t.storage_offset() == 0 and \
+                            t.untyped_storage().nbytes() == _nbytes(t):
+                        out[t.untyped_storage().data_ptr()] = t
+            self._whole = out
+        return self._whole
+
+    def _settle(self) -> None:
+        """Point the copies of swapped parameters at the storage that serves now (deferred from
+        the swap, which stands generation still, to the next use of the plan)."""
+        if not self._moved:
+            return
+        moved, self._moved = self._moved, {}
+        with torch._C.DisableTorchFunctionSubclass():
+            for name, e in list(self._entries.items()):
+                if any(c.dst.untyped_storage().data_ptr() in moved for c in e.copies):
+                    self._entries[name] = _Entry(e.shape, e.stride, e.dtype, e.device_type,
+                                                 tuple(_retarget(c, moved) for c in e.copies))
+        self._prepared.clear()
+        self._staged_prepared.clear()
 
     def _shadow_view(self, dst: Any, owners: dict[int, Any]) -> Any:
         ptr = dst.untyped_storage().data_ptr()
@@ -252,28 +278,26 @@ class CopyPlan:
         model's tables and vLLM's weight loaders hold the same objects); the old storage
         becomes the shadow, and the plan's copies are pointed at the new storage."""
         moved: dict[int, Any] = {}  # old storage pointer -> the tensor now serving
-        done: set[int] = set()
-        with torch.no_grad():
-            for _table, _key, t, _ptr in self._owners:
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in ptrs or id(t) in done:
-                    continue
-                done.add(id(t))
+        whole = self._whole_owners()
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            for ptr in ptrs:
+                t = whole.pop(ptr)  # one object per storage (a tied table entry is the same)
                 shadow = self._shadows.pop(ptr)
                 old = t.data
                 t.data = shadow
                 moved[ptr] = t
-                self._shadows[shadow.untyped_storage().data_ptr()] = old
+                new_ptr = shadow.untyped_storage().data_ptr()
+                self._shadows[new_ptr] = old
+                whole[new_ptr] = t
+            self._owners = [(table, key, t, t.data_ptr() if t.untyped_storage().data_ptr()
+                             in whole else ptr) for table, key, t, ptr in self._owners]
         self.swapped += len(moved)
-        self._owners = [(table, key, t, t.data_ptr()) for table, key, t, _ in self._owners]
-        for name, e in list(self._entries.items()):
-            if any(c.dst.untyped_storage().data_ptr() in moved for c in e.copies):
-                self._entries[name] = _Entry(e.shape, e.stride, e.dtype, e.device_type, tuple(
-                    _retarget(c, moved) for c in e.copies))
+        self._moved.update(moved)
         self._prepared.clear()
         self._staged_prepared.clear()
 
     def load(self, items: Sequence[tuple[str, Any]]) -> None:
+        self._settle()
         names = tuple(name for name, _ in items)
         prepared = self._prepared.get(names)
         if prepared is not None:
@@ -357,6 +381,7 @@ class CopyPlan:
                      if any(c.dst.untyped_storage().data_ptr() not in found for c in e.copies)]:
             del self._entries[name]
         self._owners = owners
+        self._whole = None
         self._modules = [id(m) for m in self.model.modules()]
 
 
