@@ -237,18 +237,38 @@ class CopyPlan:
         self._covered.clear()
         self._staged_names.clear()
 
+    @property
+    def shadow_bytes(self) -> int:
+        """Device memory the shadows hold (kept between staged updates)."""
+        return sum(_nbytes(t) for t in self._shadows.values())
+
+    def release_shadows(self) -> int:
+        """Drop the shadows (before the engine sleeps; the next staged update makes them
+        again); returns the bytes they held. Not while an update is staged."""
+        if self._covered:
+            raise RuntimeError("release_shadows: a staged update holds them; finish it first")
+        freed = self.shadow_bytes
+        self._shadows.clear()
+        self._staged_prepared.clear()
+        return freed
+
     def _whole_owners(self) -> dict[int, Any]:
         """Storage pointer -> the model's tensor that is the whole of that storage (contiguous,
         offset 0): the parameters a shadow can stand in for. Worked out once per learned plan
         (vLLM's parameter subclasses make each query a Python call: ~10 us)."""
         if self._whole is None:
-            out = {}
+            out: dict[int, Any] = {}
+            seen: dict[int, set[int]] = {}  # storage -> the model tensors on it (by id)
             with torch._C.DisableTorchFunctionSubclass():
                 for _table, _key, t, _ptr in self._owners:
+                    ptr = t.untyped_storage().data_ptr()
+                    seen.setdefault(ptr, set()).add(id(t))
                     if t.is_contiguous() and t.storage_offset() == 0 and \
                             t.untyped_storage().nbytes() == _nbytes(t):
-                        out[t.untyped_storage().data_ptr()] = t
-            self._whole = out
+                        out[ptr] = t
+            # a storage behind two model tensors (a tie by storage, a view) is never swapped:
+            # the other tensor would keep reading the old storage
+            self._whole = {ptr: t for ptr, t in out.items() if len(seen[ptr]) == 1}
         return self._whole
 
     def _settle(self) -> None:

@@ -238,6 +238,11 @@ class VLLMWeightLoader(WeightLoader):
         if self.plan is not None:
             self.plan.discard_staged()
 
+    def release_staging(self) -> int:
+        """Free the shadows staged updates keep between updates (before vLLM's sleep frees
+        the weights: the shadows are not vLLM's memory); returns the bytes freed."""
+        return self.plan.release_shadows() if self.plan is not None else 0
+
     def loaded_in_place(self, names: Sequence[str]) -> None:
         if self.plan is not None:
             self.plan.direct += len(names)

@@ -241,7 +241,19 @@ class WeightSyncWorkerExtension:
                 "copy_plan": None if plan is None else {
                     "names": len(plan.names), "opaque": plan.opaque[:20],
                     "replayed": plan.replayed, "loaded": plan.loaded,
-                    "direct": plan.direct}}
+                    "direct": plan.direct, "swapped": plan.swapped,
+                    "shadow_bytes": plan.shadow_bytes}}
+
+    def weightsync_release_staging(self) -> int:
+        """Free what staged updates keep beside the weights between updates (the copy plan's
+        shadows): the sleep mode calls it before vLLM's sleep. Returns the bytes freed."""
+        release = getattr(self._ws().loader, "release_staging", None)
+        freed = int(release()) if release is not None else 0
+        if freed and compat.worker_device(self) == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        return freed
 
     def weightsync_expected_metadata(self) -> list[dict] | None:
         meta = self._ws().loader.expected_metadata()

@@ -6,7 +6,9 @@ level 1 moves the weights to host memory and drops the KV cache, level 2 drops b
 weights must then come from a push). Routes (mounted by ``weightsync.servers.reward``):
 
 - ``POST /sleep`` ``{"level": 1 | 2}`` (or ``?level=``; token required): waits for the requests
-  in flight, then sleeps; -> ``{"ok", "level", "sleep_s"}``. Refused (409) during an update.
+  in flight, frees the shadows staged updates keep beside the weights (worker call
+  ``weightsync_release_staging``: they are not vLLM's memory), then sleeps; -> ``{"ok",
+  "level", "sleep_s"}``. Refused (409) during an update.
 - ``POST /wake_up`` ``{"tags": ["weights", "kv_cache"]}`` (or ``?tags=``; default both; token
   required) -> ``{"ok", "tags", "wake_s"}``.
 - ``GET /is_sleeping`` -> ``{"is_sleeping", "level", "weights_asleep", "kv_cache_asleep",
@@ -100,6 +102,10 @@ class SleepMode:
                                     "progress; sleep after it finished")
         async with self._transition():
             t0 = time.perf_counter()
+            # the shadows staged updates keep beside the weights are not vLLM's memory: its
+            # sleep would leave them on the device (made again by the next staged update)
+            with contextlib.suppress(Exception):
+                await self.engine.collective_rpc("weightsync_release_staging")
             await self.engine.sleep(level=level)
             self.last_sleep_s = time.perf_counter() - t0
             self.level, self.asleep = level, set(TAGS)

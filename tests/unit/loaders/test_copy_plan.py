@@ -248,3 +248,48 @@ def test_staged_batches_land_only_at_commit_by_pointer_swap_or_copy_and_replay_f
     plan.commit_staged(swap=True)
     _loader(ref)(batch)
     assert _same(model, ref) == [] and qkv.data_ptr() == ptrs["qkv"] and plan.swapped == 8
+
+
+def test_a_storage_behind_two_model_tensors_is_never_staged_into_a_shadow():
+    model, ref, plan = _pair()
+    # the head tied to the norm by storage, as two Parameter objects: swapping one would leave
+    # the other on the old storage
+    model.tied = torch.nn.Parameter(model.norm.data, requires_grad=False)
+    ref.tied = torch.nn.Parameter(ref.norm.data, requires_grad=False)
+    plan.load(_state(0))
+    _loader(ref)(_state(0))
+    norm = [(n, t) for n, t in _state(1) if n == "norm.weight"]
+    assert not plan.stage(norm)  # the sink then keeps a copy and loads it at the finish
+    qkv = [(n, t) for n, t in _state(1) if n.endswith(("q_proj.weight", "k_proj.weight",
+                                                       "v_proj.weight"))]
+    assert plan.stage(qkv)
+    plan.commit_staged(swap=True)
+    _loader(ref)(qkv)
+    assert _same(model, ref) == [] and plan.swapped == 1
+    assert model.tied.data_ptr() == model.norm.data_ptr()
+
+
+def test_shadows_are_kept_between_staged_updates_and_released_before_a_sleep():
+    import weakref
+
+    model, ref, plan = _pair()
+    plan.load(_state(0))
+    _loader(ref)(_state(0))
+    batch = [(n, t) for n, t in _state(1) if n in REPLAYED]
+    assert plan.stage(batch)
+    with pytest.raises(RuntimeError, match="a staged update holds them"):
+        plan.release_shadows()
+    plan.commit_staged(swap=True)
+    _loader(ref)(batch)
+    held = plan.shadow_bytes
+    # one shadow per parameter written: qkv, gate_up, the embedding, the norm, the buffer
+    assert held == sum(t.numel() * t.element_size() for t in
+                       (model.qkv, model.gate_up, model.embed, model.norm, model.inv_freq))
+    gone = [weakref.ref(t) for t in plan._shadows.values()]
+    assert plan.release_shadows() == held and plan.shadow_bytes == 0
+    assert all(r() is None for r in gone)  # freed, not kept by a cached replay
+    batch = [(n, t) for n, t in _state(2) if n in REPLAYED]
+    assert plan.stage(batch)  # made again
+    plan.commit_staged(swap=True)
+    _loader(ref)(batch)
+    assert _same(model, ref) == []
