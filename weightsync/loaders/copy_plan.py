@@ -296,7 +296,8 @@ class CopyPlan:
     def _swap(self, ptrs: set[int], owners: dict[int, Any]) -> None:
         """``param.data = shadow`` for every model tensor on those storages (identity kept: the
         model's tables and vLLM's weight loaders hold the same objects); the old storage
-        becomes the shadow, and the plan's copies are pointed at the new storage."""
+        becomes the shadow. The plan's copies are pointed at the new storage at its next use
+        (``_settle``), outside the pause this runs in."""
         moved: dict[int, Any] = {}  # old storage pointer -> the tensor now serving
         whole = self._whole_owners()
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
