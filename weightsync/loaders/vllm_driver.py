@@ -22,6 +22,7 @@ engine actors (``weightsync.ray.vllm``) and the servers' control plane
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 from weightsync.errors import WeightSyncTimeout
@@ -38,13 +39,21 @@ class VLLMWorkers:
         self.engine = engine
         self.name = name
         self._world_size: int | None = None
+        # the blocking LLM's engine-core client is not thread-safe (one zmq socket): its calls
+        # run one at a time, each in a thread (a second caller waits its turn off the loop)
+        self._blocking = threading.Lock()
 
     async def rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         fn = self.engine.collective_rpc
         try:
             if asyncio.iscoroutinefunction(fn):
                 return list(await fn(method, timeout=timeout_s, args=args))
-            return list(await asyncio.to_thread(fn, method, timeout_s, args))
+
+            def one_at_a_time() -> Any:
+                with self._blocking:
+                    return fn(method, timeout_s, args)
+
+            return list(await asyncio.to_thread(one_at_a_time))
         except TimeoutError as e:
             if isinstance(e, WeightSyncTimeout):
                 raise

@@ -698,15 +698,17 @@ async def _chunk_then_finish(client: InferenceEngineClient, request: dict,
                              start: dict | None = None) -> list[int | None]:
     """A streamed update's one request, then its finish: one ``apply_update(start, [request],
     finish)`` call with ``fused`` (``start`` None: answered already by its own call), else two
-    calls, the finish once every engine answered the request. A failed request closes the
-    update as aborted (an engine whose fused call failed closed it itself; the abort then
-    finds nothing open)."""
+    calls, the finish once every engine answered the request. A failed request call closes
+    the update as aborted on the engines that are left; a failed fused call sends nothing
+    more (an engine's ``apply_update`` closes its own update when it fails, or never opened
+    it: a refused start; an engine that died or hangs gets its update superseded by the next
+    start)."""
     assert fused or start is None, "a start travels alone or inside apply_update"
+    if fused:
+        versions = list(await client.apply_update(start, [request], finish))
+        trace.mark("rpc.apply.end")
+        return versions
     try:
-        if fused:
-            versions = list(await client.apply_update(start, [request], finish))
-            trace.mark("rpc.apply.end")
-            return versions
         await client.update_named_weights(request)
         trace.mark("rpc.request.end")
     except BaseException as e:  # close the update on the engines that are left, in the background
