@@ -8,8 +8,9 @@ engine actors (``weightsync.ray.vllm``) and the servers' control plane
 ``collective_rpc("weightsync_call", method, kwargs)``:
 
 * ``rpc(method, *args, timeout_s=)``: any extension method on every worker, awaited whether the
-  engine's ``collective_rpc`` is blocking (run in a thread) or a coroutine; no answer within
-  ``timeout_s`` is a ``WeightSyncTimeout`` naming the engine and the method;
+  engine's ``collective_rpc`` is blocking (run in a thread, one call at a time: the blocking
+  ``LLM``'s engine-core client is one zmq socket, not thread-safe) or a coroutine; no answer
+  within ``timeout_s`` is a ``WeightSyncTimeout`` naming the engine and the method;
 * ``answers(method, kwargs)``: the workers' raw ``{"ok", ...}`` answers to one endpoint call
   (a caller that maps failures itself, the server, reads them);
 * ``call(method, kwargs)``: the same, turned into one result or the most telling error
