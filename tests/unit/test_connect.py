@@ -315,7 +315,13 @@ def test_one_extractor_per_model_is_kept_across_pushes_and_a_changed_model_is_se
     assert kept and rebuilt and _same(modules[0], RewardNet(2))
 
 
-def test_an_unchanged_model_is_pushed_from_its_held_chunks_without_a_new_extraction():
+def test_an_unchanged_model_is_pushed_from_its_held_chunks_without_a_new_extraction(
+        monkeypatch):
+    import weightsync.extractors.auto as auto
+
+    kinds = []  # the model's kind is found again only when the held update does not hold
+    real_kind = auto.model_kind
+    monkeypatch.setattr(auto, "model_kind", lambda m: (kinds.append(1), real_kind(m))[1])
     modules, eps = _engines()
     src = RewardNet(1)
     passes = []
@@ -342,3 +348,6 @@ def test_an_unchanged_model_is_pushed_from_its_held_chunks_without_a_new_extract
             assert len(passes) == 1  # held again
 
     asyncio.run(go())
+    # found when the extractor was built (twice: to key it, to configure it) and once for the
+    # push after the tensor was replaced (the kept extractor fits); never for a held update
+    assert len(kinds) == 3
