@@ -41,11 +41,14 @@ def _rank_main(rank: int, world: int, port: int, stage: int, out_path: str) -> N
     torch.set_num_threads(1)
     deepspeed.ops.__compatible_ops__ = {}  # no JIT build of the shm all-reduce kernel
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=120))
+    import torch.distributed as dist
+
     try:
         asyncio.run(_rank_async(rank, stage, out_path))
+        # leave together: a rank that destroys its group while the other still uses the store
+        # rank 0 hosts has ended in gloo's "terminate called without an active exception"
+        dist.barrier()
     finally:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
 
 

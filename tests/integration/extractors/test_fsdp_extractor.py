@@ -12,32 +12,14 @@ gathered bytes never exceed 2 buckets.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-from datetime import timedelta
 
 import pytest
-from _sharded_sync import batch, check_report, sync_loop, tiny_qwen2
-
-from weightsync.testing.servers import free_port
+from _sharded_sync import batch, check_report, spawn_gloo_ranks, sync_loop, tiny_qwen2
 
 pytestmark = pytest.mark.slow
 
 BUCKET_MB = 0.125
-
-
-def _rank_main(rank: int, world: int, port: int, out_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        asyncio.run(_rank_async(rank, world, out_path))
-    finally:
-        dist.destroy_process_group()
 
 
 async def _rank_async(rank: int, world: int, out_path: str) -> None:
@@ -76,10 +58,8 @@ async def _rank_async(rank: int, world: int, out_path: str) -> None:
 
 
 def test_fsdp2_two_ranks_sync_bit_exact_and_bounded(tmp_path) -> None:
-    import torch.multiprocessing as mp
-
     out = str(tmp_path / "report.json")
-    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn_gloo_ranks(_rank_async, out)  # the ranks leave together (a barrier before destroy)
     expected = [n for n in tiny_qwen2().state_dict() if n != "lm_head.weight"]
     report = check_report(out, bucket_mb=BUCKET_MB, expected_names=expected)
     assert "model.embed_tokens.weight" in report["names"]
