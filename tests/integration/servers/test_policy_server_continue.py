@@ -102,23 +102,35 @@ def test_a_request_in_flight_continues_on_the_new_weights_and_says_where(continu
     new = Reference(server.model_dir)
     trained = new.perturb(seed=21)
     log = Path(server.process.log_path)
-    out: dict = {}
-    started, landed, go = threading.Event(), threading.Event(), threading.Event()
-    result: dict = {}
     with ws.connect_sync([server.url], {"type": "cuda_ipc", "timeout_s": 60},
                          api_key=server.api_key) as sync:
-        v0 = sync.push({n: p.detach().clone() for n, p in old.model.named_parameters()}
-                       ).versions[0]
-        sync.session.client = _FinishOnCue(sync.session.client, landed, go)
-        pusher = threading.Thread(target=lambda: result.update(stats=sync.push(trained)))
-        pusher.start()
-        assert landed.wait(120)  # every byte of the update is staged on the server
-        reader = threading.Thread(target=_stream, args=(server, out, started))
-        reader.start()
-        assert started.wait(120)
-        go.set()  # the flip, under the stream
-        pusher.join(120)
-        reader.join(300)
+        inner = sync.session.client
+        # the test's own timing: on 2 loaded cores the finish, released at FLIP_AFTER tokens,
+        # has reached the engine only after a 600-token stream ended (the flip then lands
+        # under no request: nothing to check). Such an attempt is run again from the old
+        # weights, at most 3 times; the checks below are made on the attempt that flipped
+        # under the stream.
+        for _attempt in range(3):
+            out: dict = {}
+            result: dict = {}
+            started, landed, go = threading.Event(), threading.Event(), threading.Event()
+            sync.session.client = inner
+            v0 = sync.push({n: p.detach().clone() for n, p in old.model.named_parameters()}
+                           ).versions[0]
+            sync.session.client = _FinishOnCue(inner, landed, go)
+            pusher = threading.Thread(
+                target=lambda r=result: r.update(stats=sync.push(trained)))
+            pusher.start()
+            assert landed.wait(120)  # every byte of the update is staged on the server
+            reader = threading.Thread(target=_stream, args=(server, out, started))
+            reader.start()
+            assert started.wait(120)
+            go.set()  # the flip, under the stream
+            pusher.join(120)
+            reader.join(300)
+            if "spans" in out:
+                break
+        sync.session.client = inner
     assert out["status"] == 200 and out["header_version"] == v0
     assert result["stats"].versions == [v0 + 1]
     tokens = out["tokens"]
