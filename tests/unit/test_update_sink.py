@@ -293,16 +293,22 @@ def test_chunks_without_checksums_are_not_checked():
 # -- staging ----------------------------------------------------------------------------------------
 
 
-def test_staged_update_lands_only_at_finish_and_reports_its_staging():
-    e = Engine()
-    before = e.weights()
-    new = _weights(4)
+def _stage_in_halves(e, version: int, new: dict[str, torch.Tensor]) -> None:
+    """A staged update "u" of ``new`` in two chunks, not finished; the endpoint reports all of
+    its bytes as staged."""
     a, b = _halves(new)
-    e.start("u", 7, staged=True)
+    e.start("u", version, staged=True)
     e.chunk("u", 0, a)
     e.chunk("u", 1, b)
     progress = e.ep.status().update
     assert progress.staged and progress.staged_bytes == sum(t.numel() * 4 for t in new.values())
+
+
+def test_staged_update_lands_only_at_finish_and_reports_its_staging():
+    e = Engine()
+    before = e.weights()
+    new = _weights(4)
+    _stage_in_halves(e, 7, new)
     _same(e.weights(), before)
     assert e.finish("u", 7, 2) == 7 and e.ep.state == "idle"
     _same(e.weights(), new)
@@ -317,12 +323,7 @@ def test_a_loader_that_keeps_staged_chunks_gets_them_as_they_come_and_publishes_
     before, loads = e.weights(), e.loader.loads
     ptr = e.module[0].weight.data_ptr()
     new = _weights(2)
-    a, b = _halves(new)
-    e.start("u", 2, staged=True)
-    e.chunk("u", 0, a)
-    e.chunk("u", 1, b)
-    progress = e.ep.status().update
-    assert progress.staged and progress.staged_bytes == sum(t.numel() * 4 for t in new.values())
+    _stage_in_halves(e, 2, new)
     _same(e.weights(), before)  # kept by the loader, beside the weights
     assert e.finish("u", 2, 2) == 2
     _same(e.weights(), new)
