@@ -10,7 +10,9 @@ merges every process's file into one table per push.
 Who calls what, in which process:
 
 * ``mark``: phase boundaries of the update path, never per tensor: the front door
-  (``connect.py``: ``push.*``), the broadcast sender's control calls (``rpc.*``), the stream's
+  (``connect.py``: ``push.*``), the broadcast sender's control calls and the vLLM driver's
+  thread that carries them (``rpc.*``), the vLLM worker extension's entry and answer
+  (``worker.*``, each engine worker), the stream's
   feed (``feed.*``, the trainer's event loop) and lane (``lane.*``, the trainer's lane thread),
   the endpoint (``endpoint.*``, each engine worker), the stream's receiver (``recv.*``) and the
   vLLM loader (``vllm.*``). Any thread may call it.

@@ -26,6 +26,7 @@ import asyncio
 import threading
 from typing import Any
 
+from weightsync._runtime import trace
 from weightsync.errors import WeightSyncTimeout
 
 #: endpoint calls after which the engine serves new weights (unless they aborted the update)
@@ -52,7 +53,11 @@ class VLLMWorkers:
 
             def one_at_a_time() -> Any:
                 with self._blocking:
-                    return fn(method, timeout_s, args)
+                    trace.mark("rpc.thread.begin", method=method)
+                    try:
+                        return fn(method, timeout_s, args)
+                    finally:
+                        trace.mark("rpc.thread.end")
 
             return list(await asyncio.to_thread(one_at_a_time))
         except TimeoutError as e:
@@ -72,7 +77,9 @@ class VLLMWorkers:
 
         results = raise_for_results(await self.answers(method, kwargs, timeout_s), engine=self.name)
         if ends_update(method, kwargs):
+            trace.mark("rpc.reset.begin")
             await self.reset_prefix_cache()
+            trace.mark("rpc.reset.end")
         return results[0] if results else None
 
     async def world_size(self) -> int:

@@ -59,6 +59,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from weightsync._runtime import trace
 from weightsync._runtime import vllm_compat as compat
 from weightsync.errors import (
     UpdateRefusedError,
@@ -116,6 +117,7 @@ class WeightSyncWorkerExtension:
                         call_id: str | None = None, wait_s: float | None = None) -> dict:
         """One endpoint call; with ``call_id`` this RPC returns after at most ``wait_s``
         seconds (see the module docstring), else when the call is done."""
+        trace.mark("worker.call", method=method)
         endpoint = self._ws()
         kwargs = dict(kwargs or {})
         try:
@@ -128,7 +130,9 @@ class WeightSyncWorkerExtension:
         task = loop.create_task(endpoint.call(method, kwargs))
         if call_id is None:
             loop.run_until_complete(asyncio.wait({task}))
-            return self._ws_answer(task)
+            answer = self._ws_answer(task)
+            trace.mark("worker.answer")
+            return answer
         if self._ws_calls is None:
             self._ws_calls, self._ws_answers = {}, OrderedDict()
         self._ws_calls[str(call_id)] = task
