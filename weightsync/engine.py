@@ -283,6 +283,7 @@ class WeightUpdateEndpoint:
 
     async def _start_update(self, start: dict) -> None:
         msg = self._parse_start(start)
+        trace.mark("endpoint.start.parsed")
         async with self._lock:
             t0 = time.perf_counter()
             self._refuse_if_closed("start_weight_update")
@@ -318,6 +319,7 @@ class WeightUpdateEndpoint:
                     f"to publish the next one; a server started with --allow-version-reset "
                     f"takes it as given)"
                 )
+            trace.mark("endpoint.start.checked")
             # may refuse too (nothing loaded yet); a delta's loader sees its targets
             await loader.start_update(delta.loader_start(msg) if delta else msg)
             self._update = _Update(
@@ -343,6 +345,7 @@ class WeightUpdateEndpoint:
                     f"{self.name}: no receiver; call init_weight_transfer before updating weights"
                 )
             req = receiver.parse_request(request)
+            trace.mark("endpoint.update.parsed")
             update = self._update
             problem = ""
             if update is None or req.update_id != update.start.update_id:
@@ -372,6 +375,7 @@ class WeightUpdateEndpoint:
                 except WeightMismatchError:
                     await self._refuse(receiver, req)  # its peers still get a no
                     raise
+                trace.mark("endpoint.update.checked")
                 # the receiver validates the chunk against the loader before any byte moves,
                 # then hands the bytes to the sink (checksums; the loader or staging)
                 await receiver.receive_and_load_weights(req, update.sink)

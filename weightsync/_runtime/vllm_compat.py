@@ -19,12 +19,14 @@ for the engine-level calls at the bottom). Known differences:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
 import os
 import struct
-from collections.abc import Iterable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 LOAD_MODES = ("auto", "direct", "reload")
@@ -389,6 +391,50 @@ async def async_reset_prefix_cache(engine: Any) -> bool:
         return True
     result = await fn()
     return True if result is None else bool(result)
+
+
+def utility_sender(llm: Any) -> Callable[..., concurrent.futures.Future] | None:
+    """For a blocking ``LLM`` whose engine core is its own process (vLLM's ``SyncMPClient``,
+    0.26 and 0.32): ``send(method, *args)`` puts one utility call (``collective_rpc``,
+    ``reset_prefix_cache``, ...) on the engine core's input socket and returns its
+    ``concurrent.futures.Future`` at once, answered by the client's output thread: the message
+    ``call_utility`` sends before it blocks on the answer. The caller serializes its sends (one
+    zmq socket). The engine core serves its input queue in order and drains it before its next
+    step, so two calls sent back to back run back to back. None for any other engine (an
+    in-process core, a data-parallel client, another layout): callers block in a thread."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if type(core).__name__ != "SyncMPClient":
+        return None
+    results = getattr(core, "utility_results", None)
+    send_input = getattr(core, "_send_input", None)
+    try:
+        from vllm.v1.engine import EngineCoreRequestType
+
+        utility = EngineCoreRequestType.UTILITY
+    except (ImportError, AttributeError):
+        return None
+    if not isinstance(results, dict) or not callable(send_input):
+        return None
+
+    def send(method: str, *args: Any) -> concurrent.futures.Future:
+        call_id = uuid.uuid1().int >> 64  # as call_utility numbers its calls
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        results[call_id] = future
+        try:
+            send_input(utility, (0, call_id, method, args))
+        except BaseException:
+            results.pop(call_id, None)
+            raise
+        return future
+
+    return send
+
+
+def engine_core_dead(llm: Any) -> bool:
+    """Whether the blocking ``LLM``'s engine core process is known dead (its client's monitor
+    says so; a call waiting on it would never be answered)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    return bool(getattr(getattr(core, "resources", None), "engine_dead", False))
 
 
 def reset_prefix_cache(llm: Any) -> bool:

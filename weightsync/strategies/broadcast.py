@@ -615,6 +615,7 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
                 await in_thread(self._vote_no)  # nobody moves a byte
                 raise WeightSyncError(f"update {request.update_id}: {why}; this engine's "
                                       f"weights are unchanged")
+            trace.mark("recv.vote")
             if not await in_thread(self._vote_yes):
                 raise WeightSyncError(
                     f"update {request.update_id} was rejected by another engine; nothing was "
@@ -651,6 +652,7 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
             self.group.all_reduce_min(0)
 
     def _vote_yes(self) -> bool:
+        trace.mark("recv.vote.thread")
         with self.group.on_device():
             return self.group.all_reduce_min(1) == 1
 

@@ -270,3 +270,120 @@ def test_a_trainer_written_from_the_interface_design_syncs_the_engine(lm, tmp_pa
 
     asyncio.run(restore())
     assert vllm_greedy(llm)[0] == hf_greedy(base)[0]
+
+
+# a prompt that fills whole KV blocks (so its prefix is cached) in the tiny tokenizer
+LONG_PROMPT = "weights move from the trainer into the engine and back again " * 8  # 193 tokens
+
+
+def _greedy_long(llm):
+    from vllm import SamplingParams
+
+    (out,) = llm.generate([LONG_PROMPT], SamplingParams(temperature=0, max_tokens=8),
+                          use_tqdm=False)
+    return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+
+def _hf_greedy_long(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tok(LONG_PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_a_push_into_an_in_process_llm_is_sent_from_the_loop_and_drops_the_old_cache(
+        lm, tmp_path, trace_timeline):
+    """Into a blocking ``LLM`` the driver sends the update's one call from the event loop's
+    thread (no thread hop) and the prefix-cache reset right behind it: a prompt whose prefix
+    was cached on the old weights is computed again on the new ones (no cached token, and
+    transformers' greedy tokens with the new weights)."""
+    import weightsync as ws
+    from weightsync._runtime import trace
+
+    llm, base, new = lm
+    _greedy_long(llm)
+    _, cached = _greedy_long(llm)
+    assert cached > 0  # the prompt's prefix is in the cache (else the check below is vacuous)
+    trace.flush()
+    trace.configure(tmp_path)
+    try:
+        async def go():
+            async with ws.connect(llm, {"type": "broadcast", "backend": "gloo"}) as sync:
+                v0 = (await sync.status())[0]["version"]
+                return v0, await sync.push(state_dict(new), version=v0 + 1)
+
+        v0, stats = asyncio.run(go())
+    finally:
+        trace.configure(None)
+        trace.flush()
+    tokens, cached = _greedy_long(llm)
+    assert stats.versions == [v0 + 1]
+    assert cached == 0 and tokens == _hf_greedy_long(new)
+    events = trace_timeline.read_events(str(tmp_path))
+    mine = [e for e in events if e["label"].startswith("rpc.")]
+    labels = [e["label"] for e in mine]
+    assert "rpc.thread.begin" not in labels  # the call did not wait for a thread
+    posts = [e for e in mine if e["label"] == "rpc.post"]
+    assert [e["fields"]["method"] for e in posts] == ["apply_update"]
+    assert posts[0]["thread"] == "MainThread"
+    assert labels.index("rpc.post") < labels.index("rpc.answered") < labels.index("rpc.reset.end")
+    asyncio.run(_push_back(llm, base))  # the module's engine serves the base weights again
+    assert vllm_greedy(llm)[0] == hf_greedy(base)[0]
+
+
+async def _push_back(llm, base):
+    import weightsync as ws
+
+    async with ws.connect(llm, {"type": "broadcast", "backend": "gloo"}) as sync:
+        v = (await sync.status())[0]["version"]
+        await sync.push(state_dict(base), version=v + 1)
+
+
+def test_a_push_waiting_on_an_engine_core_that_dies_fails_naming_it(tmp_path):
+    """The real fault: the ``LLM``'s engine-core process stops (SIGSTOP) while a push's call is
+    on its way to it, then is killed (SIGKILL). The push fails within seconds with
+    ``EngineDiedError`` naming the engine. (vLLM's blocking client never answers a call whose
+    engine core died after it was sent: a caller blocked in a thread on it waits forever.)"""
+    import os
+    import signal
+    import time
+
+    from vllm import LLM
+
+    import weightsync as ws
+    from weightsync._runtime.vllm_compat import shutdown_llm
+    from weightsync.errors import EngineDiedError
+    from weightsync.testing.tiny_models import build_tiny_causal_lm
+
+    base = build_tiny_causal_lm(tmp_path / "base", seed=0)
+    new = build_tiny_causal_lm(tmp_path / "new", seed=5)
+    llm = LLM(model=base, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20,
+              enforce_eager=True, worker_extension_cls=EXT, seed=0)
+    core = llm.llm_engine.engine_core.resources.engine_manager.processes[0]
+
+    async def go():
+        async with ws.connect(llm, {"type": "broadcast", "backend": "gloo",
+                                    "timeout_s": 120}) as sync:
+            first = await sync.push(state_dict(new), version=1)
+            os.kill(core.pid, signal.SIGSTOP)
+            push = asyncio.ensure_future(sync.push(state_dict(base), version=2))
+            await asyncio.sleep(1.0)
+            waiting = not push.done()  # the call went out; the stopped core does not read it
+            os.kill(core.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(EngineDiedError) as err:
+                await push
+            return first, waiting, time.monotonic() - t0, err.value
+
+    try:
+        first, waiting, seconds, err = asyncio.run(go())
+    finally:
+        shutdown_llm(llm)
+    assert first.versions == [1] and waiting
+    assert "vLLM engine 0" in str(err) and "died" in str(err), str(err)
+    assert seconds < 15, seconds
