@@ -34,7 +34,7 @@ def _chunks(sd, per_chunk=9):
             for i in range(0, len(names), per_chunk)]
 
 
-def _sync(engine_kwargs, strategy_cfg, sd, *, engines=1, syncs=2, env=None):
+def _sync(engine_kwargs, strategy_cfg, sd, *, engines=1, syncs=2, env=None, before=None):
     engs = [
         LocalEngineProcess.spawn(FACTORY, {**SHAPE, "fill": "zeros", **engine_kwargs},
                                  name=f"gpu-engine{i}", env=(env or [None] * engines)[i])
@@ -52,6 +52,8 @@ def _sync(engine_kwargs, strategy_cfg, sd, *, engines=1, syncs=2, env=None):
                     # new values each sync, in place (the same allocations, as a trainer does)
                     for t in sd.values():
                         t.add_(1)
+                    if before is not None:
+                        before(v, sd)
                     want = {n: tensor_digest(t) for n, t in sd.items()}
                     stats = await sender.send_chunks(_chunks(sd), client, version=v)
                     assert stats.versions == [v] * engines
@@ -71,6 +73,22 @@ def _sync(engine_kwargs, strategy_cfg, sd, *, engines=1, syncs=2, env=None):
 def test_cuda_ipc_zero_copy_into_gpu_engine():
     sd = qwen2_module(**SHAPE, seed=1, device="cuda").state_dict()
     _sync({"device": "cuda"}, {"type": "cuda_ipc"}, sd)
+
+
+def test_cuda_ipc_reuses_the_handles_of_unchanged_tensors_and_encodes_a_replaced_one():
+    """Syncs of the very same tensors (updated in place) reuse the handles encoded for the
+    first and go as a layout reference; a tensor replaced by a new allocation (sync 3) is
+    encoded again, sent in full, and lands bit-exact; sync 4 reuses the new handles."""
+    sd = qwen2_module(**SHAPE, seed=4, device="cuda").state_dict()
+    first = next(iter(sd))
+
+    def replace(v, sd):
+        if v == 3:
+            sd[first] = sd[first].clone()
+
+    sender = _sync({"device": "cuda"}, {"type": "cuda_ipc"}, sd, syncs=4, before=replace)
+    assert sender.reencoded_skipped == 2  # syncs 2 and 4
+    assert sender.references == 2  # syncs 2 and 4: the engine's decoded layout, by key
 
 
 def test_packed_cuda_ipc_gpu_buffers_into_gpu_engine():
