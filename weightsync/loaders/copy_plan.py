@@ -154,8 +154,11 @@ class CopyPlan:
         if self._modules is None:
             return True
         self._settle()
-        same = [id(m) for m in self.model.modules()] == self._modules and all(
-            table.get(key) is t and t.data_ptr() == ptr for table, key, t, ptr in self._owners)
+        # (vLLM's parameter classes answer every method through __torch_function__, a Python
+        # call each; without it data_ptr() is a plain C call)
+        with torch._C.DisableTorchFunctionSubclass():
+            same = [id(m) for m in self.model.modules()] == self._modules and all(
+                table.get(key) is t and t.data_ptr() == ptr for table, key, t, ptr in self._owners)
         if not same:
             self.clear()
         return same
