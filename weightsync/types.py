@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -54,8 +55,14 @@ def str_to_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+_ITEMSIZE: dict[str, int] = {}  # name -> bytes per element (hot: per tensor per update)
+
+
 def dtype_itemsize(name: str) -> int:
-    return str_to_dtype(name).itemsize
+    size = _ITEMSIZE.get(name)
+    if size is None:
+        size = _ITEMSIZE[name] = str_to_dtype(name).itemsize
+    return size
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,10 +188,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return int(math.prod(self.shape))
 
     @property
     def nbytes(self) -> int:
