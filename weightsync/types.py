@@ -277,6 +277,13 @@ _PLAIN = (str, int, float, bool, type(None))
 
 
 def _to_jsonable(v: Any) -> Any:
+    kind = type(v)  # (hot: the exact plain types and lists first, e.g. a request's shapes)
+    if kind in _PLAIN_TYPES:
+        return v
+    if kind is list and all(type(x) in _PLAIN_TYPES for x in v):
+        return list(v)
+    if kind is TensorMeta:  # a manifest's entries
+        return {"name": v.name, "dtype": v.dtype, "shape": list(v.shape)}
     if isinstance(v, _PLAIN):
         return v
     if isinstance(v, enum.Enum):
