@@ -322,6 +322,7 @@ class WeightUpdateEndpoint:
             trace.mark("endpoint.start.checked")
             # may refuse too (nothing loaded yet); a delta's loader sees its targets
             await loader.start_update(delta.loader_start(msg) if delta else msg)
+            trace.mark("endpoint.start.loaded")
             self._update = _Update(
                 msg, UpdateSink(delta or loader, staged=staged, name=self.name), delta, loader,
                 ms={"start": (time.perf_counter() - t0) * 1e3, "chunks": 0.0})

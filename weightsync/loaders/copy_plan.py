@@ -103,7 +103,9 @@ class CopyPlan:
         self.load_fn = load_fn
         self._entries: dict[str, _Entry] = {}
         self._opaque: set[str] = set()
-        self._modules: list[int] | None = None  # the module tree the plan was learned on
+        # the module tree the plan was learned on: each module's children table and the ids of
+        # the children it held (a module replaced anywhere changes its parent's table)
+        self._modules: list[tuple[dict, tuple[int, ...]]] | None = None
         self._owners: list[tuple[dict, str, Any, int]] = []  # tensors the plan writes into
         self.replayed = 0  # tensors loaded by replay (cumulative)
         self.loaded = 0  # tensors loaded through load_fn (cumulative)
@@ -157,7 +159,8 @@ class CopyPlan:
         # (vLLM's parameter classes answer every method through __torch_function__, a Python
         # call each; without it data_ptr() is a plain C call)
         with torch._C.DisableTorchFunctionSubclass():
-            same = [id(m) for m in self.model.modules()] == self._modules and all(
+            same = all(tuple(map(id, children.values())) == ids
+                       for children, ids in self._modules) and all(
                 table.get(key) is t and t.data_ptr() == ptr for table, key, t, ptr in self._owners)
         if not same:
             self.clear()
@@ -406,7 +409,8 @@ class CopyPlan:
             del self._entries[name]
         self._owners = owners
         self._whole = None
-        self._modules = [id(m) for m in self.model.modules()]
+        self._modules = [(m._modules, tuple(map(id, m._modules.values())))
+                         for m in self.model.modules()]
 
 
 def _nbytes(t: Any) -> int:

@@ -130,6 +130,23 @@ def test_a_replaced_parameter_drops_the_plan():
     assert not torch.equal(model.qkv, torch.zeros_like(model.qkv))  # landed in the new tensor
 
 
+def test_a_module_added_or_replaced_anywhere_in_the_tree_drops_the_plan():
+    """The plan keeps the module tree it learned on (each module's children): a module added
+    to the model, or one replaced deep inside it, however its parameters look, drops it."""
+    model, _, plan = _pair()
+    model.block = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    plan.load(_state(0))
+    plan.load(_state(1))
+    assert plan.check() and plan.names
+    model.block[1] = torch.nn.GELU()  # replaced two levels down
+    assert not plan.check() and plan.names == []
+    plan.load(_state(2))
+    plan.load(_state(3))
+    assert plan.check() and plan.names
+    model.extra = torch.nn.Identity()  # added at the top
+    assert not plan.check()
+
+
 def test_a_tensor_with_other_strides_is_learned_again():
     model, ref, plan = _pair()
     plan.load(_state(0))
