@@ -310,6 +310,20 @@ _PLAIN_TYPES = frozenset(_PLAIN)
 
 
 _KNOWN_DTYPES: set[str] = set()  # dtype strings str_to_dtype accepted (checked once each)
+#: per request class, the last names / dtypes / shapes whose entries were checked: an engine
+#: gets the same lists at every step of a training run (compared whole in C, ~30 us for 290
+#: tensors, instead of checking each entry again)
+_CHECKED: dict[type, tuple[list, list, list]] = {}
+
+
+def _metadata_checked_before(request: Any) -> bool:
+    """``request``'s names, dtypes and shapes equal the last ones checked for its class (they
+    are then the already checked lists)."""
+    last = _CHECKED.get(type(request))
+    if last is None or (request.names, request.dtypes, request.shapes) != last:
+        return False
+    request.names, request.dtypes, request.shapes = last
+    return True
 
 
 @dataclass(kw_only=True)
@@ -344,6 +358,9 @@ class WeightUpdateRequest(_Tagged):
         if not is_int(self.chunk_index) or self.chunk_index < 0:
             raise ValueError(f"{type(self).__name__}: chunk_index must be an int >= 0, got "
                              f"{self.chunk_index!r}")
+        if _metadata_checked_before(self):
+            self._coerce_checksums()
+            return
         if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
             raise ValueError(
                 f"{type(self).__name__}: names/dtypes/shapes lengths differ "
@@ -365,6 +382,11 @@ class WeightUpdateRequest(_Tagged):
             check_shape(n, s)
             shapes.append(s if type(s) is list else list(s))
         self.shapes = shapes
+        if type(self.names) is list and type(self.dtypes) is list:
+            _CHECKED[type(self)] = (self.names, self.dtypes, self.shapes)
+        self._coerce_checksums()
+
+    def _coerce_checksums(self) -> None:
         if self.checksums is not None:
             if not isinstance(self.checksums, (list, tuple)) or len(self.checksums) != len(
                 self.names

@@ -396,3 +396,27 @@ def test_bad_finish_fields_are_value_errors(field, value, match):
     d[field] = value
     with pytest.raises(ValueError, match=match):
         WeightUpdateFinish.from_dict(d)
+
+
+def test_a_request_equal_to_the_last_checked_one_skips_the_entry_checks_but_not_the_rest():
+    """An engine gets the same names / dtypes / shapes at every step: a request equal to the
+    last one checked is not checked entry by entry again; anything else still is, and its
+    other fields always are."""
+    from weightsync.strategies.broadcast import BroadcastWeightUpdateRequest as Req
+
+    base = {"names": ["a", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [4]],
+            "update_id": "u", "stream": True, "packed": False}
+    first = Req.from_dict(dict(base))
+    again = Req.from_dict({**base, "names": ["a", "b"], "shapes": [[2, 3], [4]]})
+    assert (again.names, again.dtypes, again.shapes) == (first.names, first.dtypes,
+                                                          first.shapes)
+    assert again.names is first.names  # the checked lists, not checked again
+    with pytest.raises(ValueError, match="dtype"):
+        Req.from_dict({**base, "dtypes": ["bfloat16", "float99"]})
+    with pytest.raises(ValueError, match="shape"):
+        Req.from_dict({**base, "shapes": [[2, -3], [4]]})
+    with pytest.raises(ValueError, match="chunk_index"):
+        Req.from_dict({**base, "chunk_index": -1})
+    with pytest.raises(ValueError, match="checksums"):
+        Req.from_dict({**base, "checksums": [1]})
+    assert Req.from_dict(dict(base)).names == ["a", "b"]
