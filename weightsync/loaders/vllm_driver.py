@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable
 from typing import Any
 
 from weightsync._runtime import trace
@@ -121,12 +122,28 @@ class VLLMWorkers:
                       timeout_s: float | None = None) -> list[dict[str, Any]]:
         return await self.rpc("weightsync_call", method, kwargs, timeout_s=timeout_s)
 
-    async def call(self, method: str, kwargs: dict[str, Any],
-                   timeout_s: float | None = None) -> Any:
+    def call(self, method: str, kwargs: dict[str, Any],
+             timeout_s: float | None = None) -> Awaitable[Any]:
+        """See the module docstring. Into a blocking ``LLM`` a call that ends an update is sent
+        before this returns (a sender that issues it to several engines, or goes on to start
+        its data lane, does not wait for the loop to run it); await the result."""
+        if ends_update(method, kwargs) and self._send() is not None:
+            trace.mark("rpc.post", method=method)
+            with self._blocking:
+                send = self._send()
+                answer = send("collective_rpc", "weightsync_call", timeout_s, (method, kwargs),
+                              None)
+                # the reset right behind the call: the engine core serves its queue in order
+                # and drains it before its next step, so the reset runs as the call returns (no
+                # step in between, no second round trip). Sent whatever the call's outcome (a
+                # reset is always safe); awaited only when the call succeeded
+                reset = send("reset_prefix_cache")
+            return self._answered_then_reset(answer, reset, timeout_s)
+        return self._call(method, kwargs, timeout_s)
+
+    async def _call(self, method: str, kwargs: dict[str, Any], timeout_s: float | None) -> Any:
         from weightsync.loaders.vllm_worker import raise_for_results
 
-        if ends_update(method, kwargs) and self._send() is not None:
-            return await self._call_then_reset(method, kwargs, timeout_s)
         results = raise_for_results(await self.answers(method, kwargs, timeout_s), engine=self.name)
         if ends_update(method, kwargs):
             trace.mark("rpc.reset.begin")
@@ -134,19 +151,10 @@ class VLLMWorkers:
             trace.mark("rpc.reset.end")
         return results[0] if results else None
 
-    async def _call_then_reset(self, method: str, kwargs: dict[str, Any],
-                               timeout_s: float | None) -> Any:
-        """A call that ends an update, with the prefix-cache reset sent right behind it: the
-        engine core serves its queue in order and drains it before its next step, so the reset
-        runs as the call returns (no step in between, no second round trip). Sent whatever the
-        call's outcome (a reset is always safe); awaited only when the call succeeded."""
+    async def _answered_then_reset(self, answer: Any, reset: Any,
+                                   timeout_s: float | None) -> Any:
         from weightsync.loaders.vllm_worker import raise_for_results
 
-        trace.mark("rpc.post", method=method)
-        with self._blocking:
-            send = self._send()
-            answer = send("collective_rpc", "weightsync_call", timeout_s, (method, kwargs), None)
-            reset = send("reset_prefix_cache")
         try:
             answers = list(await self._answer(answer, "weightsync_call", timeout_s))
         except TimeoutError as e:

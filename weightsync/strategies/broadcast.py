@@ -403,6 +403,9 @@ class BroadcastTransferSender(WeightTransferSender):
             engines = asyncio.ensure_future(_chunk_then_finish(
                 inference_client, request.to_dict(), finish.to_dict(), fused=True,
                 start=start.to_dict()))
+            # let the call go out now, before the lane thread starts its vote (and competes
+            # for the interpreter): the engine's start then overlaps the lane's set-up
+            await asyncio.sleep(0)
         else:
             # the start on its own first: every engine is alive and accepts the update before
             # any rank enters a collective (see the class docstring)
