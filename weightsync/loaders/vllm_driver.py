@@ -69,9 +69,21 @@ class VLLMWorkers:
 
     def _post(self, method: str, *args: Any) -> Any:
         """Send one engine-core utility call now (no thread): its future."""
-        send = self._send()
         with self._blocking:
-            return send(method, *args)
+            return self._sent(method, *args)
+
+    def _sent(self, method: str, *args: Any) -> Any:
+        """``_post`` with the lock held; a send refused because the engine core is dead is
+        ``EngineDiedError`` naming the engine (vLLM's client raises its own error)."""
+        try:
+            return self._send()(method, *args)
+        except Exception as e:
+            from weightsync._runtime import vllm_compat as compat
+
+            if compat.engine_core_dead(self.engine):
+                raise EngineDiedError(
+                    f"{self.name}: the engine core is dead ({type(e).__name__}: {e})") from e
+            raise
 
     async def _answer(self, future: Any, what: str, timeout_s: float | None) -> Any:
         """The answer to a call ``_post`` sent, or ``WeightSyncTimeout`` after ``timeout_s``, or
@@ -130,14 +142,13 @@ class VLLMWorkers:
         if ends_update(method, kwargs) and self._send() is not None:
             trace.mark("rpc.post", method=method)
             with self._blocking:
-                send = self._send()
-                answer = send("collective_rpc", "weightsync_call", timeout_s, (method, kwargs),
-                              None)
+                answer = self._sent("collective_rpc", "weightsync_call", timeout_s,
+                                    (method, kwargs), None)
                 # the reset right behind the call: the engine core serves its queue in order
                 # and drains it before its next step, so the reset runs as the call returns (no
                 # step in between, no second round trip). Sent whatever the call's outcome (a
                 # reset is always safe); awaited only when the call succeeded
-                reset = send("reset_prefix_cache")
+                reset = self._sent("reset_prefix_cache")
             return self._answered_then_reset(answer, reset, timeout_s)
         return self._call(method, kwargs, timeout_s)
 

@@ -400,12 +400,11 @@ class BroadcastTransferSender(WeightTransferSender):
         if carries_apply and len(getattr(inference_client, "names", None) or ()) == 1:
             # one engine: the whole update is one call (see the class docstring)
             trace.mark("rpc.apply.begin", tensors=len(manifest), bytes=total)
-            engines = asyncio.ensure_future(_chunk_then_finish(
-                inference_client, request.to_dict(), finish.to_dict(), fused=True,
-                start=start.to_dict()))
-            # let the call go out now, before the lane thread starts its vote (and competes
-            # for the interpreter): the engine's start then overlaps the lane's set-up
-            await asyncio.sleep(0)
+            # issued here, before the lane starts its vote (a channel that can sends the call
+            # before apply_update returns: the engine's start overlaps the lane's set-up); one
+            # refused before it left raises here, before any rank enters a collective
+            engines = asyncio.ensure_future(_applied(inference_client.apply_update(
+                start.to_dict(), [request.to_dict()], finish.to_dict())))
         else:
             # the start on its own first: every engine is alive and accepts the update before
             # any rank enters a collective (see the class docstring)
@@ -698,21 +697,25 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
 # --------------------------------------------------------------------------------------------
 
 
+async def _applied(call: Any) -> list[int | None]:
+    """The answer to a streamed update's one ``apply_update`` call into one engine (issued
+    already). A failed call sends nothing more: the engine's ``apply_update`` closed its own
+    update, or never opened it (a refused start)."""
+    versions = list(await call)
+    trace.mark("rpc.apply.end")
+    return versions
+
+
 async def _chunk_then_finish(client: InferenceEngineClient, request: dict,
-                             finish: dict, *, fused: bool = False,
-                             start: dict | None = None) -> list[int | None]:
-    """A streamed update's one request, then its finish: one ``apply_update(start, [request],
-    finish)`` call with ``fused`` (``start`` None: answered already by its own call), else two
-    calls, the finish once every engine answered the request. A failed request call closes
-    the update as aborted on the engines that are left; a failed fused call sends nothing
-    more (an engine's ``apply_update`` closes its own update when it fails, or never opened
-    it: a refused start; an engine that died or hangs gets its update superseded by the next
-    start)."""
-    assert fused or start is None, "a start travels alone or inside apply_update"
+                             finish: dict, *, fused: bool = False) -> list[int | None]:
+    """A streamed update's one request, then its finish (its start was answered by its own
+    call): one ``apply_update(None, [request], finish)`` call with ``fused``, else two calls,
+    the finish once every engine answered the request. A failed request call closes the
+    update as aborted on the engines that are left; a failed fused call sends nothing more
+    (an engine's ``apply_update`` closes its own update when it fails; an engine that died or
+    hangs gets its update superseded by the next start)."""
     if fused:
-        versions = list(await client.apply_update(start, [request], finish))
-        trace.mark("rpc.apply.end")
-        return versions
+        return await _applied(client.apply_update(None, [request], finish))
     try:
         await client.update_named_weights(request)
         trace.mark("rpc.request.end")
