@@ -17,6 +17,11 @@
 #   bash scripts/gpu_check.sh layouts      benchmarks/bench_broadcast_layouts.py on qwen2-7b and qwen2-0.5b: NCCL
 #                                          per tensor, grouped, or packed in slices, vs one flat
 #                                          broadcast (no vLLM, no control plane)
+#   bash scripts/gpu_check.sh ab           the same qwen2-0.5b rows from another checkout (AB_TREE, default
+#                                          /tmp/ab: a `git worktree add .ab <commit>` carried and copied
+#                                          there) and from this one, untraced, in the order AB_ORDER
+#                                          (default "before after after before"): a before/after on one
+#                                          machine (AB_SHAPE, AB_ROWS, AB_REPEATS pick others)
 #   bash scripts/gpu_check.sh trace        qwen2-0.5b broadcast rows with WEIGHTSYNC_TRACE_DIR set, then
 #                                          benchmarks/trace_timeline.py: one push by phase, trainer
 #                                          and engine worker on one clock
@@ -163,6 +168,21 @@ case "$stage" in
     bench qwen2-0.5b 200 --shape qwen2-0.5b --rows "${PERF_ROWS_SMALL:-broadcast,push_broadcast,broadcast_serial,broadcast_ungrouped,native_nccl,cuda_ipc,push_cuda_ipc,native_ipc}"
     summary
     ;;
+  ab)
+    need_vllm
+    tree=${AB_TREE:-/tmp/ab}
+    [ -d "$tree/weightsync" ] || { echo "no checkout at $tree (AB_TREE)"; exit 2; }
+    here=$(pwd); n=0
+    for who in ${AB_ORDER:-before after after before}; do
+      n=$((n + 1)); name=ab_${n}_$who; dir=$here; [ "$who" = before ] && dir=$tree
+      (cd "$dir" && timeout -s ABRT 150 python3 benchmarks/bench_vllm_sync.py \
+          --shape "${AB_SHAPE:-qwen2-0.5b}" --repeats "${AB_REPEATS:-8}" \
+          --rows "${AB_ROWS:-broadcast,push_broadcast,cuda_ipc,push_cuda_ipc}" \
+          --json "$OUT/$name.json" > "$OUT/$name.txt" 2> "/tmp/$name.log")
+      echo "bench $name rc=$?"
+    done
+    summary
+    ;;
   trace)
     # where one push's time goes: the 0.5B rows with the opt-in trace, then the merged timeline
     # of the last pushes (trainer and engine worker on one clock; benchmarks/trace_timeline.py)
@@ -278,7 +298,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {perf|layouts|trace|tests|tests-vllm|tests-servers|sleep|lora|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {perf|ab|layouts|trace|tests|tests-vllm|tests-servers|sleep|lora|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac
