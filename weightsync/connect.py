@@ -281,16 +281,16 @@ class SyncSession:
         # an unchanged model's last chunks (views of its own tensors): nothing to extract, and
         # its kind (so its extractor) cannot have changed: wrapping it in place (FSDP2),
         # injecting an adapter or replacing a tensor changes what the extractor holds
-        ext, held = self._held_extractor(model, mode, heads, dtype)
-        if ext is None:
-            ext = self._extractor_for(model, mode, heads)
+        asked, held = self._held_extractor(model, mode, heads, dtype)
+        ext = asked if held is not None else self._extractor_for(model, mode, heads)
         if not getattr(ext, "lockstep", False) and not self.is_sender and not self.every_rank:
             return None  # nothing to gather: the sending rank pushes alone
         if self.every_rank and delta:
             raise ValueError("push: delta=True with every_rank IPC; push full updates (delta "
                              "sync from every training rank is not supported)")
         adapter = _adapter_of(ext, model, delta)
-        if held is None and adapter is None and self.is_sender and not self.every_rank:
+        if (held is None and ext is not asked and adapter is None and self.is_sender
+                and not self.every_rank):  # (an extractor asked above holds nothing now)
             held = ext.held_update(model, dtype)
         # the same on every rank, and made on every rank (megatron's first one is an export)
         manifest = held[1] if held is not None else ext.metadata(model, dtype)
@@ -342,10 +342,10 @@ class SyncSession:
 
     def _held_extractor(self, model: Any, mode: TrainingMode | None,
                         heads: list[str] | None, dtype: Any) -> tuple[Any, Any]:
-        """``(extractor, its held update)`` when the extractor kept for this model, mode and
-        head patterns holds an update for the model as it is now (``held_update``: one walk
-        of the model, instead of finding its kind again and then that walk); else
-        ``(None, None)``. The sending rank only, without ``every_rank``."""
+        """``(the extractor kept for this model, mode and head patterns, its held update)``
+        when there is one (``held_update``: one walk of the model, instead of finding its kind
+        again and then that walk; None when the model changed); else ``(None, None)``. The
+        sending rank only, without ``every_rank``."""
         kept = self._extractor if self.given_extractor is None else None
         if kept is None or not self.is_sender or self.every_rank:
             return None, None
@@ -353,8 +353,7 @@ class SyncSession:
         if (model_id != id(model) or kept_mode != mode
                 or kept_heads != (tuple(heads) if heads is not None else None)):
             return None, None
-        held = ext.held_update(model, dtype)
-        return (ext, held) if held is not None else (None, None)
+        return ext, ext.held_update(model, dtype)
 
     def _extractor_for(self, model: Any, mode: TrainingMode | None,
                        heads: list[str] | None) -> Any:

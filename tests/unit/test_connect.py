@@ -337,6 +337,9 @@ def test_an_unchanged_model_is_pushed_from_its_held_chunks_without_a_new_extract
                 return extract(*a, **kw)
 
             ext.extract_weights = counted
+            held = ext.held_update
+            asked = []
+            ext.held_update = lambda *a, **kw: (asked.append(1), held(*a, **kw))[1]
             with torch.no_grad():
                 src.score.weight.add_(1)  # a training step in place: the same tensors
             await sync.push(src, version=2)
@@ -344,8 +347,9 @@ def test_an_unchanged_model_is_pushed_from_its_held_chunks_without_a_new_extract
             src.score.weight = torch.nn.Parameter(src.score.weight.detach() * 2)  # replaced
             await sync.push(src, version=3)
             assert _same(modules[0], src) and len(passes) == 1  # extracted anew
+            assert len(asked) == 2  # once a push: a changed model is not walked twice
             await sync.push(src, version=4)
-            assert len(passes) == 1  # held again
+            assert len(passes) == 1 and len(asked) == 3  # held again
 
     asyncio.run(go())
     # found when the extractor was built (twice: to key it, to configure it) and once for the

@@ -170,7 +170,6 @@ class Group:
         works = [p for p in pending if p.work is not None]
         if not works:
             return
-        import time
 
         import torch
 
@@ -179,18 +178,12 @@ class Group:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         limit = sum(p.timeout.total_seconds() for p in works)
-        t0 = time.perf_counter()
-        spins = 0
-        while not done.query():
-            waited = time.perf_counter() - t0
-            if waited > limit:
-                last = works[-1]
-                raise CollectiveTimeout(
-                    f"{self.backend_name} {last.what} (and {len(works) - 1} more) on weight-sync "
-                    f"rank {self.rank}/{self.world_size} did not complete within {limit:g}s (a "
-                    f"peer died or stopped answering?)")
-            spins += 1
-            time.sleep(0 if spins < 2000 else 1e-4)
+        if not _poll(done.query, limit):
+            last = works[-1]
+            raise CollectiveTimeout(
+                f"{self.backend_name} {last.what} (and {len(works) - 1} more) on weight-sync "
+                f"rank {self.rank}/{self.world_size} did not complete within {limit:g}s (a "
+                f"peer died or stopped answering?)")
         for p in works:
             p.work = None
 
@@ -220,7 +213,11 @@ class Group:
     def _wait(self, work: Any, what: str, timeout: datetime.timedelta) -> None:
         try:
             if self.backend_name == "nccl":
-                _until_completed(work, timeout.total_seconds())
+                # torch's NCCL wait(timeout) sleeps between its checks (its
+                # kSynchronizeBusyWaitMillis): a traced vote, done on the devices, ended 0.9 ms
+                # later on the trainer's host than on the engine's. Polled first, the wait
+                # below returns at once, or raises the failure or the timeout as before
+                _poll(work.is_completed, timeout.total_seconds())
             work.wait(timeout)
         except Exception as e:
             text = str(e)
@@ -241,21 +238,19 @@ class Group:
         self.store = None
 
 
-def _until_completed(work: Any, limit_s: float) -> None:
-    """Poll an NCCL work until it completed or failed, or ``limit_s`` passed. Torch's NCCL
-    ``wait(timeout)`` sleeps between its checks (``kSynchronizeBusyWaitMillis``, milliseconds):
-    a traced push's go/no-go vote, done on the devices, ended 0.9 ms later on the trainer's
-    host than on the engine's. The caller's ``wait(timeout)`` then returns at once, or raises
-    the failure or the timeout as before."""
+def _poll(done: Any, limit_s: float) -> bool:
+    """Call ``done()`` until it is true (-> True) or ``limit_s`` passed (-> False): spinning
+    first, then 0.1 ms apart (a host wait for device work that ends within microseconds)."""
     import time
 
     t0 = time.perf_counter()
     spins = 0
-    while not work.is_completed():
+    while not done():
         if time.perf_counter() - t0 > limit_s:
-            return
+            return False
         spins += 1
         time.sleep(0 if spins < 2000 else 1e-4)
+    return True
 
 
 def _broadcast_options(src: int, timeout: datetime.timedelta) -> Any:

@@ -98,7 +98,13 @@ class VLLMWorkers:
                 self.ALIVE_CHECK_S, max(deadline - loop.time(), 0.0))
             done, _ = await asyncio.wait({waiter}, timeout=left)
             if done:
-                return waiter.result()
+                try:
+                    return waiter.result()
+                except TimeoutError as e:  # the engine core's own limit
+                    if isinstance(e, WeightSyncTimeout):
+                        raise
+                    raise WeightSyncTimeout(f"{self.name}: {what} got no answer from the "
+                                            f"workers within {timeout_s:g}s") from None
             if compat.engine_core_dead(self.engine):
                 raise EngineDiedError(f"{self.name}: the engine core died during {what}")
             if deadline is not None and loop.time() >= deadline:
@@ -166,14 +172,7 @@ class VLLMWorkers:
                                    timeout_s: float | None) -> Any:
         from weightsync.loaders.vllm_worker import raise_for_results
 
-        try:
-            answers = list(await self._answer(answer, "weightsync_call", timeout_s))
-        except TimeoutError as e:
-            if isinstance(e, WeightSyncTimeout):
-                raise
-            raise WeightSyncTimeout(
-                f"{self.name}: weightsync_call got no answer from the workers within "
-                f"{timeout_s:g}s") from None
+        answers = list(await self._answer(answer, "weightsync_call", timeout_s))
         trace.mark("rpc.answered")
         results = raise_for_results(answers, engine=self.name)
         await self._answer(reset, "reset_prefix_cache", timeout_s)
