@@ -67,8 +67,9 @@ The low-level path stays for power users: ``build_strategy`` -> ``create_sync_in
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Generator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from weightsync._runtime import trace
@@ -271,7 +272,7 @@ class SyncSession:
 
     async def _push_model(
         self, model: Any, version: int | None, mode: TrainingMode | None,
-        heads: list[str] | None, dtype: Any, delta: bool,
+        heads: list[str] | None, dtype: Any, delta: bool, *, reuse: bool = True,
     ) -> SyncStats | None:
         from weightsync.extractors.auto import device_of
         from weightsync.pipeline import send_extracted
@@ -281,7 +282,12 @@ class SyncSession:
         # an unchanged model's last chunks (views of its own tensors): nothing to extract, and
         # its kind (so its extractor) cannot have changed: wrapping it in place (FSDP2),
         # injecting an adapter or replacing a tensor changes what the extractor holds
-        asked, held = self._held_extractor(model, mode, heads, dtype)
+        asked, held = self._held_extractor(model, mode, heads, dtype) if reuse else (None, None)
+        # a plain update's held chunks are compared with the model while its engines' call is
+        # on its way (``_send_held``); a delta's or an FP8 one's first
+        deferred = held is not None and not delta and self.fp8 is None
+        if held is not None and not deferred and not asked.check_held(model, dtype):
+            held = None
         ext = asked if held is not None else self._extractor_for(model, mode, heads)
         if not getattr(ext, "lockstep", False) and not self.is_sender and not self.every_rank:
             return None  # nothing to gather: the sending rank pushes alone
@@ -289,8 +295,8 @@ class SyncSession:
             raise ValueError("push: delta=True with every_rank IPC; push full updates (delta "
                              "sync from every training rank is not supported)")
         adapter = _adapter_of(ext, model, delta)
-        if (held is None and ext is not asked and adapter is None and self.is_sender
-                and not self.every_rank):  # (an extractor asked above holds nothing now)
+        if (reuse and held is None and ext is not asked and adapter is None
+                and self.is_sender and not self.every_rank):  # (one asked above holds nothing)
             held = ext.held_update(model, dtype)
         # the same on every rank, and made on every rank (megatron's first one is an export)
         manifest = held[1] if held is not None else ext.metadata(model, dtype)
@@ -310,7 +316,12 @@ class SyncSession:
             trace.mark("push.sent")
             return out
 
-        if held is not None:
+        if held is not None and deferred:
+            stats = await _send_held(send, held[0], lambda: ext.check_held(model, dtype))
+            if stats is _CHANGED:  # the model changed since its last push: extract it
+                return await self._push_model(model, version, mode, heads, dtype, delta,
+                                              reuse=False)
+        elif held is not None:
             stats = await send(lambda: held[0])
         else:
             stats = await send_extracted(ext, model, dtype, send)
@@ -342,10 +353,11 @@ class SyncSession:
 
     def _held_extractor(self, model: Any, mode: TrainingMode | None,
                         heads: list[str] | None, dtype: Any) -> tuple[Any, Any]:
-        """``(the extractor kept for this model, mode and head patterns, its held update)``
-        when there is one (``held_update``: one walk of the model, instead of finding its kind
-        again and then that walk; None when the model changed); else ``(None, None)``. The
-        sending rank only, without ``every_rank``."""
+        """``(the extractor kept for this model, mode and head patterns, the update it holds
+        for it)``, the update not yet compared with the model now (the caller compares them,
+        ``check_held``: one pass over the model's tables, instead of finding its kind again
+        and then extracting); else ``(None, None)``. The sending rank only, without
+        ``every_rank``."""
         kept = self._extractor if self.given_extractor is None else None
         if kept is None or not self.is_sender or self.every_rank:
             return None, None
@@ -353,7 +365,7 @@ class SyncSession:
         if (model_id != id(model) or kept_mode != mode
                 or kept_heads != (tuple(heads) if heads is not None else None)):
             return None, None
-        return ext, ext.held_update(model, dtype)
+        return ext, ext.held_update(model, dtype, check=False)
 
     def _extractor_for(self, model: Any, mode: TrainingMode | None,
                        heads: list[str] | None) -> Any:
@@ -643,6 +655,46 @@ def _head_patterns(mode: TrainingMode | None, given: Sequence[str] | None) -> li
 
         return list(DEFAULT_HEAD_NAME_PATTERNS)
     return None
+
+
+#: ``_send_held``'s answer when the model no longer holds the update
+_CHANGED: Any = object()
+
+
+class _ModelChanged(ValueError):
+    """The held update's chunks are not the model's tensors any more (raised inside the
+    stream, before its first chunk: the engines refuse the update, the group stays in step)."""
+
+
+async def _send_held(send: Callable[[Callable[[], Any]], Awaitable[Any]], chunks: list[Any],
+                     holds: Callable[[], bool]) -> Any:
+    """Send a held update (views of the model's own tensors) and compare the model with it
+    (``holds``) meanwhile: the send runs up to its first wait (its engines' call issued, the
+    engines starting their update) before the model is looked at, and no chunk leaves before
+    the answer (the stream's first step waits for it). -> the send's stats, or ``_CHANGED``
+    when the model no longer holds the update (nothing was sent; the engines refused it)."""
+    verdict: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def stream() -> AsyncIterator[Any]:
+        if not await verdict:
+            raise _ModelChanged("the model changed since its held update was made")
+        for chunk in chunks:
+            yield chunk
+
+    task = asyncio.ensure_future(send(stream))
+    await asyncio.sleep(0)  # the send's first step: its engines' call leaves
+    try:
+        verdict.set_result(bool(holds()))
+    except BaseException as e:  # noqa: BLE001 - the stream raises it, so the send fails with it
+        verdict.set_exception(e)
+    trace.mark("push.held.checked", held=verdict.exception() is None and verdict.result())
+    try:
+        return await task
+    except _ModelChanged:
+        return _CHANGED
+    finally:
+        if verdict.done() and not verdict.cancelled():
+            verdict.exception()  # retrieved even when the stream never asked for it
 
 
 def _adapter_of(ext: Any, model: Any, delta: bool) -> dict | None:

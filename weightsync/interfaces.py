@@ -177,14 +177,21 @@ class WeightExtractor(abc.ABC):
         ]
 
     def held_update(
-        self, model: Any, generator_dtype: torch.dtype | None = None
+        self, model: Any, generator_dtype: torch.dtype | None = None, *, check: bool = True
     ) -> tuple[list[WeightChunk], list[TensorMeta]] | None:
         """The chunks and manifest of this rank's last extraction when they are still exactly
         what ``metadata`` + ``extract_weights`` would give now and cost nothing to hold (views
         of the model's own tensors), else None (the default: extract). The front door asks
         this first on the sending rank: a held update needs no extraction pass after the
-        engines accepted it. Never a collective."""
+        engines accepted it. ``check`` False: the last update made for this model and dtype
+        without comparing the model now with it (the caller calls ``check_held`` before a
+        byte of it is sent). Never a collective."""
         return None
+
+    def check_held(self, model: Any, generator_dtype: torch.dtype | None = None) -> bool:
+        """Whether ``held_update(model, generator_dtype)`` would give the update held now
+        (see there); False by default."""
+        return False
 
     @property
     def is_sender(self) -> bool:

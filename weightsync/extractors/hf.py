@@ -215,15 +215,15 @@ class HFWeightExtractor(WeightExtractor):
         """As the base class; an unchanged model's (same tensors, see ``extract_weights``) is
         not computed again."""
         dtype = _as_dtype(generator_dtype)
-        key = self._reuse_key(model, dtype)
-        last = getattr(self, "_last_metadata", None)
-        if key is not None and last is not None and last[0] == key:
-            return list(last[1])
+        held = self._holding(model, dtype)
+        if held is not None and held.metas is not None:
+            return list(held.metas)
         out = []
         for name, t in self._selected(model):
             d = dtype if dtype is not None and t.is_floating_point() else t.dtype
             out.append(TensorMeta(name, dtype_to_str(d), list(t.shape)))
-        self._last_metadata = (key, out) if key is not None else None
+        if held is not None:
+            held.metas = out
         return list(out)
 
     async def extract_weights(
@@ -237,49 +237,128 @@ class HFWeightExtractor(WeightExtractor):
         of the same memory, so they hold today's values, and the per-tensor work of naming and
         bucketing is skipped (a few milliseconds per sync for a few hundred tensors)."""
         dtype = _as_dtype(generator_dtype)
-        key = self._reuse_key(model, dtype)
-        last = getattr(self, "_last_chunks", None)
-        if key is not None and last is not None and last[0] == key:
-            for chunk in last[1]:
+        held = self._holding(model, dtype)
+        if held is not None and held.chunks is not None:
+            for chunk in held.chunks:
                 yield chunk
                 await asyncio.sleep(0)
             return
-        self._last_chunks = None
         made: list[WeightChunk] = []
         async for chunk in super().extract_weights(model, dtype):
             made.append(chunk)
             yield chunk
-        if key is not None and made and all(c.borrowed for c in made):
-            self._last_chunks = (key, made)
+        if held is not None and made and all(c.borrowed for c in made):
+            held.chunks = made
 
     def held_update(
-        self, model: Any, generator_dtype: Any = None
+        self, model: Any, generator_dtype: Any = None, *, check: bool = True
     ) -> tuple[list[WeightChunk], list[TensorMeta]] | None:
         """The last call's chunks and manifest when both were made for the model's present
-        tensors (one walk of the model: the reuse key of ``extract_weights``); None when either
-        would be made anew (first call, a tensor replaced or reshaped, a cast, a gather)."""
-        chunks = getattr(self, "_last_chunks", None)
-        metas = getattr(self, "_last_metadata", None)
-        if chunks is None or metas is None or chunks[0] != metas[0]:
+        tensors (``check_held``: one pass over the model's module tables and tensors); None
+        when either would be made anew (first call, a tensor replaced or reshaped, a cast, a
+        gather). ``check`` False: what was made last for this model and dtype, not compared
+        with the model now (the caller calls ``check_held`` before it sends them)."""
+        held = self._held
+        dtype = _as_dtype(generator_dtype)
+        if (held is None or held.chunks is None or held.metas is None
+                or not held.made_for(model, dtype, self._held_config())):
             return None
-        key = self._reuse_key(model, _as_dtype(generator_dtype))
-        if key is None or key != chunks[0]:
+        if check and not held.holds(model, dtype, self._held_config()):
             return None
-        return list(chunks[1]), list(metas[1])
+        return list(held.chunks), list(held.metas)
 
-    def _reuse_key(self, model: Any, dtype: Any) -> tuple | None:
-        """What the chunks depend on; None when they cannot be reused (DTensors: every call
-        gathers; not the sending rank)."""
+    def check_held(self, model: Any, generator_dtype: Any = None) -> bool:
+        """Whether the model still holds exactly the tensors (same objects in the same
+        places, same storage, shapes, strides, dtypes) the last call's update was made of."""
+        held = self._held
+        return held is not None and held.holds(model, _as_dtype(generator_dtype),
+                                               self._held_config())
+
+    _held: _Held | None = None
+
+    def _held_config(self) -> tuple:
+        return (float(getattr(self.cfg, "bucket_size_mb", DEFAULT_BUCKET_MB)),
+                bool(getattr(self.cfg, "group_by_module", True)))
+
+    def _holding(self, model: Any, dtype: Any) -> _Held | None:
+        """The record of what this model holds now: the last one when the model still holds
+        it, else a new one (whose manifest and chunks are not made yet); None when nothing can
+        be reused (DTensors: every call gathers; a meta tensor; not the sending rank; a
+        mapping of tensors)."""
+        config = self._held_config()
+        held = self._held
+        if held is not None and held.holds(model, dtype, config):
+            return held
+        self._held = None
         if not self.is_sender or isinstance(model, Mapping):
             return None
+        self._held = _Held.of(model, dtype, config)
+        return self._held
+
+
+class _Held:
+    """What an extraction was made of (the model, dtype and chunking config; every module's
+    children, parameter and buffer tables with the objects in them; every tensor's storage,
+    dtype, shape and stride) and what it made (``metas``, ``chunks``; None until made).
+    ``holds`` compares the model now with it in one pass over the tables (no names are built:
+    ~0.2 ms for a 24-layer model against ~0.6 ms for a walk of ``named_modules``). The objects
+    are held, so an id compared is never a later object's."""
+
+    __slots__ = ("model", "inner", "dtype", "config", "tables", "empty", "nonpersistent",
+                 "tensors", "metas", "chunks")
+
+    def __init__(self, model: Any, inner: Any, dtype: Any, config: tuple) -> None:
+        self.model, self.inner, self.dtype, self.config = model, inner, dtype, config
+        self.tables: list[tuple[dict, tuple[int, ...], tuple]] = []
+        self.empty: list[dict] = []
+        self.nonpersistent: list[tuple[set, frozenset]] = []
+        self.tensors: list[tuple[Any, int, Any, Any, tuple, bool]] = []
+        self.metas: list[TensorMeta] | None = None
+        self.chunks: list[WeightChunk] | None = None
+
+    @classmethod
+    def of(cls, model: Any, dtype: Any, config: tuple) -> _Held | None:
+        """The record of ``model`` now; None when it holds a DTensor or a meta tensor."""
         inner = _unwrap(model)
-        items = []
-        for name, t in _state_entries(inner):
+        entries = _state_entries(inner)  # (a TypeError for what is not a module)
+        held = cls(model, inner, dtype, config)
+        seen = set()
+        for _, t in entries:
             if type(t).__name__ == "DTensor" or t.device.type == "meta":
                 return None
-            items.append((name, id(t), t.data_ptr(), t.dtype, tuple(t.shape), t.stride()))
-        return (id(model), id(inner), dtype, float(getattr(self.cfg, "bucket_size_mb", DEFAULT_BUCKET_MB)),
-                bool(getattr(self.cfg, "group_by_module", True)), tuple(items))
+            if id(t) not in seen:
+                seen.add(id(t))
+                held.tensors.append((t, t.data_ptr(), t.dtype, t.shape, t.stride(), t.is_cuda))
+        for m in inner.modules():
+            for table in (m._modules, m._parameters, m._buffers):
+                if table:
+                    values = tuple(table.values())
+                    held.tables.append((table, tuple(map(id, values)), values))
+                else:
+                    held.empty.append(table)
+            if m._buffers:
+                skip = getattr(m, "_non_persistent_buffers_set", None)
+                if skip is not None:
+                    held.nonpersistent.append((skip, frozenset(skip)))
+        return held
+
+    def made_for(self, model: Any, dtype: Any, config: tuple) -> bool:
+        return model is self.model and dtype == self.dtype and config == self.config
+
+    def holds(self, model: Any, dtype: Any, config: tuple) -> bool:
+        """Whether ``model`` still holds what this record was made of (see the class)."""
+        if not self.made_for(model, dtype, config) or _unwrap(model) is not self.inner:
+            return False
+        if any(self.empty) or not all(tuple(map(id, table.values())) == ids
+                                      for table, ids, _ in self.tables):
+            return False
+        if not all(frozenset(skip) == was for skip, was in self.nonpersistent):
+            return False
+        for t, ptr, dt, shape, stride, cuda in self.tensors:
+            if (t.data_ptr() != ptr or t.dtype is not dt or t.shape != shape
+                    or t.stride() != stride or t.is_cuda is not cuda):
+                return False
+        return True
 
 
 @register_extractor("hf_head")

@@ -83,3 +83,64 @@ def test_a_traced_push_has_the_trainer_and_the_engine_in_protocol_order(tmp_path
     print(out)  # the sample in the test log (-s)
     assert out.startswith("push 2 of 2: ") and len(out.splitlines()) <= 1 + 1 + 120 + 2
     assert (tmp_path / "rows.json").exists()
+
+
+def test_a_held_update_is_compared_with_the_model_while_its_call_travels(tmp_path,
+                                                                        trace_timeline):
+    """Pushing the same model again sends its held chunks; the model is compared with them
+    after the engine's call left and before any chunk does (``push.held.checked`` between
+    ``rpc.post``-side ``rpc.apply.begin`` and the first ``feed.chunk``). A model whose tensor
+    was replaced since is caught there: that stream aborts before a byte moves (the engine
+    refuses it and keeps its weights), the model is extracted again and pushed, and the engine
+    then holds it exactly; the group stays usable for the next held push."""
+    import torch
+
+    from weightsync.digest import module_digest
+
+    trace.flush()
+    trace.configure(tmp_path)
+    engine = LocalEngineProcess.spawn(FACTORY, {**SMALL, "fill": "zeros"}, name="engine0",
+                                      env={trace.ENV: str(tmp_path)})
+    model = qwen2_module(**SMALL, seed=1)
+    try:
+        async def go():
+            seen = []
+            async with ws.connect([engine], STREAM) as sync:
+                await sync.push(model, version=1)  # extracted
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1.0)  # a training step in place: the update is held
+                await sync.push(model, version=2)
+                seen.append(await engine.call("state_digest") == module_digest(model))
+                head = model.model.norm
+                head.weight = torch.nn.Parameter(head.weight.detach() * 3)  # replaced
+                stats = await sync.push(model, version=3)
+                seen.append(await engine.call("state_digest") == module_digest(model))
+                with torch.no_grad():
+                    model.model.norm.weight.add_(1.0)
+                await sync.push(model, version=4)  # held again, over the same group
+                seen.append(await engine.call("state_digest") == module_digest(model))
+                return seen, stats, (await sync.status())[0]
+        seen, stats, status = asyncio.run(go())
+    finally:
+        engine.stop()
+        trace.configure(None)
+    assert seen == [True, True, True]
+    assert stats.versions == [3] and status["version"] == 4
+    tl = trace_timeline
+    events = tl.read_events(str(tmp_path))
+    names = tl.process_names(events)
+    pushes = [tl.timeline(p, names) for p in tl.split_pushes(events)]
+    assert len(pushes) == 4
+    labels = [[(r["proc"], r["label"]) for r in rows] for rows in pushes]
+    for k in (1, 3):  # the held pushes: compared after the call left, before a chunk went
+        at = labels[k].index
+        assert (at(("trainer", "rpc.apply.begin")) < at(("trainer", "push.held.checked"))
+                < at(("trainer", "feed.chunk"))), labels[k]
+        assert ("trainer", "feed.abort") not in labels[k]
+    changed = labels[2]
+    assert changed.count(("trainer", "rpc.apply.begin")) == 2  # refused once, then extracted
+    assert changed.count(("trainer", "feed.abort")) == 1
+    first_abort = changed.index(("trainer", "feed.abort"))
+    assert ("engine", "recv.chunk.post.begin") not in changed[:first_abort]  # no byte moved
+    assert [e for e in labels[0] if e == ("trainer", "push.held.checked")] == []
