@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -402,20 +403,17 @@ class WeightUpdateRequest(_Tagged):
 
     @property
     def total_size_bytes(self) -> int:
-        return sum(m.nbytes for m in self.metas())
+        return request_nbytes({"dtypes": self.dtypes, "shapes": self.shapes})
 
 
 def request_nbytes(request: dict[str, Any]) -> int:
     """The bytes a chunk request (plain dict) describes; 0 for anything malformed (the engine
     refuses it with the reason)."""
     try:
-        total = 0
-        for dtype, shape in zip(request["dtypes"], request["shapes"], strict=True):
-            n = 1
-            for x in shape:
-                n *= int(x)
-            total += n * dtype_itemsize(dtype)
-        return total
+        dtypes, shapes = request["dtypes"], request["shapes"]
+        if len(dtypes) != len(shapes):
+            return 0
+        return int(sum(map(operator.mul, map(math.prod, shapes), map(dtype_itemsize, dtypes))))
     except (KeyError, TypeError, ValueError):
         return 0
 

@@ -377,6 +377,7 @@ def _start_chunk(group: Group, item: FeedItem, pack: Staging, *, checksum: bool,
     packed = pack.get(need) if need else None
     if packed is not None:
         _pack(pack, packed, transfers, places, metas, chunk)
+        trace.mark("lane.chunk.packed", bytes=need)
     bufs = []
     for tr, at in zip(transfers, places, strict=True):
         if tr.packed:
@@ -644,6 +645,7 @@ class StreamReceiver:
                 parts, views = staging.views(
                     ("recv", key), lambda: _staged_views(buf, transfers, places, metas))
                 staged = dict(views)  # the loader gets its own dict
+            trace.mark("recv.chunk.views")
             bufs = []
             for k, tr in enumerate(transfers):
                 if places[k] < 0:
