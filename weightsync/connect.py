@@ -666,6 +666,23 @@ class _ModelChanged(ValueError):
     stream, before its first chunk: the engines refuse the update, the group stays in step)."""
 
 
+class _HeldStream:
+    """A held update's chunks, handed out once ``verdict`` says the model still holds them
+    (else ``_ModelChanged``). ``ready_made``: taking them touches no device, so a streamed
+    sender may take the first one before its engines voted (``StreamFeed``'s ``early``)."""
+
+    ready_made = True
+
+    def __init__(self, chunks: list[Any], verdict: asyncio.Future) -> None:
+        self.chunks, self.verdict = chunks, verdict
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        if not await self.verdict:
+            raise _ModelChanged("the model changed since its held update was made")
+        for chunk in self.chunks:
+            yield chunk
+
+
 async def _send_held(send: Callable[[Callable[[], Any]], Awaitable[Any]], chunks: list[Any],
                      holds: Callable[[], bool]) -> Any:
     """Send a held update (views of the model's own tensors) and compare the model with it
@@ -674,14 +691,7 @@ async def _send_held(send: Callable[[Callable[[], Any]], Awaitable[Any]], chunks
     the answer (the stream's first step waits for it). -> the send's stats, or ``_CHANGED``
     when the model no longer holds the update (nothing was sent; the engines refused it)."""
     verdict: asyncio.Future = asyncio.get_running_loop().create_future()
-
-    async def stream() -> AsyncIterator[Any]:
-        if not await verdict:
-            raise _ModelChanged("the model changed since its held update was made")
-        for chunk in chunks:
-            yield chunk
-
-    task = asyncio.ensure_future(send(stream))
+    task = asyncio.ensure_future(send(lambda: _HeldStream(chunks, verdict)))
     await asyncio.sleep(0)  # the send's first step: its engines' call leaves
     try:
         verdict.set_result(bool(holds()))

@@ -189,6 +189,11 @@ class Group:
 
     def all_reduce_min(self, value: int) -> int:
         """MIN over every rank of one small int (the go/no-go vote before bulk data)."""
+        return self.finish_all_reduce_min(self.start_all_reduce_min(value))
+
+    def start_all_reduce_min(self, value: int) -> Pending:
+        """``all_reduce_min`` issued, not waited for (``finish_all_reduce_min``; whether it
+        completed: ``pending.work.is_completed()``): the caller works while the peers vote."""
         import torch
         import torch.distributed as dist
 
@@ -196,9 +201,12 @@ class Group:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
         opts.timeout = self.timeout
-        self._wait(self.pg.allreduce([t], opts), f"go/no-go all_reduce {self.peers()}",
-                   self.timeout)
-        return int(t.item())
+        return Pending(self.pg.allreduce([t], opts), t, f"go/no-go all_reduce {self.peers()}",
+                       self.timeout)
+
+    def finish_all_reduce_min(self, pending: Pending) -> int:
+        self._wait(pending.work, pending.what, pending.timeout)
+        return int(pending.tensor.item())
 
     def peers(self) -> str:
         """Who this rank waits for in a collective of the whole group (for error texts): the

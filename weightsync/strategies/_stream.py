@@ -13,7 +13,10 @@ manifest, so besides the weights only two ints per chunk cross; ``WIRE_VERSION``
 the request, which an engine checks before it votes):
 
 1. **vote**: an all_reduce MIN of one int (1 = go). The sender and every receiver that accepted
-   the update vote 1; an engine that refused its start votes 0 and no byte moves.
+   the update vote 1; an engine that refused its start votes 0 and no byte moves. While the
+   vote is out, a sender whose chunks exist already (a list, a held update: the feed's
+   ``early``) takes the first one and packs it, so its bytes leave as soon as the vote is go
+   (an extraction waits for the vote instead: it may wait for the device).
 2. **headers one chunk ahead**: header 0, then for each chunk ``k`` of the sender's stream the
    header of what follows it (chunk ``k + 1``'s, or the end), then chunk ``k``'s data. A header
    is ``[count, first]`` (the chunk carries manifest entries ``first .. first + count - 1``); the
@@ -165,11 +168,12 @@ class StreamFeed:
     step), hands it over and finally puts the end (None) or, when the stream fails or is
     cancelled, a ``StreamAbort``; ``get`` / ``done`` are the lane's."""
 
-    def __init__(self, depth: int = 2) -> None:
+    def __init__(self, depth: int = 2, *, early: bool = False) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._slots = asyncio.Semaphore(max(1, int(depth)))
         self._loop = asyncio.get_running_loop()
         self._voted = asyncio.Event()
+        self.early = bool(early)
         self.chunks = self.tensors = self.nbytes = 0
 
     async def fill(self, chunks: AsyncIterable[WeightChunk] | Iterable[WeightChunk],
@@ -180,8 +184,11 @@ class StreamFeed:
         try:
             # the extraction starts once every engine voted (all are receiving): extraction
             # code that waits for the device (an .item(), a synchronize) would otherwise wait
-            # for our pending vote, whose peers need this loop to send them the request
-            await self._voted.wait()
+            # for our pending vote, whose peers need this loop to send them the request.
+            # ``early``: the chunks exist already (taking them touches no device): handed over
+            # at once, so the lane prepares the first one while the engines vote
+            if not self.early:
+                await self._voted.wait()
             async for chunk in aiter_chunks(chunks):
                 expected = manifest[index : index + len(chunk)]
                 if [m.name for m in expected] != list(chunk.names) or any(
@@ -221,6 +228,13 @@ class StreamFeed:
         """The next item if the extraction has made it already, else ``NOT_READY``."""
         try:
             return self._queue.get_nowait()
+        except queue.Empty:
+            return NOT_READY
+
+    def ready_within(self, timeout_s: float) -> FeedItem | StreamAbort | None | object:
+        """The next item if it comes within ``timeout_s``, else ``NOT_READY``."""
+        try:
+            return self._queue.get(timeout=timeout_s)
         except queue.Empty:
             return NOT_READY
 
@@ -313,12 +327,16 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
     free by then), and its feed slot comes back once it completed. ``overlap`` False: each chunk is waited for before the
     next one's data is issued (``BroadcastConfig.overlap_chunks``)."""
     with group.on_device():
-        if group.all_reduce_min(1) == 0:
+        vote = group.start_all_reduce_min(1)
+        item, early = _while_voting(group, feed, vote, packs[0], checksum=checksum,
+                                    pack_below=pack_below, pack_bytes=pack_bytes)
+        if group.finish_all_reduce_min(vote) == 0:
             trace.mark("lane.vote", go=False)
             return False
         trace.mark("lane.vote", go=True)
         feed.voted()
-        item = feed.get(idle_timeout_s)
+        if item is NOT_READY:
+            item = feed.get(idle_timeout_s)
         pending = _start_header(group, item, 0)  # header 0
         chunks = 0
         prev: list[Pending] | None = None  # the chunk before: issued, not waited for
@@ -335,9 +353,13 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
                 nxt = feed.get(idle_timeout_s)
             pending += _start_header(group, nxt, chunks + 1)  # what follows chunk k
             trace.mark("lane.chunk.begin", chunk=chunks)
-            pending += _start_chunk(group, item, packs[chunks % 2], checksum=checksum,
-                                    grouped=grouped, pack_below=pack_below,
-                                    pack_bytes=pack_bytes)
+            if early is not None:  # chunk 0, prepared while the vote was out
+                bufs, early = early, None
+            else:
+                bufs = _prepare_chunk(group, item, packs[chunks % 2], checksum=checksum,
+                                      pack_below=pack_below, pack_bytes=pack_bytes)
+            pending += group.start_broadcasts(bufs, 0, grouped=grouped)
+            del bufs
             trace.mark("lane.chunk.end", chunk=chunks)
             if prev is not None:
                 group.finish_all(prev)
@@ -361,11 +383,32 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
         return True if item is None else "aborted"
 
 
-def _start_chunk(group: Group, item: FeedItem, pack: Staging, *, checksum: bool, grouped: bool,
-                 pack_below: int, pack_bytes: int) -> list[Pending]:
-    """Issue one chunk's broadcasts (its small tensors packed into ``pack`` first, then, with
-    ``checksum``, its checksums). Its own function so that, once issued, the chunk's tensors
-    are held by the returned ``Pending`` s and the feed item only."""
+def _while_voting(group: Group, feed: StreamFeed, vote: Pending, pack: Staging, *,
+                  checksum: bool, pack_below: int, pack_bytes: int) -> tuple[Any, Any]:
+    """While the vote is out: with an ``early`` feed, take the first chunk as soon as it is
+    handed over and prepare it (``_prepare_chunk``: its small tensors packed, into ``pack``,
+    the one chunk 0 uses), so that once every member voted go its bytes leave at once.
+    -> ``(the item taken or NOT_READY, chunk 0's buffers or None)``; a chunk prepared for a
+    vote that comes out no is dropped (nothing was sent)."""
+    if not feed.early:
+        return NOT_READY, None
+    item: Any = NOT_READY
+    while item is NOT_READY and not vote.work.is_completed():
+        item = feed.ready_within(200e-6)
+    if not isinstance(item, FeedItem):
+        return item, None
+    bufs = _prepare_chunk(group, item, pack, checksum=checksum, pack_below=pack_below,
+                          pack_bytes=pack_bytes)
+    trace.mark("lane.chunk.early", chunk=0)
+    return item, bufs
+
+
+def _prepare_chunk(group: Group, item: FeedItem, pack: Staging, *, checksum: bool,
+                   pack_below: int, pack_bytes: int) -> list[torch.Tensor]:
+    """One chunk's buffers, in the order its broadcasts go out: its small tensors packed into
+    ``pack``, the others as they are, then, with ``checksum``, its checksums. The caller
+    issues them (``Group.start_broadcasts``) and drops the list: once issued, the chunk's
+    tensors are held by the returned ``Pending`` s and the feed item only."""
     import torch
 
     chunk = item.chunk
@@ -391,7 +434,7 @@ def _start_chunk(group: Group, item: FeedItem, pack: Staging, *, checksum: bool,
         sums = torch.tensor(tensor_checksums(chunk.tensors), dtype=torch.int64,
                             device=group.device)
         bufs.append(sums.view(torch.uint8))
-    return group.start_broadcasts(bufs, 0, grouped=grouped)
+    return bufs
 
 
 def buffer_places(transfers: list[Transfer],

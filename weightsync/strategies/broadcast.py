@@ -414,7 +414,10 @@ class BroadcastTransferSender(WeightTransferSender):
             engines = asyncio.ensure_future(_chunk_then_finish(
                 inference_client, request.to_dict(), finish.to_dict(),
                 fused=carries_apply and not start.staged))
-        feed = StreamFeed(depth=3)  # chunk k - 1 in flight, k going out, k + 1 announced
+        # chunk k - 1 in flight, k going out, k + 1 announced; chunks that exist already (a
+        # list, or an iterable that says ``ready_made``) are handed over before the vote ends
+        feed = StreamFeed(depth=3, early=isinstance(chunks, (list, tuple))
+                          or bool(getattr(chunks, "ready_made", False)))
         data = asyncio.wrap_future(self._lane.submit(
             self._stream_data, feed))
         feeder = asyncio.ensure_future(feed.fill(chunks, manifest))

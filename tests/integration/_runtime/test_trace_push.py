@@ -81,7 +81,9 @@ def test_a_traced_push_has_the_trainer_and_the_engine_in_protocol_order(tmp_path
     assert tl.main([str(tmp_path), "--json", str(tmp_path / "rows.json")]) == 0
     out = capsys.readouterr().out
     print(out)  # the sample in the test log (-s)
-    assert out.startswith("push 2 of 2: ") and len(out.splitlines()) <= 1 + 1 + 120 + 2
+    # the push's line, the column names, at most 120 events (and the "..." line between the
+    # halves when there are more), the largest gaps, the blank line after the push
+    assert out.startswith("push 2 of 2: ") and len(out.splitlines()) <= 1 + 1 + 120 + 1 + 1 + 1
     assert (tmp_path / "rows.json").exists()
 
 
@@ -120,24 +122,39 @@ def test_a_held_update_is_compared_with_the_model_while_its_call_travels(tmp_pat
                     model.model.norm.weight.add_(1.0)
                 await sync.push(model, version=4)  # held again, over the same group
                 seen.append(await engine.call("state_digest") == module_digest(model))
+                served = await engine.call("state_digest")
+                with torch.no_grad():
+                    model.model.norm.weight.add_(1.0)
+                with pytest.raises(ws.UpdateRefusedError, match="not newer"):
+                    await sync.push(model, version=4)  # refused at the start: votes no
+                seen.append(await engine.call("state_digest") == served)  # nothing landed
+                await sync.push(model, version=5)
+                seen.append(await engine.call("state_digest") == module_digest(model))
                 return seen, stats, (await sync.status())[0]
         seen, stats, status = asyncio.run(go())
     finally:
         engine.stop()
         trace.configure(None)
-    assert seen == [True, True, True]
-    assert stats.versions == [3] and status["version"] == 4
+    assert seen == [True, True, True, True, True]
+    assert stats.versions == [3] and status["version"] == 5
     tl = trace_timeline
     events = tl.read_events(str(tmp_path))
     names = tl.process_names(events)
     pushes = [tl.timeline(p, names) for p in tl.split_pushes(events)]
-    assert len(pushes) == 4
+    assert len(pushes) == 6
     labels = [[(r["proc"], r["label"]) for r in rows] for rows in pushes]
-    for k in (1, 3):  # the held pushes: compared after the call left, before a chunk went
+    early = []
+    for k in (1, 3, 5):  # the held pushes: compared after the call left, before a chunk went
         at = labels[k].index
         assert (at(("trainer", "rpc.apply.begin")) < at(("trainer", "push.held.checked"))
                 < at(("trainer", "feed.chunk"))), labels[k]
         assert ("trainer", "feed.abort") not in labels[k]
+        if ("trainer", "lane.chunk.early") in labels[k]:  # taken while the engine voted
+            early.append(at(("trainer", "lane.chunk.early")) < at(("trainer", "lane.vote")))
+    assert early and all(early)  # (the engine's start takes longer than the model's check)
+    refused = labels[4]
+    assert ("trainer", "lane.chunk.begin") not in refused  # prepared at most; never sent
+    assert ("engine", "recv.chunk.post.begin") not in refused
     changed = labels[2]
     assert changed.count(("trainer", "rpc.apply.begin")) == 2  # refused once, then extracted
     assert changed.count(("trainer", "feed.abort")) == 1
