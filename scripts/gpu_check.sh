@@ -22,6 +22,9 @@
 #                                          there) and from this one, untraced, in the order AB_ORDER
 #                                          (default "before after after before"): a before/after on one
 #                                          machine (AB_SHAPE, AB_ROWS, AB_REPEATS pick others)
+#   bash scripts/gpu_check.sh copies       benchmarks/bench_copies.py on qwen2-7b and qwen2-0.5b: one batched
+#                                          copy vs a copy per tensor vs split by size, into vLLM's
+#                                          fused layout, against one flat copy (no vLLM)
 #   bash scripts/gpu_check.sh trace        qwen2-0.5b broadcast rows with WEIGHTSYNC_TRACE_DIR set, then
 #                                          benchmarks/trace_timeline.py: one push by phase, trainer
 #                                          and engine worker on one clock
@@ -182,6 +185,15 @@ case "$stage" in
       echo "bench $name rc=$?"
     done
     summary
+    ;;
+  copies)
+    # how the engine should copy an update into its weights (no vLLM): one _foreach_copy_, a
+    # copy_ per tensor, or split by size, against one flat copy (benchmarks/bench_copies.py)
+    for shape in qwen2-7b qwen2-0.5b; do
+      timeout 240 python3 benchmarks/bench_copies.py --shape $shape \
+          --json "$OUT/copies-$shape.json" > "$OUT/copies-$shape.txt" 2>&1
+      echo "bench copies $shape rc=$?"; cat "$OUT/copies-$shape.txt"
+    done
     ;;
   trace)
     # where one push's time goes: the 0.5B rows with the opt-in trace, then the merged timeline
