@@ -16,7 +16,10 @@ the request, which an engine checks before it votes):
    the update vote 1; an engine that refused its start votes 0 and no byte moves. While the
    vote is out, a sender whose chunks exist already (a list, a held update: the feed's
    ``early``) takes the first one and packs it, so its bytes leave as soon as the vote is go
-   (an extraction waits for the vote instead: it may wait for the device).
+   (an extraction waits for the vote instead: it may wait for the device). A receiver, while
+   its own vote is out, reads the update's entries and, for an update of the same names as
+   its last one, plans a first chunk cut as that one's was (``StreamReceiver.prepare``; header
+   0 decides whether that plan is used).
 2. **headers one chunk ahead**: header 0, then for each chunk ``k`` of the sender's stream the
    header of what follows it (chunk ``k + 1``'s, or the end), then chunk ``k``'s data. A header
    is ``[count, first]`` (the chunk carries manifest entries ``first .. first + count - 1``); the
@@ -506,6 +509,29 @@ def _on_device(b: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 @dataclass
+class ChunkPlan:
+    """How a receiver takes one chunk: its entries, its transfers, the engine tensors lone
+    transfers land in (by transfer index) and each other transfer's place in staging (-1: in
+    place) with the staging it needs."""
+
+    metas: list[TensorMeta]
+    transfers: list[Transfer]
+    targets: dict[int, Any]
+    places: list[int]
+    need: int
+
+
+@dataclass
+class Prepared:
+    """What ``StreamReceiver.prepare`` did while the vote was out: the update's entries and,
+    when it could guess the first chunk (``first`` entries), that chunk's plan."""
+
+    metas: list[TensorMeta]
+    first: int = 0
+    chunk: ChunkPlan | None = None
+
+
+@dataclass
 class Posted:
     """A chunk whose broadcasts a receiver has posted and not yet landed: its number in the
     stream, its entries, where its bytes go, the collectives to finish, the staging slot it
@@ -546,13 +572,31 @@ class StreamReceiver:
         self.header_timeout_s = header_timeout_s
         self.direct = 0  # tensors written straight into the weights (cumulative)
         self.largest = 0
+        # the last update's names and its first header's count: an update of the same names
+        # is expected to cut its first chunk alike (``prepare``)
+        self._last_first: tuple[list[str], int] | None = None
 
-    async def run(self, request: Any, sink: WeightLoader) -> None:
+    def prepare(self, request: Any, sink: WeightLoader) -> Prepared:
+        """The work that does not wait for the sender, done while the vote is out (the caller
+        runs it on the engine's thread between issuing its vote and waiting for it): the
+        update's entries and, when the last update had the same names, the receive plan of a
+        first chunk cut as that one's was (checked against the real header before use)."""
         metas = request.metas()
         trace.mark("recv.metas", tensors=len(metas))
+        last, first = self._last_first or (None, 0)
+        if last is None or last != request.names or not 0 < first <= len(metas):
+            return Prepared(metas)
+        pack = (int(request.pack_below_bytes), int(request.pack_bytes))
+        chunk = self._plan(metas[:first], pack, sink, None)
+        trace.mark("recv.chunk.planned", chunk=0, tensors=first)
+        return Prepared(metas, first, chunk)
+
+    async def run(self, request: Any, sink: WeightLoader, prepared: Prepared | None = None) -> None:
+        if prepared is None:
+            prepared = self.prepare(request, sink)
         self.largest = 0  # the most staging one chunk of this update needed
         try:
-            await self._run(request, sink, metas)
+            await self._run(request, sink, prepared)
         finally:
             trace.mark("recv.end")
             for buf in (self.staging, self.spare):
@@ -563,7 +607,8 @@ class StreamReceiver:
         self.staging.close()
         self.spare.close()
 
-    async def _run(self, request: Any, sink: WeightLoader, metas: list[TensorMeta]) -> None:
+    async def _run(self, request: Any, sink: WeightLoader, prepared: Prepared) -> None:
+        metas = prepared.metas
         index = chunks = 0
         failure: BaseException | None = None
         held: Posted | None = None  # posted, not landed yet
@@ -571,6 +616,8 @@ class StreamReceiver:
         grouped = bool(getattr(request, "grouped", False))
         pack = (int(request.pack_below_bytes), int(request.pack_bytes))
         header = await in_thread(self._wait_header, await in_thread(self._post_header))
+        if header[1] == 0 and header[0] > 0:
+            self._last_first = (list(request.names), header[0])
         while True:
             count, first = header
             if count in (END, ABORT) and held is not None:
@@ -591,18 +638,19 @@ class StreamReceiver:
                 raise WeightSyncError(
                     f"streamed update {request.update_id}: header [{count}, {first}] after "
                     f"{index} of {len(metas)} tensors: sender and engine are out of step")
-            part = metas[index : index + count]
-            transfers = plan_transfers(part, *pack)
-            targets = {} if failure is not None else _direct_targets(sink, part, transfers)
-            places, need = buffer_places(transfers, lambda k, tr, t=targets: k not in t)
-            if held is not None and need > self.OVERLAP_STAGING:
+            if chunks == 0 and prepared.chunk is not None and count == prepared.first:
+                plan = prepared.chunk  # cut while the vote was out, as the header says
+            else:
+                plan = self._plan(metas[index : index + count], pack, sink, failure)
+            if held is not None and plan.need > self.OVERLAP_STAGING:
                 failure = await self._land_posted(sink, held, failure)  # no second large buffer
                 held = None
             slot = 0 if held is None else 1 - held.slot
             # the next header, then this chunk's data: the order the sender issues them in
-            trace.mark("recv.chunk.post.begin", chunk=chunks, direct=len(targets), staged=need)
-            after, posted = await in_thread(self._post_chunk, chunks, part, transfers, targets,
-                                            places, need, slot, checksum, grouped)
+            trace.mark("recv.chunk.post.begin", chunk=chunks, direct=len(plan.targets),
+                       staged=plan.need)
+            after, posted = await in_thread(self._post_chunk, chunks, plan, slot, checksum,
+                                            grouped)
             trace.mark("recv.chunk.post.end", chunk=chunks)
             if held is not None:
                 failure = await self._land_posted(sink, held, failure)  # overlaps `posted`'s bytes
@@ -663,16 +711,27 @@ class StreamReceiver:
         trace.mark("recv.header", count=count, first=first)
         return int(count), int(first)
 
+    @staticmethod
+    def _plan(metas: list[TensorMeta], pack: tuple[int, int], sink: Any,
+              failure: BaseException | None) -> ChunkPlan:
+        """How one chunk of ``metas`` is received: its transfers, which land in place (none
+        after a loader failure: the rest of the stream goes to staging) and where the others
+        sit in staging."""
+        transfers = plan_transfers(metas, *pack)
+        targets = {} if failure is not None else _direct_targets(sink, metas, transfers)
+        places, need = buffer_places(transfers, lambda k, tr, t=targets: k not in t)
+        return ChunkPlan(metas, transfers, targets, places, need)
+
     def _post_chunk(
-        self, number: int, metas: list[TensorMeta], transfers: list[Transfer],
-        targets: dict[int, Any], places: list[int], need: int, slot: int, checksum: bool,
-        grouped: bool,
+        self, number: int, plan: ChunkPlan, slot: int, checksum: bool, grouped: bool,
     ) -> tuple[tuple[torch.Tensor, list[Any]], Posted]:
         """Post the receive of the next header, then every broadcast of the chunk (as one NCCL
         group call when the sender's request says ``grouped``) into its direct targets and
         staging slot ``slot``, without waiting (gloo completes them here)."""
         import torch
 
+        metas, transfers, targets = plan.metas, plan.transfers, plan.targets
+        places, need = plan.places, plan.need
         after = self._post_header()
         group = self.group
         self.largest = max(self.largest, need)

@@ -41,7 +41,7 @@ from weightsync._runtime.process_group import (
     default_master_addr,
     make_master_store,
 )
-from weightsync._runtime.threads import SerialLane, in_thread
+from weightsync._runtime.threads import SerialLane, in_thread, spawn
 from weightsync.config import StrategyConfig
 from weightsync.errors import (
     EngineDiedError,
@@ -621,12 +621,17 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
                 raise WeightSyncError(f"update {request.update_id}: {why}; this engine's "
                                       f"weights are unchanged")
             trace.mark("recv.vote")
-            if not await in_thread(self._vote_yes):
+            voting = spawn(self._vote_yes)
+            try:  # while the vote is out: the update's entries, the first chunk's plan
+                prepared = self.stream.prepare(request, loader)
+            finally:
+                go = await asyncio.wrap_future(voting)  # (the vote goes on either way)
+            if not go:
                 raise WeightSyncError(
                     f"update {request.update_id} was rejected by another engine; nothing was "
                     f"moved (this engine's weights are unchanged)")
             trace.mark("recv.voted")
-            await self.stream.run(request, loader)
+            await self.stream.run(request, loader, prepared)
             return
         tensors = await in_thread(self._recv_data, request)
         if tensors is None:
