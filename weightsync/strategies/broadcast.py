@@ -37,6 +37,7 @@ from weightsync._runtime import trace
 from weightsync._runtime.pool import BufferPool
 from weightsync._runtime.process_group import (
     Group,
+    Pending,
     build_group,
     default_master_addr,
     make_master_store,
@@ -621,8 +622,10 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
                 raise WeightSyncError(f"update {request.update_id}: {why}; this engine's "
                                       f"weights are unchanged")
             trace.mark("recv.vote")
-            voting = spawn(self._vote_yes)
-            try:  # while the vote is out: the update's entries, the first chunk's plan
+            # issued here (so it is out before this thread's next Python), waited for on a
+            # helper thread; meanwhile: the update's entries, the first chunk's plan
+            voting = spawn(self._vote_yes, self._start_vote_yes())
+            try:
                 prepared = self.stream.prepare(request, loader)
             finally:
                 go = await asyncio.wrap_future(voting)  # (the vote goes on either way)
@@ -661,10 +664,18 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
         with self.group.on_device():
             self.group.all_reduce_min(0)
 
-    def _vote_yes(self) -> bool:
+    def _start_vote_yes(self) -> Pending:
+        with self.group.on_device():
+            return self.group.start_all_reduce_min(1)
+
+    def _vote_yes(self, issued: Pending | None = None) -> bool:
+        """This engine's yes vote (``issued`` by ``_start_vote_yes`` already, else issued
+        here); whether every member voted yes."""
         trace.mark("recv.vote.thread")
         with self.group.on_device():
-            return self.group.all_reduce_min(1) == 1
+            if issued is None:
+                issued = self.group.start_all_reduce_min(1)
+            return self.group.finish_all_reduce_min(issued) == 1
 
     def _recv_data(self, request: BroadcastWeightUpdateRequest) -> dict[str, torch.Tensor] | None:
         """Vote yes (the chunk was validated); None if anyone voted no, else the chunk's
