@@ -173,6 +173,10 @@ class SyncSession:
         self.closed = False
         # (key, extractor, the model it is for: kept alive so its id is not reused)
         self._extractor: tuple[tuple, Any, Any] | None = None
+        # whether the model held its update at the last push that looked (a model whose
+        # tensors are replaced every step is compared first, not while the call travels: a
+        # failed check there costs the engines a refused update)
+        self._held_last = True
         self.given_extractor = extractor  # an extractor object given to connect, used as is
         self.delta = bool(delta)  # pushes are delta updates unless a push says otherwise
         # every training rank sends its own copy (IPC every_rank); None: decided at the first push
@@ -284,10 +288,13 @@ class SyncSession:
         # injecting an adapter or replacing a tensor changes what the extractor holds
         asked, held = self._held_extractor(model, mode, heads, dtype) if reuse else (None, None)
         # a plain update's held chunks are compared with the model while its engines' call is
-        # on its way (``_send_held``); a delta's or an FP8 one's first
-        deferred = held is not None and not delta and self.fp8 is None
-        if held is not None and not deferred and not asked.check_held(model, dtype):
-            held = None
+        # on its way (``_send_held``); a delta's or an FP8 one's first, and any while the model
+        # did not hold its update at the last look
+        deferred = held is not None and not delta and self.fp8 is None and self._held_last
+        if held is not None and not deferred:
+            self._held_last = asked.check_held(model, dtype)
+            if not self._held_last:
+                held = None
         ext = asked if held is not None else self._extractor_for(model, mode, heads)
         if not getattr(ext, "lockstep", False) and not self.is_sender and not self.every_rank:
             return None  # nothing to gather: the sending rank pushes alone
@@ -319,6 +326,7 @@ class SyncSession:
         if held is not None and deferred:
             stats = await _send_held(send, held[0], lambda: ext.check_held(model, dtype))
             if stats is _CHANGED:  # the model changed since its last push: extract it
+                self._held_last = False
                 return await self._push_model(model, version, mode, heads, dtype, delta,
                                               reuse=False)
         elif held is not None:

@@ -94,7 +94,9 @@ def test_a_held_update_is_compared_with_the_model_while_its_call_travels(tmp_pat
     ``rpc.post``-side ``rpc.apply.begin`` and the first ``feed.chunk``). A model whose tensor
     was replaced since is caught there: that stream aborts before a byte moves (the engine
     refuses it and keeps its weights), the model is extracted again and pushed, and the engine
-    then holds it exactly; the group stays usable for the next held push."""
+    then holds it exactly; the group stays usable for the next held push. After such a push
+    the next one compares the model first (so a trainer that replaces a tensor every step pays
+    one refused update, not one a step)."""
     import torch
 
     from weightsync.digest import module_digest
@@ -130,21 +132,26 @@ def test_a_held_update_is_compared_with_the_model_while_its_call_travels(tmp_pat
                 seen.append(await engine.call("state_digest") == served)  # nothing landed
                 await sync.push(model, version=5)
                 seen.append(await engine.call("state_digest") == module_digest(model))
+                for v in (6, 7):  # a trainer that replaces a tensor every step
+                    head = model.model.norm
+                    head.weight = torch.nn.Parameter(head.weight.detach() + 1)
+                    await sync.push(model, version=v)
+                    seen.append(await engine.call("state_digest") == module_digest(model))
                 return seen, stats, (await sync.status())[0]
         seen, stats, status = asyncio.run(go())
     finally:
         engine.stop()
         trace.configure(None)
-    assert seen == [True, True, True, True, True]
-    assert stats.versions == [3] and status["version"] == 5
+    assert seen == [True] * 7
+    assert stats.versions == [3] and status["version"] == 7
     tl = trace_timeline
     events = tl.read_events(str(tmp_path))
     names = tl.process_names(events)
     pushes = [tl.timeline(p, names) for p in tl.split_pushes(events)]
-    assert len(pushes) == 6
+    assert len(pushes) == 8
     labels = [[(r["proc"], r["label"]) for r in rows] for rows in pushes]
     early = []
-    for k in (1, 3, 5):  # the held pushes: compared after the call left, before a chunk went
+    for k in (1, 5):  # the held pushes: compared after the call left, before a chunk went
         at = labels[k].index
         assert (at(("trainer", "rpc.apply.begin")) < at(("trainer", "push.held.checked"))
                 < at(("trainer", "feed.chunk"))), labels[k]
@@ -161,3 +168,13 @@ def test_a_held_update_is_compared_with_the_model_while_its_call_travels(tmp_pat
     first_abort = changed.index(("trainer", "feed.abort"))
     assert ("engine", "recv.chunk.post.begin") not in changed[:first_abort]  # no byte moved
     assert [e for e in labels[0] if e == ("trainer", "push.held.checked")] == []
+    # after a push whose model had changed, the next one compares the model first (it held:
+    # sent held, one call, no abort); then the pushes go back to comparing during the call
+    after = labels[3]
+    assert ("trainer", "push.held.checked") not in after and ("trainer", "feed.abort") not in after
+    assert after.count(("trainer", "rpc.apply.begin")) == 1
+    # a trainer that replaces a tensor every step: one refused update at the first change,
+    # then each push compares first and extracts, with no refused update
+    assert labels[6].count(("trainer", "feed.abort")) == 1
+    assert ("trainer", "feed.abort") not in labels[7]
+    assert labels[7].count(("trainer", "rpc.apply.begin")) == 1
