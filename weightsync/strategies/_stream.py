@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -396,7 +397,8 @@ def _while_voting(group: Group, feed: StreamFeed, vote: Pending, pack: Staging, 
     if not feed.early:
         return NOT_READY, None
     item: Any = NOT_READY
-    while item is NOT_READY and not vote.work.is_completed():
+    deadline = time.monotonic() + vote.timeout.total_seconds()  # then the vote's wait raises
+    while item is NOT_READY and not vote.work.is_completed() and time.monotonic() < deadline:
         item = feed.ready_within(200e-6)
     if not isinstance(item, FeedItem):
         return item, None
