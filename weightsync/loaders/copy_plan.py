@@ -103,9 +103,13 @@ class CopyPlan:
         self.load_fn = load_fn
         self._entries: dict[str, _Entry] = {}
         self._opaque: set[str] = set()
-        # the module tree the plan was learned on: each module's children table and the ids of
-        # the children it held (a module replaced anywhere changes its parent's table)
-        self._modules: list[tuple[dict, tuple[int, ...]]] | None = None
+        # the module tree the plan was learned on: each module's children table with the ids of
+        # the children it held and the children themselves (held: an id compared is never a
+        # later module's; a module replaced anywhere changes its parent's table), and the
+        # tables that were empty (most: leaves)
+        self._modules: list[tuple[dict, tuple[int, ...], tuple]] | None = None
+        self._leaves: list[dict] = []
+        self._check_due = False  # ``defer_check``: checked at the plan's next use
         self._owners: list[tuple[dict, str, Any, int]] = []  # tensors the plan writes into
         self.replayed = 0  # tensors loaded by replay (cumulative)
         self.loaded = 0  # tensors loaded through load_fn (cumulative)
@@ -153,24 +157,33 @@ class CopyPlan:
         was kept): a module of the model replaced, or a parameter / buffer the plan writes into
         replaced or given other storage. Call before each update (a few hundred microseconds
         for a 7B model)."""
+        self._check_due = False
         if self._modules is None:
             return True
         self._settle()
         # (vLLM's parameter classes answer every method through __torch_function__, a Python
         # call each; without it data_ptr() is a plain C call)
         with torch._C.DisableTorchFunctionSubclass():
-            same = all(tuple(map(id, children.values())) == ids
-                       for children, ids in self._modules) and all(
+            same = not any(self._leaves) and all(
+                tuple(map(id, children.values())) == ids
+                for children, ids, _ in self._modules) and all(
                 table.get(key) is t and t.data_ptr() == ptr for table, key, t, ptr in self._owners)
         if not same:
             self.clear()
         return same
+
+    def defer_check(self) -> None:
+        """``check`` at the plan's next use (its first ``direct_target``, ``load``, ``stage``
+        or ``commit_staged``) instead of now: an update's start calls this, and a streamed
+        receiver's first use falls while its vote is out."""
+        self._check_due = True
 
     def clear(self) -> None:
         self._entries.clear()
         self._prepared.clear()
         self._opaque.clear()
         self._modules = None
+        self._leaves = []
         self._owners = []
         self._shadows.clear()
         self._staged_prepared.clear()
@@ -278,8 +291,11 @@ class CopyPlan:
         return self._whole
 
     def _settle(self) -> None:
-        """Point the copies of swapped parameters at the storage that serves now (deferred from
-        the swap, which stands generation still, to the next use of the plan)."""
+        """Run a deferred ``check``; point the copies of swapped parameters at the storage that
+        serves now (deferred from the swap, which stands generation still, to the next use of
+        the plan)."""
+        if self._check_due:
+            self.check()  # (clears the flag first, then settles)
         if not self._moved:
             return
         moved, self._moved = self._moved, {}
@@ -409,8 +425,10 @@ class CopyPlan:
             del self._entries[name]
         self._owners = owners
         self._whole = None
-        self._modules = [(m._modules, tuple(map(id, m._modules.values())))
-                         for m in self.model.modules()]
+        modules = list(self.model.modules())
+        self._modules = [(m._modules, tuple(map(id, m._modules.values())),
+                          tuple(m._modules.values())) for m in modules if m._modules]
+        self._leaves = [m._modules for m in modules if not m._modules]
 
 
 def _nbytes(t: Any) -> int:

@@ -172,7 +172,9 @@ class VLLMWeightLoader(WeightLoader):
         would leave a touched layer incomplete."""
         self._pending.clear()
         if self.plan is not None:
-            self.plan.check()  # relearns if vLLM replaced a parameter since
+            # relearns if vLLM replaced a parameter since; checked at the plan's first use in
+            # this update (a streamed receiver's falls while its vote is out)
+            self.plan.defer_check()
         if start.manifest is None:
             return
         if self.mode == "reload":

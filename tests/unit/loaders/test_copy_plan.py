@@ -147,6 +147,35 @@ def test_a_module_added_or_replaced_anywhere_in_the_tree_drops_the_plan():
     assert not plan.check()
 
 
+def test_a_deferred_check_runs_at_the_plans_next_use():
+    """``defer_check`` (an update's start) checks at the plan's next use: unchanged, the plan
+    keeps replaying; a leaf given a child or a replaced parameter since drops it there, before
+    anything is written through it, and the load that follows learns the new tensors."""
+    model, ref, plan = _pair()
+    plan.load(_state(0))
+    plan.load(_state(1))
+    plan.defer_check()
+    dst = plan.direct_target("q_proj.weight", torch.bfloat16, (4, H))  # checked here: kept
+    assert dst is not None and dst.data_ptr() == model.qkv.data_ptr() and plan.names
+    replayed = plan.replayed
+    plan.defer_check()
+    model.qkv = torch.nn.Parameter(torch.zeros(8, H, dtype=torch.bfloat16), requires_grad=False)
+    ref.qkv = torch.nn.Parameter(torch.zeros(8, H, dtype=torch.bfloat16), requires_grad=False)
+    assert plan.names  # nothing checked yet
+    items = _state(2)
+    plan.load(items)  # the check runs first: the plan is dropped, the load learns anew
+    _loader(ref)(items)
+    assert _same(model, ref) == [] and plan.replayed == replayed
+    assert not torch.equal(model.qkv, torch.zeros_like(model.qkv))  # landed in the new tensor
+    plan.load(_state(3))
+    assert plan.check() and plan.replayed > replayed
+    plan.defer_check()
+    leaf = next(m for m in model.modules() if not m._modules)
+    leaf.extra = torch.nn.Identity()  # a leaf that gained a child
+    plan.load(_state(4))
+    assert plan.replayed == replayed + len(REPLAYED)  # learned again, not replayed
+
+
 def test_a_tensor_with_other_strides_is_learned_again():
     model, ref, plan = _pair()
     plan.load(_state(0))
