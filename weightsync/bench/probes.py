@@ -28,8 +28,10 @@ class ProbeClient:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def _timed(self, key: str, aw: Any) -> Any:
-        t0 = time.perf_counter()
+    async def _timed(self, key: str, aw: Any, t0: float | None = None) -> Any:
+        """Await ``aw`` and add its wall time to ``times[key]``, from ``t0`` (when the call was
+        issued, if that was before this coroutine first ran) or from now."""
+        t0 = time.perf_counter() if t0 is None else t0
         try:
             return await aw
         finally:
@@ -61,8 +63,11 @@ class ProbeClient:
     def apply_update(self, start: dict, requests: list[dict], finish: dict) -> Any:
         import asyncio
 
+        # timed from here: the inner client issues the call before it returns, and the task
+        # below first runs only when the caller next waits (its lane may be busy by then)
+        t0 = time.perf_counter()
         return asyncio.ensure_future(
-            self._timed("apply_rpc_s", self.inner.apply_update(start, requests, finish)))
+            self._timed("apply_rpc_s", self.inner.apply_update(start, requests, finish), t0))
 
 
 def timed_sync_fn(fn: Any, times: dict[str, float], key: str, device: str) -> Any:
