@@ -324,8 +324,9 @@ class SyncSession:
             return out
 
         if held is not None and deferred:
-            stats = await _send_held(send, held[0], lambda: ext.check_held(model, dtype))
-            if stats is _CHANGED:  # the model changed since its last push: extract it
+            try:
+                stats = await _send_held(send, held[0], lambda: ext.check_held(model, dtype))
+            except _ModelChanged:  # the model changed since its last push: extract it
                 self._held_last = False
                 return await self._push_model(model, version, mode, heads, dtype, delta,
                                               reuse=False)
@@ -665,10 +666,6 @@ def _head_patterns(mode: TrainingMode | None, given: Sequence[str] | None) -> li
     return None
 
 
-#: ``_send_held``'s answer when the model no longer holds the update
-_CHANGED: Any = object()
-
-
 class _ModelChanged(ValueError):
     """The held update's chunks are not the model's tensors any more (raised inside the
     stream, before its first chunk: the engines refuse the update, the group stays in step)."""
@@ -696,7 +693,7 @@ async def _send_held(send: Callable[[Callable[[], Any]], Awaitable[Any]], chunks
     """Send a held update (views of the model's own tensors) and compare the model with it
     (``holds``) meanwhile: the send runs up to its first wait (its engines' call issued, the
     engines starting their update) before the model is looked at, and no chunk leaves before
-    the answer (the stream's first step waits for it). -> the send's stats, or ``_CHANGED``
+    the answer (the stream's first step waits for it). -> the send's stats; ``_ModelChanged``
     when the model no longer holds the update (nothing was sent; the engines refused it)."""
     verdict: asyncio.Future = asyncio.get_running_loop().create_future()
     task = asyncio.ensure_future(send(lambda: _HeldStream(chunks, verdict)))
@@ -708,8 +705,6 @@ async def _send_held(send: Callable[[Callable[[], Any]], Awaitable[Any]], chunks
     trace.mark("push.held.checked", held=verdict.exception() is None and verdict.result())
     try:
         return await task
-    except _ModelChanged:
-        return _CHANGED
     finally:
         if verdict.done() and not verdict.cancelled():
             verdict.exception()  # retrieved even when the stream never asked for it

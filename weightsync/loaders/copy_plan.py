@@ -155,8 +155,8 @@ class CopyPlan:
     def check(self) -> bool:
         """Drop the plan if the model changed under it since it was learned (returns whether it
         was kept): a module of the model replaced, or a parameter / buffer the plan writes into
-        replaced or given other storage. Call before each update (a few hundred microseconds
-        for a 7B model)."""
+        replaced or given other storage. Call before each update, or ``defer_check`` to its
+        first use (a few hundred microseconds for a 7B model)."""
         self._check_due = False
         if self._modules is None:
             return True

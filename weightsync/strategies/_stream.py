@@ -228,17 +228,11 @@ class StreamFeed:
         except queue.Empty:
             return StreamAbort(None)
 
-    def ready(self) -> FeedItem | StreamAbort | None | object:
-        """The next item if the extraction has made it already, else ``NOT_READY``."""
+    def ready(self, timeout_s: float = 0.0) -> FeedItem | StreamAbort | None | object:
+        """The next item if the extraction has made it already (or makes it within
+        ``timeout_s``), else ``NOT_READY``."""
         try:
-            return self._queue.get_nowait()
-        except queue.Empty:
-            return NOT_READY
-
-    def ready_within(self, timeout_s: float) -> FeedItem | StreamAbort | None | object:
-        """The next item if it comes within ``timeout_s``, else ``NOT_READY``."""
-        try:
-            return self._queue.get(timeout=timeout_s)
+            return self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()
         except queue.Empty:
             return NOT_READY
 
@@ -399,7 +393,7 @@ def _while_voting(group: Group, feed: StreamFeed, vote: Pending, pack: Staging, 
     item: Any = NOT_READY
     deadline = time.monotonic() + vote.timeout.total_seconds()  # then the vote's wait raises
     while item is NOT_READY and not vote.work.is_completed() and time.monotonic() < deadline:
-        item = feed.ready_within(200e-6)
+        item = feed.ready(200e-6)
     if not isinstance(item, FeedItem):
         return item, None
     bufs = _prepare_chunk(group, item, pack, checksum=checksum, pack_below=pack_below,

@@ -668,13 +668,11 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
         with self.group.on_device():
             return self.group.start_all_reduce_min(1)
 
-    def _vote_yes(self, issued: Pending | None = None) -> bool:
-        """This engine's yes vote (``issued`` by ``_start_vote_yes`` already, else issued
-        here); whether every member voted yes."""
+    def _vote_yes(self, issued: Pending) -> bool:
+        """Wait for this engine's yes vote (``issued`` by ``_start_vote_yes``): whether every
+        member voted yes."""
         trace.mark("recv.vote.thread")
         with self.group.on_device():
-            if issued is None:
-                issued = self.group.start_all_reduce_min(1)
             return self.group.finish_all_reduce_min(issued) == 1
 
     def _recv_data(self, request: BroadcastWeightUpdateRequest) -> dict[str, torch.Tensor] | None:

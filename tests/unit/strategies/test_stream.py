@@ -306,7 +306,7 @@ def test_the_extraction_starts_only_once_every_engine_voted():
         async with ws.connect([ep], STREAM, device="cpu") as sync:
             receiver = ep.receiver
             vote = receiver._vote_yes
-            receiver._vote_yes = lambda *issued: (vote(*issued), voted.set())[0]
+            receiver._vote_yes = lambda issued: (vote(issued), voted.set())[0]
             return await sync.push_chunks(extraction(), manifest, version=1)
 
     assert _run(go()).versions == [1] and _same(module, src)
