@@ -39,6 +39,7 @@ from weightsync._runtime import vllm_compat as compat
 from weightsync.config import LoaderConfig
 from weightsync.errors import WeightMismatchError
 from weightsync.interfaces import WeightLoader
+from weightsync.loaders.vllm_lora_install import AdapterMemory
 from weightsync.types import TensorMeta, WeightUpdateFinish, WeightUpdateStart
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -118,6 +119,7 @@ class VLLMWeightLoader(WeightLoader):
             self.plan = CopyPlan(compat.get_model(worker),
                                  lambda items: compat.load_direct(worker, items))
         self.loads = 0
+        self.adapter_memory = AdapterMemory()  # LoRA adapters between their updates (vllm_lora)
 
     # -- metadata ----------------------------------------------------------------------------
     def _build_expected(self, worker: Any) -> dict[str, TensorMeta] | None:
@@ -211,7 +213,7 @@ class VLLMWeightLoader(WeightLoader):
         from weightsync.loaders.vllm_lora import VLLMLoRAAdapterLoader
 
         return VLLMLoRAAdapterLoader(self.worker, spec, base_meta=self._meta,
-                                     model_name=self.model_name)
+                                     model_name=self.model_name, memory=self.adapter_memory)
 
     def stage_weights(self, named_tensors: dict[str, torch.Tensor]) -> bool:
         """Direct mode with a copy plan: the chunk into shadows of the parameters it writes

@@ -2,8 +2,8 @@
 
 Runs inside each vLLM worker of an engine started with ``enable_lora=True`` (``--enable-lora``);
 built per update by ``VLLMWeightLoader.adapter_loader(spec)`` when the update's start carries
-``lora_adapter``. The endpoint stages the update (``UpdateSink(staged=True)``), so this loader
-sees the adapter's tensors only once every chunk landed and checked out, then:
+``lora_adapter``. The endpoint does not stage the update: this loader keeps what arrives in its
+own buffer, apart from anything served, and installs it only at finish:
 
 * ``validate`` (the manifest at start, each chunk before its bytes move): every name is a PEFT
   adapter tensor of a module the served model has, the adapter's config targets and vLLM's LoRA
@@ -12,15 +12,24 @@ sees the adapter's tensors only once every chunk landed and checked out, then:
 * ``start_update``: vLLM's own check of the config (``PEFTHelper.validate_legal``: rank <=
   ``max_lora_rank``, no DoRA / LoRA bias ...), and a manifest that covers every A/B pair the
   config implies (an adapter is replaced whole);
-* ``finish_update``: ``LoRAModel.from_lora_tensors`` (vLLM's packing of q/k/v and gate/up, its
-  scaling), on the device the tensors arrived on (vLLM's own file loader builds it on the CPU;
-  on a GPU engine ours stays there, so activating it copies device to device), then, between two model steps (a ``collective_rpc`` runs between steps), the
-  adapter's previous version is dropped, the new one added and pinned in vLLM's CPU cache of
-  adapters (an adapter from memory has no file to reload after an eviction, so it is never
-  evicted; an engine keeps at most ``max_cpu_loras`` of them, and a start that would need one
-  more is refused); GPU slots (``max_loras``) stay least-recently-used as vLLM runs them. Requests that name the
-  adapter from the next step on are served by the new version; the driver resets the prefix
-  cache after every finished update (KV computed with the old adapter is not reused).
+* ``start_update`` also finds where the update's bytes go: for an adapter pushed before with
+  the same config, names, dtypes and shapes, the buffer its last version arrived in
+  (``weightsync.loaders.vllm_lora_install``); else a new one. Its views are the update's direct
+  targets (the receiver lands the bytes there, nothing is cloned);
+* ``finish_update``: the first version (or one whose config, names or shapes changed) is built
+  by vLLM's ``LoRAModel.from_lora_tensors`` (its packing of q/k/v and gate/up, its scaling), on
+  the device the tensors arrived on (vLLM's own file loader builds it on the CPU; on a GPU
+  engine ours stays there, so activating it copies device to device), then the adapter's
+  previous version is dropped, the new one added and pinned in vLLM's CPU cache of adapters
+  (an adapter from memory has no file to reload after an eviction, so it is never evicted; an
+  engine keeps at most ``max_cpu_loras`` of them, and a start that would need one more is
+  refused); GPU slots (``max_loras``) stay least-recently-used as vLLM runs them. A next
+  version of the same adapter is written over the last one where vLLM holds it (its
+  ``LoRAModel``'s tensors and, if it is active, its slot: ``vllm_lora_install``), bit-equal to
+  vLLM building it, without a Python pass over the modules. Either runs between two model
+  steps (a ``collective_rpc`` runs between steps): requests that name the adapter from the next
+  step on are served by the new version; the driver resets the prefix cache after every
+  finished update (KV computed with the old adapter is not reused).
 
 Nothing is installed before finish, so a failed or aborted adapter update leaves the engine
 serving the previous version of the adapter (and the base weights untouched).
@@ -29,12 +38,19 @@ serving the previous version of the adapter (and the base weights untouched).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from weightsync._runtime import trace
 from weightsync._runtime import vllm_compat as compat
 from weightsync.errors import UpdateRefusedError, WeightMismatchError
 from weightsync.interfaces import WeightLoader
+from weightsync.loaders.vllm_lora_install import (
+    AdapterMemory,
+    InstalledAdapter,
+    leaf_scales,
+    update_key,
+)
 from weightsync.lora_adapter import LoRAAdapterSpec, module_of
 from weightsync.types import TensorMeta, WeightUpdateFinish, WeightUpdateStart
 
@@ -75,15 +91,39 @@ def adapter_digest(worker: Any, adapter_id: int) -> dict[str, dict] | None:
     return state_digest(flat)
 
 
+def adapter_slot_digest(worker: Any, adapter_id: int) -> dict[str, Any] | None:
+    """Where the adapter ``adapter_id`` is active in ``worker`` and what its slot holds:
+    ``{"slot": i, "digest": state_digest of every LoRA layer's stacked A / B at slot i}``; None
+    when it is not active. Two adapters of the same tensors activated by vLLM, or written by
+    ``vllm_lora_install``, answer the same digest. For checks and tests: hashes on the CPU."""
+    from weightsync.digest import state_digest
+
+    manager = lora_manager(worker)
+    adapters = getattr(manager, "_adapter_manager", None)
+    slots = list(getattr(adapters, "lora_index_to_id", None) or [])
+    if adapter_id not in slots:
+        return None
+    index = slots.index(adapter_id)
+    flat = {}
+    for name, module in adapters.modules.items():
+        for part in ("lora_a_stacked", "lora_b_stacked"):
+            for i, t in enumerate(getattr(module, part, None) or ()):
+                flat[f"{name}.{part}.{i}"] = t[index]
+    return {"slot": index, "digest": state_digest(flat)}
+
+
 class VLLMLoRAAdapterLoader(WeightLoader):
     """One adapter update into the LoRA runtime of ``worker`` (see the module docstring).
     ``base_meta``: the served checkpoint's names and shapes (``VLLMWeightLoader``'s expected
-    metadata), for the adapter's shapes; None skips the shape check."""
+    metadata), for the adapter's shapes; None skips the shape check. ``memory``: what the
+    worker keeps between adapter updates (its ``VLLMWeightLoader`` holds one); None: nothing is
+    kept and vLLM builds every version."""
 
     changes_at_finish_only = True  # the adapter is swapped in by finish_update, or not at all
 
     def __init__(self, worker: Any, spec: LoRAAdapterSpec, *,
-                 base_meta: Mapping[str, TensorMeta] | None, model_name: str) -> None:
+                 base_meta: Mapping[str, TensorMeta] | None, model_name: str,
+                 memory: AdapterMemory | None = None) -> None:
         manager = lora_manager(worker)
         if manager is None:
             raise UpdateRefusedError(
@@ -94,8 +134,15 @@ class VLLMLoRAAdapterLoader(WeightLoader):
         self.spec = spec
         self.manager = manager
         self.target = f"LoRA adapter {spec.name!r} of vLLM model {model_name}"
-        self._expected = _expected_adapter(spec, base_meta, _supported_modules(manager))
-        self._received: dict[str, torch.Tensor] = {}
+        self.memory = memory if memory is not None else AdapterMemory()
+        config_key = update_key(spec.config, [])[0]
+        if config_key not in self.memory.expected:
+            self.memory.expected[config_key] = _expected_adapter(
+                spec, base_meta, _supported_modules(manager))
+        self._expected = self.memory.expected[config_key]
+        self._received: dict[str, torch.Tensor] = {}  # arrived outside the record's inbox
+        self._landed: set[str] = set()  # arrived in the record's inbox
+        self._record: InstalledAdapter | None = None  # where this update's bytes go
 
     # -- checks --------------------------------------------------------------------------------
     def expected_metadata(self) -> Mapping[str, TensorMeta] | None:
@@ -137,6 +184,7 @@ class VLLMLoRAAdapterLoader(WeightLoader):
     # -- update lifecycle ----------------------------------------------------------------------
     async def start_update(self, start: WeightUpdateStart) -> None:
         self._received.clear()
+        self._landed.clear()
         helper = self._peft_helper()
         try:
             helper.validate_legal(self.manager.lora_config)
@@ -153,22 +201,72 @@ class VLLMLoRAAdapterLoader(WeightLoader):
             missing = self._missing(m.name for m in start.manifest)
             if missing:
                 raise WeightMismatchError(missing, target=self.target)
+            self._record = self._record_for(list(start.manifest))
+
+    def _record_for(self, manifest: list[TensorMeta]) -> InstalledAdapter | None:
+        """The last version's record when this update has the same key (its inbox takes the
+        bytes again), else a new record with its own inbox (None: no single dtype)."""
+        key = update_key(self.spec.config, manifest)
+        last = self.memory.installed.get(self.spec.adapter_id)
+        if last is not None and last.key == key:
+            return last
+        model = compat.get_model(self.worker)
+        device = next(model.parameters()).device
+        return InstalledAdapter.allocate(key, manifest, device)
+
+    def direct_target(self, meta: TensorMeta) -> torch.Tensor | None:
+        """The view of the record's inbox for ``meta`` (same dtype and shape), else None."""
+        target = self._record.inbox.get(meta.name) if self._record is not None else None
+        if target is None or meta.dtype != _dtype_name(target) or list(meta.shape) != list(
+                target.shape):
+            return None
+        return target
+
+    def loaded_in_place(self, names: Sequence[str]) -> None:
+        self._landed.update(names)
 
     async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         # kept on the device they arrived on (the engine's GPU on GPU): vLLM then copies them
         # into its adapter slots device to device, with no trip through host memory
         for name, t in named_tensors.items():
-            self._received[name] = t.detach().clone()
+            target = self._record.inbox.get(name) if self._record is not None else None
+            if target is not None and target.dtype == t.dtype and target.shape == t.shape:
+                target.copy_(t)
+                self._landed.add(name)
+            else:
+                self._received[name] = t.detach().clone()
 
     async def finish_update(self, finish: WeightUpdateFinish) -> None:
         received, self._received = self._received, {}
-        missing = self._missing(received)
+        landed, self._landed = self._landed, set()
+        missing = self._missing(set(received) | landed)
         if missing:
             raise WeightMismatchError(missing, target=self.target)
-        self.install(received)
+        record, self._record = self._record, None
+        adapters = self.manager._adapter_manager
+        whole = record is not None and not received and landed == set(record.inbox)
+        if whole and record.can_rewrite(adapters, self.spec.adapter_id):
+            how = record.rewrite(adapters, self.spec.adapter_id)
+            compat.wait_for_copies(self.worker)  # the inbox takes the next update's bytes
+            self.memory.how[self.spec.adapter_id] = f"rewritten, slot {how}"
+            trace.mark("lora.rewritten", slot=how)
+            return
+        if whole:
+            given = record.private_copies(self.manager.lora_config.lora_dtype)
+            lora, scales = self._build(given)
+            self._swap_in(lora)
+            record.remember(lora, given, scales)
+            self.memory.installed[self.spec.adapter_id] = record
+        else:
+            tensors = {**{n: record.inbox[n] for n in landed}, **received} if landed else received
+            self._swap_in(self._build(tensors)[0])
+            self.memory.installed.pop(self.spec.adapter_id, None)
+        self.memory.how[self.spec.adapter_id] = "built"
+        trace.mark("lora.built")
 
-    def install(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Build the adapter with vLLM's own code and swap it in (see the module docstring)."""
+    def _build(self, tensors: Mapping[str, torch.Tensor]) -> tuple[Any, dict[int, float]]:
+        """vLLM's ``LoRAModel`` of ``tensors`` and its layers' scalings (``leaf_scales``, read
+        before vLLM packs and scales it)."""
         manager = self.manager
         model = manager._adapter_manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
@@ -179,9 +277,14 @@ class VLLMLoRAAdapterLoader(WeightLoader):
             weights_mapper=compat.lora_name_mapper(mapper),
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
-        # everything that can fail is done; the swap below only moves entries between vLLM's
-        # tables (an adapter not pushed from memory is evicted if the cache is full)
-        adapters = manager._adapter_manager
+        return lora, leaf_scales(lora)
+
+    def _swap_in(self, lora: Any) -> None:
+        """Drop the adapter's last version and register ``lora`` (vLLM packs and scales it
+        here), pinned in the CPU cache. Everything that can fail is done before: this only
+        moves entries between vLLM's tables (an adapter not pushed from memory is evicted if
+        the cache is full)."""
+        adapters = self.manager._adapter_manager
         adapters.remove_adapter(lora.id)
         if len(adapters) + 1 > adapters.capacity:
             adapters.remove_oldest_adapter()
@@ -196,6 +299,10 @@ class VLLMLoRAAdapterLoader(WeightLoader):
             return PEFTHelper.from_dict(dict(self.spec.config))
         except (TypeError, ValueError) as e:
             raise UpdateRefusedError(f"{self.target}: its config is refused: {e}") from None
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def _supported_modules(manager: Any) -> set[str]:

@@ -270,6 +270,16 @@ class WeightSyncWorkerExtension:
 
         return adapter_digest(self, adapter_id)
 
+    def weightsync_lora_slot(self, adapter_id: int) -> dict[str, Any]:
+        """How this worker installed the last version of adapter ``adapter_id`` (``installed``:
+        "built" by vLLM or "rewritten, slot ..."; "" if never) and, where the adapter is active,
+        its slot and the digest of what the slot holds (``loaders.vllm_lora.adapter_slot_digest``)."""
+        from weightsync.loaders.vllm_lora import adapter_slot_digest
+
+        memory = getattr(self._ws().loader, "adapter_memory", None)
+        how = memory.how.get(int(adapter_id), "") if memory is not None else ""
+        return {"installed": how, **(adapter_slot_digest(self, int(adapter_id)) or {})}
+
     def weightsync_state_digest(self) -> dict[str, dict]:
         """``weightsync.digest.state_digest`` of the served model's state dict as this worker
         holds it (after vLLM's processing: fused, sliced for TP, repacked): two engines of one

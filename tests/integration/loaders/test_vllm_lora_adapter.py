@@ -33,7 +33,7 @@ def lm(tmp_path_factory):
     path = build_tiny_causal_lm(tmp_path_factory.mktemp("lora") / "base", seed=0)
     llm = LLM(model=path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20,
               enforce_eager=True, worker_extension_cls=EXT, seed=0, enable_lora=True,
-              max_lora_rank=16, max_loras=2, max_cpu_loras=4)
+              max_lora_rank=16, max_loras=2, max_cpu_loras=6)
     try:
         yield llm, path
     finally:
@@ -155,6 +155,69 @@ def test_bad_adapters_are_refused_before_any_byte_and_the_last_version_serves(lm
     assert status[0]["state"] == "idle"
 
 
+def _slot(llm, name: str) -> dict:
+    from weightsync.lora_adapter import adapter_id
+
+    return llm.collective_rpc("weightsync_lora_slot", args=(adapter_id(name),))[0]
+
+
+def _digest(llm, name: str) -> dict:
+    from weightsync.lora_adapter import adapter_id
+
+    return llm.collective_rpc("weightsync_lora_digest", args=(adapter_id(name),))[0]
+
+
+def test_later_versions_are_written_where_vllm_holds_the_adapter_bit_equal_to_its_own_build(lm):
+    """The first version is built by vLLM; the next ones of the same adapter (same config,
+    names, shapes) are written into the tensors vLLM holds and, where the adapter is active,
+    into its slot: the first time through vLLM's own set_lora (recorded), then as a replay of
+    those copies. The result is compared with vLLM building and activating the same tensors
+    under another name: the same LoRAModel tensors, the same slot contents, the same tokens
+    (= the merged model in transformers). A push of another rank is built by vLLM again."""
+    llm, path = lm
+    model, tok = _policy(path, seed=11)
+
+    async def run():
+        hows = []
+        async with ws.connect([llm], "broadcast", extractor={"type": "lora_adapter",
+                                                             "adapter_name": "fast"}) as sync:
+            for v in (1, 2, 3):
+                if v > 1:
+                    _train_step(model, tok)
+                await sync.push(model)  # the next version (earlier tests moved the engine's)
+                hows.append(_slot(llm, "fast")["installed"])
+                if v == 1:
+                    vllm_greedy(llm, lora_request=ws.lora_request("fast"))  # now active
+            got = vllm_greedy(llm, lora_request=ws.lora_request("fast"))
+        async with ws.connect([llm], "broadcast", extractor={"type": "lora_adapter",
+                                                             "adapter_name": "fresh"}) as sync:
+            await sync.push(model)  # the same tensors, built by vLLM
+        fresh = vllm_greedy(llm, lora_request=ws.lora_request("fresh"))  # activated by vLLM
+        return hows, got, fresh
+
+    hows, got, fresh = asyncio.run(run())
+    assert hows == ["built", "rewritten, slot set_lora", "rewritten, slot replayed"]
+    assert _digest(llm, "fast") == _digest(llm, "fresh")  # what vLLM holds, bit for bit
+    fast_slot, fresh_slot = _slot(llm, "fast"), _slot(llm, "fresh")
+    assert fast_slot["slot"] != fresh_slot["slot"]  # both active, side by side
+    assert fast_slot["digest"] == fresh_slot["digest"]  # the replayed slot = vLLM's activation
+    want = hf_greedy(_merged(model), tok)
+    assert got[0] == fresh[0] == want[0] and _close(got[1], want[1])
+
+    other_rank, _ = _policy(path, r=4, seed=11)
+
+    async def push_other_rank():
+        async with ws.connect([llm], "broadcast", extractor={"type": "lora_adapter",
+                                                             "adapter_name": "fast"}) as sync:
+            await sync.push(other_rank)
+        return vllm_greedy(llm, lora_request=ws.lora_request("fast"))
+
+    tokens, logprobs = asyncio.run(push_other_rank())
+    assert _slot(llm, "fast")["installed"] == "built"  # another key: vLLM builds it
+    want = hf_greedy(_merged(other_rank), tok)
+    assert tokens == want[0] and _close(logprobs, want[1])
+
+
 def test_an_engine_full_of_pushed_adapters_refuses_one_more(lm):
     """Adapters pushed from memory are never evicted (no file to reload them from): the
     engine keeps ``max_cpu_loras`` of them and refuses a new name beyond that, at start; a name
@@ -168,13 +231,14 @@ def test_an_engine_full_of_pushed_adapters_refuses_one_more(lm):
             return await sync.push(model)
 
     async def run():
-        for name in ("policy", "other", "bad", "d"):  # the earlier tests' adapters, and one more up to 4
+        # the earlier tests' adapters, and one more up to 6
+        for name in ("policy", "other", "bad", "fast", "fresh", "d"):
             await push(name)
         with pytest.raises(UpdateRefusedError) as full:
             await push("e")
         return full.value
 
     full = asyncio.run(run())
-    assert "max_cpu_loras=4" in str(full)
+    assert "max_cpu_loras=6" in str(full)
     assert vllm_greedy(llm, lora_request=ws.lora_request("d"))[0] == vllm_greedy(
         llm, lora_request=ws.lora_request("policy"))[0]  # same adapter pushed under both names
