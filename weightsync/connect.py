@@ -302,7 +302,7 @@ class SyncSession:
             raise ValueError("push: delta=True with every_rank IPC; push full updates (delta "
                              "sync from every training rank is not supported)")
         adapter = _adapter_of(ext, model, delta)
-        if (reuse and held is None and ext is not asked and adapter is None
+        if (reuse and held is None and ext is not asked
                 and self.is_sender and not self.every_rank):  # (one asked above holds nothing)
             held = ext.held_update(model, dtype)
         # the same on every rank, and made on every rank (megatron's first one is an export)

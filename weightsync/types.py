@@ -56,6 +56,12 @@ def str_to_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def as_dtype(dtype: Any) -> Any:
+    """An extractor's ``generator_dtype`` as a ``torch.dtype``: a string such as
+    ``"bfloat16"`` converted, None or a dtype as given."""
+    return str_to_dtype(dtype) if isinstance(dtype, str) else dtype
+
+
 _ITEMSIZE: dict[str, int] = {}  # name -> bytes per element (hot: per tensor per update)
 
 

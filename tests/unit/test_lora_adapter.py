@@ -94,6 +94,47 @@ def test_extractor_sends_only_the_adapter_under_peft_names_and_its_config():
     assert all(c.borrowed for c in made)
 
 
+
+def test_extractor_holds_its_update_while_the_model_holds_the_same_adapter_tensors():
+    """After the first extraction the manifest and chunks are given out again while only the
+    values change (an optimizer step); a replaced weight or a swapped A / B module is seen and
+    the update made anew."""
+    model = _peft()
+    ext = ws.build_extractor({"type": "lora_adapter"})
+
+    async def chunks():
+        return [c async for c in ext.extract_weights(model)]
+
+    assert ext.held_update(model) is None  # nothing extracted yet
+    ext.metadata(model)
+    first = asyncio.run(chunks())
+    held = ext.held_update(model)
+    assert held is not None and held[0] == first
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():  # what an optimizer step does: values only
+        layer.lora_B["default"].weight.add_(1.0)
+    assert ext.check_held(model)
+    chunks_now, metas = ext.held_update(model)
+    got = {n: t for c in chunks_now for n, t in zip(c.names, c.tensors, strict=True)}
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    assert torch.equal(got[name], layer.lora_B["default"].weight)  # today's values
+    assert ext.held_update(model, torch.bfloat16) is None  # another dtype: made anew
+
+    layer.lora_B["default"].weight = torch.nn.Parameter(torch.ones(32, 4))  # replaced
+    assert not ext.check_held(model) and ext.held_update(model) is None
+    again = asyncio.run(chunks())
+    got = {n: t for c in again for n, t in zip(c.names, c.tensors, strict=True)}
+    assert got[name].data_ptr() == layer.lora_B["default"].weight.data_ptr()
+
+    ext.metadata(model)
+    assert ext.check_held(model)
+    layer.lora_A["default"] = torch.nn.Linear(32, 4, bias=False)  # a module swapped
+    assert not ext.check_held(model)
+    got = {n: t for c in asyncio.run(chunks()) for n, t in zip(c.names, c.tensors, strict=True)}
+    assert got[name.replace("lora_B", "lora_A")].data_ptr() == (
+        layer.lora_A["default"].weight.data_ptr())  # the new module's weight is sent
+
+
 def test_extractor_refuses_dora_and_models_without_the_adapter():
     with pytest.raises(ValueError, match="uses DoRA, which vLLM does not serve"):
         ws.build_extractor({"type": "lora_adapter"}).metadata(_peft(use_dora=True))

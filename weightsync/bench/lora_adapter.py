@@ -17,7 +17,9 @@ the new policy into the engine are timed:
 * ``vllm_file``: vLLM's own way today: the adapter written with PEFT's ``save_pretrained`` and
   loaded with ``LoRARequest(..., load_inplace=True)`` through ``llm.llm_engine.add_lora``.
 
-Every step checks that the engine holds the same adapter as vLLM's own file load of it, byte
+Each row also says how the engine installed the pushed version (``installed``: the first
+version is built by vLLM, later ones are written where vLLM holds the last one:
+``weightsync.loaders.vllm_lora_install``). Every step checks that the engine holds the same adapter as vLLM's own file load of it, byte
 for byte (``bytes_equal``: the digests of the two ``LoRAModel``s in the worker, every packed
 ``lora_a`` / ``lora_b`` after vLLM's packing and scaling), and compares greedy tokens: the
 pushed adapter's against the file-loaded one's (``file_equal``) and against the PEFT model's
@@ -131,6 +133,8 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
             loss = _train_step(model, opt, min(base.config.vocab_size, 1000), step)
             a = await sync.push(model)
             engine_ms = llm.collective_rpc("weightsync_state")[0].get("last_update_ms")
+            installed = llm.collective_rpc("weightsync_lora_slot", args=(
+                ws.lora_request("policy").lora_int_id,))[0]["installed"]
             pushed = _greedy(llm, ws.lora_request("policy"))
             t0 = time.perf_counter()
             out = f"{root}/adapter-{step}"
@@ -150,6 +154,9 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
                          # where the adapter push's time went: the trainer's front door
                          # (SyncStats.front_ms) and the engine's endpoint (worker 0)
                          "front_ms": a.front_ms, "engine_ms": engine_ms,
+                         # how worker 0 installed it: "built" by vLLM, or "rewritten, slot
+                         # replayed / set_lora / inactive" (loaders.vllm_lora_install)
+                         "installed": installed,
                          # bf16: the kernels may break a near-tie either way (see the docstring)
                          "exact": bytes_equal and (dtype == torch.bfloat16
                                                    or (file_equal and hf_equal))})
@@ -248,7 +255,8 @@ def format_table(record: dict[str, Any]) -> str:
             f"{r['adapter_s'] * 1e3:>10.1f} {r['full_bytes'] / 1e6:>8.2f} {r['full_s'] * 1e3:>8.1f} "
             f"{r['vllm_file_s'] * 1e3:>12.1f} {r['bytes_ratio']:>6.2%} {r['exact']} "
             f"(bytes = file {r['bytes_equal']}; tokens = file {r['file_equal']}, file = "
-            f"itself {r['file_repeatable']}, = transformers {r['hf_equal']})")
+            f"itself {r['file_repeatable']}, = transformers {r['hf_equal']}; "
+            f"{r.get('installed', '')})")
     for side in ("front_ms", "engine_ms"):
         parts = [r[side] for r in record["rows"] if r.get(side)]
         if parts:

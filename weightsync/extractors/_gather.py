@@ -36,7 +36,7 @@ from weightsync.config import ExtractorConfig
 from weightsync.extractors.lora_layers import lora_merges
 from weightsync.interfaces import WeightExtractor
 from weightsync.naming import engine_names, is_lora_param, tied_aliases
-from weightsync.types import TensorMeta, WeightChunk, dtype_to_str, str_to_dtype
+from weightsync.types import TensorMeta, WeightChunk, as_dtype, dtype_to_str
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -199,7 +199,7 @@ class GatheringExtractor(WeightExtractor):
     def plan(self, model: Any, generator_dtype: Any = None) -> list[PlannedGroup]:
         """Module groups in a deterministic order, equal on every rank; no communication."""
         self._check_model(model)
-        dtype = _as_dtype(generator_dtype)
+        dtype = as_dtype(generator_dtype)
         entries = _named_entries(model, include_buffers=self.cfg.include_buffers)
         merges = lora_merges(model)
         if merges is not None:  # PEFT LoRA: adapters are gathered with their base and merged
@@ -413,12 +413,6 @@ def name_filter(patterns: list[str] | None) -> Any:
 
     compiled = compile_patterns(patterns)
     return lambda name: any(p.search(name) for p in compiled)
-
-
-def _as_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None or not isinstance(dtype, str):
-        return dtype
-    return str_to_dtype(dtype)
 
 
 def _named_entries(model: Any, *, include_buffers: bool) -> list[tuple[str, str, Any]]:

@@ -27,15 +27,15 @@ caller can validate against an engine before extracting.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from weightsync.config import DEFAULT_BUCKET_MB, ExtractorConfig, HeadExtractorConfig
+from weightsync.extractors.held import HoldsUpdates
 from weightsync.interfaces import WeightExtractor
 from weightsync.naming import compile_patterns
 from weightsync.registry import register_extractor
-from weightsync.types import TensorMeta, WeightChunk, dtype_to_str, str_to_dtype
+from weightsync.types import TensorMeta, WeightChunk, dtype_to_str
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -171,12 +171,6 @@ def _refuse_adapters(adapters: list[str]) -> None:
         )
 
 
-def _as_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None or not isinstance(dtype, str):
-        return dtype
-    return str_to_dtype(dtype)
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     """Gather a DTensor (a collective: all ranks must call it); plain tensors pass through."""
     full = getattr(t, "full_tensor", None)
@@ -184,10 +178,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 @register_extractor("hf")
-class HFWeightExtractor(WeightExtractor):
+class HFWeightExtractor(HoldsUpdates, WeightExtractor):
     """Every parameter and persistent buffer of a torch module / HF model (``type: hf``).
 
     Config: ``ExtractorConfig`` (``bucket_size_mb``, ``group_by_module``, ``is_sender``).
+    An unchanged model's manifest and chunks are kept from one push to the next
+    (``weightsync.extractors.held``; the record: ``_Held``).
     """
 
     name = "hf"
@@ -211,89 +207,21 @@ class HFWeightExtractor(WeightExtractor):
             full = _full(t)
             yield name, full.detach() if full is t else self._fresh(full.detach())
 
-    def metadata(self, model: Any, generator_dtype: Any = None) -> list[TensorMeta]:
-        """As the base class; an unchanged model's (same tensors, see ``extract_weights``) is
-        not computed again."""
-        dtype = _as_dtype(generator_dtype)
-        held = self._holding(model, dtype)
-        if held is not None and held.metas is not None:
-            return list(held.metas)
+    def _metadata_now(self, model: Any, dtype: Any) -> list[TensorMeta]:
         out = []
         for name, t in self._selected(model):
             d = dtype if dtype is not None and t.is_floating_point() else t.dtype
             out.append(TensorMeta(name, dtype_to_str(d), list(t.shape)))
-        if held is not None:
-            held.metas = out
-        return list(out)
-
-    async def extract_weights(
-        self, model: Any, generator_dtype: Any = None
-    ) -> AsyncIterator[WeightChunk]:
-        """As the base class; ``generator_dtype`` may also be a string (``"bfloat16"``).
-
-        When every chunk of the last call was ``borrowed`` (the model's own tensors: no cast,
-        no gather) and the model still holds the same tensors (same objects, names, storage,
-        shapes, strides, dtypes), the chunks of the last call are yielded again: they are views
-        of the same memory, so they hold today's values, and the per-tensor work of naming and
-        bucketing is skipped (a few milliseconds per sync for a few hundred tensors)."""
-        dtype = _as_dtype(generator_dtype)
-        held = self._holding(model, dtype)
-        if held is not None and held.chunks is not None:
-            for chunk in held.chunks:
-                yield chunk
-                await asyncio.sleep(0)
-            return
-        made: list[WeightChunk] = []
-        async for chunk in super().extract_weights(model, dtype):
-            made.append(chunk)
-            yield chunk
-        if held is not None and made and all(c.borrowed for c in made):
-            held.chunks = made
-
-    def held_update(
-        self, model: Any, generator_dtype: Any = None, *, check: bool = True
-    ) -> tuple[list[WeightChunk], list[TensorMeta]] | None:
-        """The last call's chunks and manifest when both were made for the model's present
-        tensors (``check_held``: one pass over the model's module tables and tensors); None
-        when either would be made anew (first call, a tensor replaced or reshaped, a cast, a
-        gather). ``check`` False: what was made last for this model and dtype, not compared
-        with the model now (the caller calls ``check_held`` before it sends them)."""
-        held = self._held
-        dtype = _as_dtype(generator_dtype)
-        if (held is None or held.chunks is None or held.metas is None
-                or not held.made_for(model, dtype, self._held_config())):
-            return None
-        if check and not held.holds(model, dtype, self._held_config()):
-            return None
-        return list(held.chunks), list(held.metas)
-
-    def check_held(self, model: Any, generator_dtype: Any = None) -> bool:
-        """Whether the model still holds exactly the tensors (same objects in the same
-        places, same storage, shapes, strides, dtypes) the last call's update was made of."""
-        held = self._held
-        return held is not None and held.holds(model, _as_dtype(generator_dtype),
-                                               self._held_config())
-
-    _held: _Held | None = None
+        return out
 
     def _held_config(self) -> tuple:
         return (float(getattr(self.cfg, "bucket_size_mb", DEFAULT_BUCKET_MB)),
                 bool(getattr(self.cfg, "group_by_module", True)))
 
-    def _holding(self, model: Any, dtype: Any) -> _Held | None:
-        """The record of what this model holds now: the last one when the model still holds
-        it, else a new one (whose manifest and chunks are not made yet); None when nothing can
-        be reused (DTensors: every call gathers; a meta tensor; not the sending rank; a
-        mapping of tensors)."""
-        config = self._held_config()
-        held = self._held
-        if held is not None and held.holds(model, dtype, config):
-            return held
-        self._held = None
-        if not self.is_sender or isinstance(model, Mapping):
-            return None
-        self._held = _Held.of(model, dtype, config)
-        return self._held
+    def _record_of(self, model: Any, dtype: Any, config: tuple) -> _Held | None:
+        """Every module's tables and every tensor of the model (``_Held``); None for DTensors
+        (every call gathers) or a meta tensor."""
+        return _Held.of(model, dtype, config)
 
 
 class _Held:

@@ -42,7 +42,7 @@ from weightsync.extractors._gather import _named_entries, name_filter
 from weightsync.extractors.lora_layers import lora_layers, refuse_variant
 from weightsync.interfaces import WeightExtractor
 from weightsync.naming import NamingError, engine_names, is_lora_param, tied_aliases
-from weightsync.types import TensorMeta, dtype_to_str, str_to_dtype
+from weightsync.types import TensorMeta, as_dtype, dtype_to_str
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -95,7 +95,7 @@ class LoraMergeWeightExtractor(WeightExtractor):
 
     def metadata(self, model: Any, generator_dtype: Any = None) -> list[TensorMeta]:
         """Names, dtypes after the cast and shapes; computes nothing and changes nothing."""
-        dtype = _as_dtype(generator_dtype)
+        dtype = as_dtype(generator_dtype)
         out = []
         for item in self._plan(model):
             d = dtype if (dtype is not None and item.dtype.is_floating_point) else item.dtype
@@ -198,10 +198,6 @@ def reset_adapter_optimizer_state(optimizer: Any, params: Iterable[Any]) -> int:
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _as_dtype(dtype: Any) -> Any:
-    return str_to_dtype(dtype) if isinstance(dtype, str) else dtype
 
 
 def _owning_lora_layer(owner: str, layers: dict[str, tuple[Any, list[str]]]) -> Any:

@@ -58,9 +58,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from weightsync.config import ExtractorConfig
-from weightsync.extractors._gather import GatherMeter, _as_dtype, is_sending_rank, wait_for_room
+from weightsync.extractors._gather import GatherMeter, is_sending_rank, wait_for_room
 from weightsync.interfaces import WeightExtractor
-from weightsync.types import TensorMeta, WeightChunk, dtype_to_str, str_to_dtype
+from weightsync.types import TensorMeta, WeightChunk, as_dtype, dtype_to_str, str_to_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -155,7 +155,7 @@ class MegatronWeightExtractor(WeightExtractor):
         self, model: Any, generator_dtype: Any = None
     ) -> AsyncIterator[WeightChunk]:
         """Every rank iterates to the end; only the sender gets chunks (module docstring)."""
-        dtype = _as_dtype(generator_dtype)
+        dtype = as_dtype(generator_dtype)
         self.runs_started += 1
         self.memory.reset_peak()
         raw = iter(self._cast_stream(self._extract_raw_weights(model, dtype), dtype))
@@ -188,7 +188,7 @@ class MegatronWeightExtractor(WeightExtractor):
     def drain(self, model: Any, generator_dtype: Any = None) -> None:
         """Run one export and drop it (this rank's part of the collectives), for a sender whose
         ``extract_weights`` never started because the sync failed first."""
-        for _ in self._extract_raw_weights(model, _as_dtype(generator_dtype)):
+        for _ in self._extract_raw_weights(model, as_dtype(generator_dtype)):
             pass
 
     def _finish_chunk(self, chunk: WeightChunk, index: int, own: set[int]) -> WeightChunk:
@@ -211,7 +211,7 @@ class MegatronWeightExtractor(WeightExtractor):
     def metadata(self, model: Any, generator_dtype: Any = None) -> list[TensorMeta]:
         """What ``extract_weights`` yields; the first call for a model runs one export on every
         rank (see the module docstring), later ones reuse it."""
-        dtype = _as_dtype(generator_dtype)
+        dtype = as_dtype(generator_dtype)
         key = _model_key(as_model_list(model))
         if self._metadata is None or self._metadata[0] != key:
             metas = [
