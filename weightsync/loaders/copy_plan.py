@@ -98,9 +98,13 @@ class CopyPlan:
     rest through ``load_fn`` (recording what it does for names not seen before). Not
     thread-safe: one loader thread."""
 
-    def __init__(self, model: Any, load_fn: Callable[[list[tuple[str, Any]]], None]) -> None:
+    def __init__(self, model: Any, load_fn: Callable[[list[tuple[str, Any]]], None], *,
+                 alone_mb: float = 0.0) -> None:
         self.model = model
         self.load_fn = load_fn
+        # copies of at least this many bytes run as their own ``copy_`` (a device memcpy),
+        # the rest batched (``_Prepared``); 0: every copy batched
+        self.alone_bytes = int(alone_mb * 2**20)
         self._entries: dict[str, _Entry] = {}
         self._opaque: set[str] = set()
         # the module tree the plan was learned on: each module's children table with the ids of
@@ -212,7 +216,7 @@ class CopyPlan:
             shadowed = [(_Entry(e.shape, e.stride, e.dtype, e.device_type, tuple(
                 _Copy(self._shadow_view(c.dst, owners), c.size, c.stride, c.delta, c.identity)
                 for c in e.copies)), t) for e, t in zip(entries, tensors, strict=True)]
-            prepared = _Prepared(shadowed)
+            prepared = _Prepared(shadowed, self.alone_bytes)
             if len(self._staged_prepared) >= MAX_PREPARED:
                 self._staged_prepared.clear()
             self._staged_prepared[names] = prepared
@@ -362,7 +366,7 @@ class CopyPlan:
             else:
                 learn.append((name, t))
         if replay:
-            prepared = _Prepared(replay)
+            prepared = _Prepared(replay, self.alone_bytes)
             if not learn and not rest:  # the whole batch replays: keep it cut
                 if len(self._prepared) >= MAX_PREPARED:
                     self._prepared.clear()
@@ -459,12 +463,14 @@ def _fits(e: _Entry, t: Any) -> bool:
 
 class _Prepared:
     """One batch's replay cut into its calls: per dtype and device one ``_foreach_copy_`` over
-    every copy that neither casts nor crosses devices, a ``copy_`` for each one that does.
+    every copy that neither casts nor crosses devices, a ``copy_`` for each one that does and
+    for each of at least ``alone_bytes`` (> 0; a plain copy of a large contiguous view is a
+    device memcpy, which ``benchmarks/bench_copies.py`` compares with the batched kernel).
     Sources are held by weak reference: ``holds(tensors)`` says whether ``tensors`` are the very
     objects it was cut for (same storage, offset, shape and strides: the checks ``load`` makes
     hold for them), and ``run(tensors)`` replays it from them."""
 
-    def __init__(self, batch: list[tuple[_Entry, Any]]) -> None:
+    def __init__(self, batch: list[tuple[_Entry, Any]], alone_bytes: int = 0) -> None:
         self._refs = [weakref.ref(t) for _, t in batch]
         groups: dict[tuple, tuple[list[Any], list[tuple[int, _Copy]]]] = {}
         self._singles: list[tuple[int, _Copy]] = []
@@ -473,7 +479,8 @@ class _Prepared:
                 dst = c.dst
                 if not dst.numel():
                     continue
-                if dst.dtype != t.dtype or dst.device != t.device:
+                if (dst.dtype != t.dtype or dst.device != t.device or (
+                        alone_bytes and dst.numel() * dst.element_size() >= alone_bytes)):
                     self._singles.append((i, c))
                     continue
                 dsts, specs = groups.setdefault((dst.dtype, dst.device), ([], []))

@@ -76,13 +76,16 @@ class VLLMLoaderConfig(LoaderConfig):
     ``model.load_weights`` for every chunk. ``swap_staged`` (direct mode with a copy plan, an
     eager engine): a staged update lands in shadows of the parameters and its finish swaps
     them in by pointer instead of copying (``CopyPlan.stage``); an engine that captured CUDA
-    graphs copies from the shadows (the graphs hold the old addresses)."""
+    graphs copies from the shadows (the graphs hold the old addresses). ``copy_alone_mb``
+    (copy plan): a replayed copy of at least this many MiB runs as its own ``copy_`` (a
+    device memcpy) instead of inside the batched ``_foreach_copy_``; 0 batches every copy."""
 
     type: str = "vllm"
     load_mode: str = "auto"
     strict_dtype: bool = True
     copy_plan: bool = True
     swap_staged: bool = True
+    copy_alone_mb: float = 16.0
 
 
 class VLLMWeightLoader(WeightLoader):
@@ -117,7 +120,8 @@ class VLLMWeightLoader(WeightLoader):
             from weightsync.loaders.copy_plan import CopyPlan
 
             self.plan = CopyPlan(compat.get_model(worker),
-                                 lambda items: compat.load_direct(worker, items))
+                                 lambda items: compat.load_direct(worker, items),
+                                 alone_mb=self.cfg.copy_alone_mb)
         self.loads = 0
         self.adapter_memory = AdapterMemory()  # LoRA adapters between their updates (vllm_lora)
 

@@ -228,6 +228,26 @@ def test_replay_is_one_foreach_copy_per_dtype_and_reuses_its_cut_for_the_same_so
     assert gone() is None
 
 
+
+def test_copies_of_alone_bytes_or_more_run_on_their_own_the_rest_batched(monkeypatch):
+    """``alone_mb``: a replayed copy at least that large is its own ``copy_`` (a memcpy on a
+    device), the smaller ones stay in the one ``_foreach_copy_``; the result is the same."""
+    model, ref = VllmLike().to(torch.bfloat16), VllmLike().to(torch.bfloat16)
+    sizes = {n: torch.Size(s).numel() * 2 for n, s in SHAPES.items() if n in REPLAYED}
+    alone = sorted(sizes.values())[len(sizes) // 2]  # about half the copies alone
+    plan = CopyPlan(model, _loader(model), alone_mb=alone / 2**20)
+    plan.load(_state(0))  # learned
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (calls.append(
+        max(t.numel() * t.element_size() for t in d)), real(d, s)))
+    for step in (1, 2):
+        plan.load(_state(step))
+        _loader(ref)(_state(step))
+        assert _same(model, ref) == [], step
+    assert len(calls) == 2 and all(biggest < alone for biggest in calls)
+
+
 def test_direct_target_is_the_whole_copy_of_a_learned_name_and_nothing_else():
     model, ref, plan = _pair()
     assert plan.direct_target("q_proj.weight", torch.bfloat16, (4, H)) is None  # not learned
