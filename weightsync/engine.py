@@ -187,6 +187,7 @@ class WeightUpdateEndpoint:
         # the last manifest parsed (raw, parsed) and the last one accepted (parsed, mode, heads)
         self._last_manifest: tuple[list, list[TensorMeta]] | None = None
         self._accepted: tuple[list[TensorMeta], Any, Any] | None = None
+        self._accepted_adapter: tuple[list[TensorMeta], Any] | None = None  # (manifest, spec)
         self._deltas = DeltaStore(name)  # what delta updates need (weightsync.delta.store)
         self._last_update_ms: dict[str, float] | None = None
 
@@ -302,9 +303,10 @@ class WeightUpdateEndpoint:
                                            idle=self._state is EndpointState.IDLE)
                 self._validate(delta.targets, msg, whole_update=True)
                 delta.check_base()
-            elif loader is not self.loader:  # an adapter: its own names, every start checked
-                if msg.manifest is not None:
+            elif loader is not self.loader:  # an adapter: its own names and checks
+                if msg.manifest is not None and not self._adapter_accepted_before(msg):
                     self._validate(msg.manifest, msg, whole_update=True, loader=loader)
+                    self._accepted_adapter = (msg.manifest, msg.lora_adapter)
                 # installed whole at finish (the engine serves the last version until then);
                 # the adapter loader keeps its own copies of what arrives, so the sink does not
                 # stage them too (one copy per tensor, not two)
@@ -543,6 +545,13 @@ class WeightUpdateEndpoint:
         last = self._accepted
         return last is not None and last[0] is msg.manifest and last[1:] == (
             msg.training_mode, msg.head_name_patterns)
+
+    def _adapter_accepted_before(self, msg: WeightUpdateStart) -> bool:
+        """This very manifest (the same list object) was accepted for an adapter of the same
+        name and config: the adapter loader's answer would be the same (it depends on those
+        and the served model only)."""
+        last = self._accepted_adapter
+        return last is not None and last[0] is msg.manifest and last[1] == msg.lora_adapter
 
     def _loader_for(self, msg: WeightUpdateStart) -> WeightLoader:
         """The engine's loader, or for a LoRA adapter-only update (``lora_adapter`` in the

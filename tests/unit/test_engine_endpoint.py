@@ -877,6 +877,10 @@ class _AdapterLoader(WeightLoader):
         self.kept: dict[str, torch.Tensor] = {}
         self.installed: dict[str, torch.Tensor] | None = None
         self.fail = fail
+        self.validated = 0
+
+    def validate(self, metas):
+        self.validated += 1
 
     async def load_weights(self, named_tensors):
         self.kept.update({k: v.clone() for k, v in named_tensors.items()})
@@ -924,3 +928,23 @@ def test_adapter_update_lands_in_the_adapter_loader_and_a_failed_one_is_not_torn
         assert torch.equal(loader.adapters[-1].installed["base_model.model.0.lora_A.weight"],
                            a["base_model.model.0.lora_A.weight"])
     _assert_weights(e.module, before)  # the engine's own weights never see an adapter
+
+
+def test_an_adapters_manifest_is_validated_once_while_the_trainer_sends_the_same_one():
+    """The same adapter manifest for the same adapter name and config: the adapter loader's
+    answer cannot change, so the start does not ask it again; another config is asked."""
+    e = Engine()
+    loader = _LoaderWithAdapters(e.module)
+    e.ep = WeightUpdateEndpoint(loader, name="eng0")
+    _run(e.ep.init_weight_transfer({"type": STRATEGY}, ws.EmptyWeightSyncInfo().to_dict(), 1))
+    a = {"base_model.model.0.lora_A.weight": torch.ones(2, 4)}
+    metas = [ws.TensorMeta(n, "float32", list(t.shape)) for n, t in a.items()]
+    spec = {"name": "p", "config": {"r": 2, "lora_alpha": 4, "target_modules": ["0"]}}
+    other = {"name": "p", "config": {"r": 2, "lora_alpha": 8, "target_modules": ["0"]}}
+    counts = []
+    for i, s in enumerate([spec, spec, other, other, spec]):
+        e.start(f"u{i}", None, metas, lora_adapter=s)
+        e.chunk(f"u{i}", 0, a)
+        e.finish(f"u{i}", None, 1)
+        counts.append(loader.adapters[-1].validated)
+    assert counts == [1, 0, 1, 0, 1]

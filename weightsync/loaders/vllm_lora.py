@@ -201,18 +201,18 @@ class VLLMLoRAAdapterLoader(WeightLoader):
             missing = self._missing(m.name for m in start.manifest)
             if missing:
                 raise WeightMismatchError(missing, target=self.target)
-            self._record = self._record_for(list(start.manifest))
+            self._record = self._record_for(start.manifest)
 
     def _record_for(self, manifest: list[TensorMeta]) -> InstalledAdapter | None:
         """The last version's record when this update has the same key (its inbox takes the
         bytes again), else a new record with its own inbox (None: no single dtype)."""
-        key = update_key(self.spec.config, manifest)
         last = self.memory.installed.get(self.spec.adapter_id)
-        if last is not None and last.key == key:
+        if last is not None and last.matches(self.spec.config, manifest):
             return last
         model = compat.get_model(self.worker)
         device = next(model.parameters()).device
-        return InstalledAdapter.allocate(key, manifest, device)
+        return InstalledAdapter.allocate(update_key(self.spec.config, manifest), manifest,
+                                         device)
 
     def direct_target(self, meta: TensorMeta) -> torch.Tensor | None:
         """The view of the record's inbox for ``meta`` (same dtype and shape), else None."""
@@ -226,15 +226,26 @@ class VLLMLoRAAdapterLoader(WeightLoader):
         self._landed.update(names)
 
     async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
-        # kept on the device they arrived on (the engine's GPU on GPU): vLLM then copies them
-        # into its adapter slots device to device, with no trip through host memory
+        """Tensors that did not land in place (a transport without direct targets, or small
+        tensors packed on the wire): into the record's inbox, one batched copy; kept on the
+        device they arrived on (the engine's GPU on GPU), so vLLM later copies them into its
+        adapter slots device to device."""
+        import torch
+
+        inbox = self._record.inbox if self._record is not None else {}
+        dsts, srcs = [], []
         for name, t in named_tensors.items():
-            target = self._record.inbox.get(name) if self._record is not None else None
-            if target is not None and target.dtype == t.dtype and target.shape == t.shape:
-                target.copy_(t)
+            target = inbox.get(name)
+            if (target is not None and target.dtype == t.dtype and target.shape == t.shape
+                    and target.device == t.device):
+                dsts.append(target)
+                srcs.append(t)
                 self._landed.add(name)
             else:
                 self._received[name] = t.detach().clone()
+        if dsts:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)
 
     async def finish_update(self, finish: WeightUpdateFinish) -> None:
         received, self._received = self._received, {}

@@ -90,6 +90,18 @@ class InstalledAdapter:
     scale_parts: list[tuple[float, list[torch.Tensor]]] = field(default_factory=list)
     #: slot index -> the recorded (destinations, sources), or None: set_lora each time
     slot_copies: dict[int, tuple[list, list] | None] = field(default_factory=dict)
+    #: the manifest object and config last found to match ``key`` (the endpoint hands the
+    #: same parsed manifest again while the trainer sends the same one)
+    matched: tuple[Any, dict] | None = None
+
+    def matches(self, config: Mapping[str, Any], manifest: list[TensorMeta]) -> bool:
+        """Whether an update of ``config`` and ``manifest`` has this record's key."""
+        if self.matched is not None and self.matched[0] is manifest and self.matched[1] == config:
+            return True
+        if update_key(config, manifest) != self.key:
+            return False
+        self.matched = (manifest, dict(config))
+        return True
 
     @classmethod
     def allocate(cls, key: tuple, metas: Sequence[TensorMeta], device: Any) -> InstalledAdapter | None:
