@@ -247,9 +247,11 @@ class VLLMWeightLoader(WeightLoader):
             self.plan.discard_staged()
 
     def release_staging(self) -> int:
-        """Free the shadows staged updates keep between updates (before vLLM's sleep frees
-        the weights: the shadows are not vLLM's memory); returns the bytes freed."""
-        return self.plan.release_shadows() if self.plan is not None else 0
+        """Free the shadows staged updates keep between updates and the buffers LoRA adapter
+        updates arrive in (before vLLM's sleep frees the weights: neither is vLLM's memory);
+        returns the bytes freed. An adapter's next version is then built by vLLM again."""
+        freed = self.plan.release_shadows() if self.plan is not None else 0
+        return freed + self.adapter_memory.release_inboxes()
 
     def loaded_in_place(self, names: Sequence[str]) -> None:
         if self.plan is not None:

@@ -199,6 +199,14 @@ class AdapterMemory:
     how: dict[int, str] = field(default_factory=dict)
     expected: dict[str, dict[str, TensorMeta] | None] = field(default_factory=dict)
 
+    def release_inboxes(self) -> int:
+        """Forget every record (their inboxes are freed; the tensors vLLM holds stay vLLM's):
+        the next version of each adapter is built by vLLM. Returns the inboxes' bytes."""
+        freed = sum(r.inbox_flat.numel() * r.inbox_flat.element_size()
+                    for r in self.installed.values())
+        self.installed.clear()
+        return freed
+
 
 def _lora_tensors(lora: Any) -> list[torch.Tensor]:
     out = []

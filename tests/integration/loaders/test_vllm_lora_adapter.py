@@ -204,6 +204,22 @@ def test_later_versions_are_written_where_vllm_holds_the_adapter_bit_equal_to_it
     want = hf_greedy(_merged(model), tok)
     assert got[0] == fresh[0] == want[0] and _close(got[1], want[1])
 
+    # before a sleep the engine frees the buffers adapter updates arrive in; the next version
+    # is built by vLLM again (and still equals the merged model)
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                        if "lora_" in n)
+    assert llm.collective_rpc("weightsync_release_staging")[0] >= adapter_bytes
+
+    async def push_again():
+        async with ws.connect([llm], "broadcast", extractor={"type": "lora_adapter",
+                                                             "adapter_name": "fast"}) as sync:
+            await sync.push(model)
+        return vllm_greedy(llm, lora_request=ws.lora_request("fast"))
+
+    again = asyncio.run(push_again())
+    assert _slot(llm, "fast")["installed"] == "built"
+    assert again[0] == want[0]
+
     other_rank, _ = _policy(path, r=4, seed=11)
 
     async def push_other_rank():
