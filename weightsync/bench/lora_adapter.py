@@ -155,7 +155,7 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
                          # (SyncStats.front_ms) and the engine's endpoint (worker 0)
                          "front_ms": a.front_ms, "engine_ms": engine_ms,
                          # how worker 0 installed it: "built" by vLLM, or "rewritten, slot
-                         # replayed / set_lora / inactive" (loaders.vllm_lora_install)
+                         # recorded / replayed / set_lora / inactive" (loaders.vllm_lora_install)
                          "installed": installed,
                          # bf16: the kernels may break a near-tie either way (see the docstring)
                          "exact": bytes_equal and (dtype == torch.bfloat16

@@ -48,11 +48,12 @@ from weightsync.interfaces import WeightLoader
 from weightsync.loaders.vllm_lora_install import (
     AdapterMemory,
     InstalledAdapter,
+    config_key,
     leaf_scales,
     update_key,
 )
 from weightsync.lora_adapter import LoRAAdapterSpec, module_of
-from weightsync.types import TensorMeta, WeightUpdateFinish, WeightUpdateStart
+from weightsync.types import TensorMeta, WeightUpdateFinish, WeightUpdateStart, dtype_to_str
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -135,11 +136,11 @@ class VLLMLoRAAdapterLoader(WeightLoader):
         self.manager = manager
         self.target = f"LoRA adapter {spec.name!r} of vLLM model {model_name}"
         self.memory = memory if memory is not None else AdapterMemory()
-        config_key = update_key(spec.config, [])[0]
-        if config_key not in self.memory.expected:
-            self.memory.expected[config_key] = _expected_adapter(
+        key = config_key(spec.config)
+        if key not in self.memory.expected:
+            self.memory.expected[key] = _expected_adapter(
                 spec, base_meta, _supported_modules(manager))
-        self._expected = self.memory.expected[config_key]
+        self._expected = self.memory.expected[key]
         self._received: dict[str, torch.Tensor] = {}  # arrived outside the record's inbox
         self._landed: set[str] = set()  # arrived in the record's inbox
         self._record: InstalledAdapter | None = None  # where this update's bytes go
@@ -217,8 +218,8 @@ class VLLMLoRAAdapterLoader(WeightLoader):
     def direct_target(self, meta: TensorMeta) -> torch.Tensor | None:
         """The view of the record's inbox for ``meta`` (same dtype and shape), else None."""
         target = self._record.inbox.get(meta.name) if self._record is not None else None
-        if target is None or meta.dtype != _dtype_name(target) or list(meta.shape) != list(
-                target.shape):
+        if target is None or meta.dtype != dtype_to_str(target.dtype) or list(
+                meta.shape) != list(target.shape):
             return None
         return target
 
@@ -310,10 +311,6 @@ class VLLMLoRAAdapterLoader(WeightLoader):
             return PEFTHelper.from_dict(dict(self.spec.config))
         except (TypeError, ValueError) as e:
             raise UpdateRefusedError(f"{self.target}: its config is refused: {e}") from None
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
 
 
 def _supported_modules(manager: Any) -> set[str]:

@@ -27,8 +27,9 @@ into the same places:
   rsLoRA, ``rank_pattern`` / ``alpha_pattern``), read before vLLM folded it in.
 * slot copies: the first time the adapter is found active in slot ``i``, vLLM's own
   ``set_lora`` of every layer runs under a recorder of the device copies it makes (destination:
-  a view of the layer's stacked buffer; source: a view of ``held``, TP slicing included); later
-  versions replay them as one ``torch._foreach_copy_``. A ``set_lora`` that changes anything
+  a view of the layer's stacked buffer; source: a view of ``held``, TP slicing included), with
+  the last version still in ``held`` (so a failure leaves it serving); this and later versions
+  replay them as one ``torch._foreach_copy_``. A ``set_lora`` that changes anything
   else than zero fills and copies out of ``held`` is not replayed: vLLM's ``set_lora`` of every
   layer then runs for each version (correct, slower).
 
@@ -55,11 +56,15 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
+def config_key(config: Mapping[str, Any]) -> str:
+    """An adapter config as a hashable key (what the adapter tensors it implies depend on)."""
+    return json.dumps(dict(config), sort_keys=True, default=str)
+
+
 def update_key(config: Mapping[str, Any], metas: Sequence[TensorMeta]) -> tuple:
     """What must not change for a version to be written into the last one's places: the
     adapter's config and its tensors' names, dtypes and shapes."""
-    cfg = json.dumps(dict(config), sort_keys=True, default=str)
-    return cfg, tuple(sorted((m.name, m.dtype, tuple(m.shape)) for m in metas))
+    return config_key(config), tuple(sorted((m.name, m.dtype, tuple(m.shape)) for m in metas))
 
 
 def _layout(metas: Sequence[TensorMeta]) -> list[TensorMeta]:
@@ -159,9 +164,18 @@ class InstalledAdapter:
 
     def rewrite(self, adapters: Any, adapter_id: int) -> str:
         """Write the version in ``inbox`` over the last one (see the module docstring); returns
-        how the slot was written: "replayed", "set_lora" or "inactive"."""
+        how the slot was written: "replayed", "recorded" (its copies recorded first, then
+        replayed), "set_lora" (not replayable: vLLM's ``set_lora`` of every layer) or
+        "inactive". Whatever may fail (the recording runs vLLM's code) runs before the last
+        version is overwritten: the recording writes the last version into the slot again."""
         import torch
 
+        index = _slot_of(adapters, adapter_id)
+        how = "replayed"
+        if index is not None and index not in self.slot_copies:
+            self.slot_copies[index] = _record_set_lora(adapters, self.lora, index,
+                                                       self.held_flat)
+            how = "recorded"
         held = self.held_flat
         held.copy_(self.inbox_flat)
         if len(self.scale_parts) == 1:
@@ -173,33 +187,23 @@ class InstalledAdapter:
                 if scale != 1:
                     torch._foreach_mul_(parts, scale)
         trace.mark("lora.rewrite.held")
-        index = _slot_of(adapters, adapter_id)
         if index is None:
             return "inactive"
-        if index not in self.slot_copies:
-            copies = self.slot_copies[index] = _record_set_lora(adapters, self.lora, index, held)
-            if copies is not None:
-                # the recording ran vLLM's set_lora, so the slot holds this version already;
-                # the replay's first run is paid here, with the recording, not by the next
-                # version (on 2 x H100, 2026-11-27, the first replay took 18-20 ms, later ones
-                # about 1 ms: a first-use cost)
-                torch._foreach_copy_(copies[0], copies[1])
-            return "set_lora"
         copies = self.slot_copies[index]
         if copies is None:
             _set_lora(adapters, self.lora, index)
             return "set_lora"
         torch._foreach_copy_(copies[0], copies[1])
         trace.mark("lora.rewrite.slot")
-        return "replayed"
+        return how
 
 
 @dataclass
 class AdapterMemory:
     """What one worker keeps between adapter updates: per adapter id its ``InstalledAdapter``
     and how its last version was installed (``how``: "built" by vLLM, or "rewritten, slot
-    replayed" / "set_lora" / "inactive"), per adapter config the adapter tensors the served
-    model implies (``expected``)."""
+    recorded" / "replayed" / "set_lora" / "inactive"), per adapter config the adapter tensors
+    the served model implies (``expected``)."""
 
     installed: dict[int, InstalledAdapter] = field(default_factory=dict)
     how: dict[int, str] = field(default_factory=dict)

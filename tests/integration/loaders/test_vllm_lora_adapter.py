@@ -170,8 +170,7 @@ def _digest(llm, name: str) -> dict:
 def test_later_versions_are_written_where_vllm_holds_the_adapter_bit_equal_to_its_own_build(lm):
     """The first version is built by vLLM; the next ones of the same adapter (same config,
     names, shapes) are written into the tensors vLLM holds and, where the adapter is active,
-    into its slot: the first time through vLLM's own set_lora (recorded), then as a replay of
-    those copies. The result is compared with vLLM building and activating the same tensors
+    into its slot: the first time vLLM's own set_lora is recorded, then its copies replayed. The result is compared with vLLM building and activating the same tensors
     under another name: the same LoRAModel tensors, the same slot contents, the same tokens
     (= the merged model in transformers). A push of another rank is built by vLLM again."""
     llm, path = lm
@@ -196,7 +195,7 @@ def test_later_versions_are_written_where_vllm_holds_the_adapter_bit_equal_to_it
         return hows, got, fresh
 
     hows, got, fresh = asyncio.run(run())
-    assert hows == ["built", "rewritten, slot set_lora", "rewritten, slot replayed"]
+    assert hows == ["built", "rewritten, slot recorded", "rewritten, slot replayed"]
     assert _digest(llm, "fast") == _digest(llm, "fresh")  # what vLLM holds, bit for bit
     fast_slot, fresh_slot = _slot(llm, "fast"), _slot(llm, "fresh")
     assert fast_slot["slot"] != fresh_slot["slot"]  # both active, side by side
