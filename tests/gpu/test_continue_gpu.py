@@ -7,8 +7,10 @@ between chunks) through the front door. Four streams decode while a push lands. 
 server's own figure for the flip ("generation paused N ms": pause, load of the staged tensors,
 resume), the longest gap between two events of a stream while the push ran against the median
 gap before it, and the push's seconds. Checked: every stream ends with all its tokens and
-reports where its version changed (``weight_version_spans``). Figures go to
-``$WEIGHTSYNC_GPU_OUT/continue_7b.json`` when that variable is set."""
+reports where its version changed (``weight_version_spans``). Run twice: the requests' KV
+recomputed by the new weights after the flip (``--in-flight-kv recompute``) or kept
+(``keep``, PipelineRL's way: no recompute, so the longest gap is the flip alone). Figures go to
+``$WEIGHTSYNC_GPU_OUT/continue_7b_<kv>.json`` when that variable is set."""
 
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ def _stream(url: str, out: dict, started: threading.Event) -> None:
     started.set()
 
 
-def test_generation_stands_still_only_for_the_flip_of_a_7b_update(tmp_path):
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_generation_stands_still_only_for_the_flip_of_a_7b_update(tmp_path, kv):
     import torch
 
     if torch.cuda.device_count() < 2:
@@ -81,7 +84,7 @@ def test_generation_stands_still_only_for_the_flip_of_a_7b_update(tmp_path):
                     "--load-format", "dummy", "--served-model-name", "m7b",
                     # vLLM's share leaves room for the staged copy of the update (15 GB)
                     "--gpu-memory-utilization", "0.5", "--enforce-eager",
-                    "--in-flight-requests", "continue"],
+                    "--in-flight-requests", "continue", "--in-flight-kv", kv],
     ).start_healthy(timeout_s=480)
     try:
         torch.cuda.set_device(0)
@@ -122,6 +125,7 @@ def test_generation_stands_still_only_for_the_flip_of_a_7b_update(tmp_path):
                 gaps_during.append(b - a)
     record = {  # written before the checks below, so a failing run still reports its figures
         "device": torch.cuda.get_device_name(0), "shape": "qwen2-7b", "streams": STREAMS,
+        "in_flight_kv": kv,
         "push_s": t1 - t0, "push_stats_s": stats.seconds, "bytes": stats.total_bytes,
         "flip_paused_ms": float(paused.group(1)) if paused else None,
         "median_gap_before_ms": 1e3 * statistics.median(gaps_before) if gaps_before else None,
@@ -134,7 +138,7 @@ def test_generation_stands_still_only_for_the_flip_of_a_7b_update(tmp_path):
     print(json.dumps(record, indent=2))
     where = os.environ.get("WEIGHTSYNC_GPU_OUT")
     if where:
-        Path(where, "continue_7b.json").write_text(json.dumps(record, indent=2))
+        Path(where, f"continue_7b_{kv}.json").write_text(json.dumps(record, indent=2))
     for o in outs:
         assert o["status"] == 200 and o.get("completion_tokens") == TOKENS, record
         assert len(o["times"]) >= TOKENS * 0.9, record  # an event for (nearly) every token

@@ -37,6 +37,21 @@ class Reference:
             seq.append(int(self.model(torch.tensor([seq])).logits[0, -1].argmax()))
         return seq[len(ids):]
 
+    @torch.no_grad()
+    def greedy_on_kv(self, kv_from: Reference, ids: list[int], kv_len: int,
+                     n: int = N_NEW) -> list[int]:
+        """Greedy continuation of ``ids`` by this model, on the KV that ``kv_from`` computed
+        for ``ids[:kv_len]`` (what a request in flight does after a flip that keeps its KV:
+        ``--in-flight-kv keep``); the rest of ``ids`` is run by this model first."""
+        past = kv_from.model(torch.tensor([ids[:kv_len]]), use_cache=True).past_key_values
+        x, out = torch.tensor([ids[kv_len:]]), []
+        for _ in range(n):
+            step = self.model(x, past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            out.append(int(step.logits[0, -1].argmax()))
+            x = torch.tensor([[out[-1]]])
+        return out
+
     def perturb(self, seed: int) -> dict[str, torch.Tensor]:
         """Move every parameter by seeded noise, in place; returns the new state (the names a
         tied model's checkpoint holds: no ``lm_head.weight``)."""

@@ -485,7 +485,7 @@ async def pause_generation(engine: Any) -> None:
         await fn(mode="wait", clear_cache=False)
 
 
-async def freeze_in_flight(engine: Any) -> dict[str, int]:
+async def freeze_in_flight(engine: Any, *, keep_kv: bool = False) -> dict[str, int]:
     """The flip of an update that lets requests in flight continue on the new weights
     (``UpdateControl(in_flight="continue")``), its first half: pause ``AsyncLLM``'s scheduler
     at a step boundary keeping the requests (``mode="keep"``), preempt them so that their KV is
@@ -494,7 +494,9 @@ async def freeze_in_flight(engine: Any) -> dict[str, int]:
     until every output the engine core sent before has been processed on this side; returns
     each request's number of output tokens at that point: exactly the tokens the old weights
     produced (the engine produces none until ``resume_generation``). Keys are the request ids
-    given to the engine (the OpenAI server's contain the request's ``X-Request-Id``)."""
+    given to the engine (the OpenAI server's contain the request's ``X-Request-Id``).
+    ``keep_kv``: the requests are not preempted; they resume from the KV the old weights
+    computed (``UpdateControl(in_flight_kv="keep")``)."""
     pause = getattr(getattr(engine, "engine_core", None), "pause_scheduler_async", None)
     if pause is not None:
         # what AsyncLLM.pause_generation(mode="keep", clear_cache=False) does, without the fixed
@@ -503,7 +505,8 @@ async def freeze_in_flight(engine: Any) -> dict[str, int]:
         await pause(mode="keep", clear_cache=False)
     else:
         await engine.pause_generation(mode="keep", clear_cache=False)
-    await engine.reset_prefix_cache(reset_running_requests=True)
+    if not keep_kv:
+        await engine.reset_prefix_cache(reset_running_requests=True)
     queue = getattr(getattr(engine, "engine_core", None), "outputs_queue", None)
     # the utility answers above came after every earlier output on the same socket, so those
     # outputs are in the queue or processed; let the output handler take them all

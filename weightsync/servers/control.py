@@ -57,7 +57,13 @@ loaded, and generation resumes: requests in flight continue on the new weights (
 recomputed by them), new ones never wait for old ones. Each such flip is kept (``flips``) and
 ``spans_for`` gives a request the token index where its version changed, which the policy
 server adds to its answer (``weight_version_spans``). The stall is the flip alone (pause, load,
-resume: ``Flip.paused_s``), not the longest request in flight.
+resume: ``Flip.paused_s``), not the longest request in flight. ``in_flight_kv="keep"``
+(PipelineRL's choice): the requests' KV is not dropped at the flip, so they go on from the KV
+the old weights computed, with no recompute after the resume; the prefix cache is then not
+reset either (blocks in use cannot be), and instead every request that may run the model is
+salted with the version it started on (``cache_salt_for``, which the policy server's middleware
+adds to the request as vLLM's ``cache_salt``): a request never reuses KV computed under another
+version than its own, except what a request in flight at the flip computed for itself.
 
 Logs (logger ``weightsync.servers.control``, prefixed with the server's name): every update's
 start (version, tensors, bytes, the drain), refusal (why), landing (version, chunks, bytes,
@@ -85,6 +91,8 @@ log = logging.getLogger(__name__)
 #: what happens to requests in flight when an update lands: "finish" (they drain first, on the
 #: old weights) or "continue" (they go on with the new ones; see the module docstring)
 IN_FLIGHT_MODES = ("finish", "continue")
+#: with ``in_flight="continue"``: what happens to the requests' KV at the flip
+IN_FLIGHT_KV = ("recompute", "keep")
 #: flips kept for the answers of requests still in flight (a request older than this many
 #: flips reports only the ones kept)
 _KEPT_FLIPS = 256
@@ -163,10 +171,15 @@ class UpdateControl:
         serve_during_updates: bool = False,
         allow_version_reset: bool = False,
         in_flight: str = "finish",
+        in_flight_kv: str = "recompute",
     ) -> None:
         if in_flight not in IN_FLIGHT_MODES:
             raise ValueError(f"in_flight must be one of {list(IN_FLIGHT_MODES)}, got "
                              f"{in_flight!r}")
+        if in_flight_kv not in IN_FLIGHT_KV or (in_flight_kv == "keep"
+                                                and in_flight != "continue"):
+            raise ValueError(f"in_flight_kv must be one of {list(IN_FLIGHT_KV)} ('keep' with "
+                             f"in_flight='continue' only), got {in_flight_kv!r}")
         self.engine = engine
         self.name = name
         self.wait_timeout_s = wait_timeout_s
@@ -175,6 +188,9 @@ class UpdateControl:
         self.default_training_mode = default_training_mode
         self.pause_generation = pause_generation
         self.in_flight = in_flight
+        #: keep the KV of requests in flight at a flip (``in_flight_kv="keep"``): no recompute,
+        #: no prefix-cache reset; requests are salted by version instead (``cache_salt_for``)
+        self.keep_kv = in_flight_kv == "keep"
         # continuing requests across an update needs it staged beside the served weights
         self.serve_during_updates = serve_during_updates or in_flight == "continue"
         self.flips: collections.deque[Flip] = collections.deque(maxlen=_KEPT_FLIPS)
@@ -586,13 +602,14 @@ class UpdateControl:
                     from weightsync._runtime.vllm_compat import freeze_in_flight
 
                     active.paused = True  # from here on, _resume resumes whatever happens
-                    counts = await freeze_in_flight(self.engine)
+                    counts = await freeze_in_flight(self.engine, keep_kv=self.keep_kv)
                     lap("freeze")
                 results = await self.call_workers("finish_weight_update",
                                                   {"finish": finish.to_dict()})
                 lap("load")
             if finish.ok:
-                await self.reset_prefix_cache()
+                if not self.keep_kv:  # kept KV: later requests are salted by version instead
+                    await self.reset_prefix_cache()
                 lap("prefix_reset")
                 if active.adapter and self.adapter_published is not None:
                     self.adapter_published(active.adapter)
@@ -609,6 +626,14 @@ class UpdateControl:
                 self.gate.release_write(finish.update_id)
         published = int(results[0]) if results and results[0] is not None else self.version
         return published, counts
+
+    @staticmethod
+    def cache_salt_for(version: int, given: Any = None) -> str:
+        """The prefix-cache salt (vLLM's ``cache_salt``) of a request that started on
+        ``version`` under ``in_flight_kv="keep"``; a salt the client gave (``given``) is kept
+        in front of it, so its own isolation holds too."""
+        tag = f"weightsync-v{version}"
+        return f"{given}|{tag}" if isinstance(given, str) and given else tag
 
     def spans_for(self, request_id: str, since: int, version: int) -> dict[str, list] | None:
         """For a request started at flip ``since`` on ``version`` (its ``X-Request-Id``), the

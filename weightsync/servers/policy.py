@@ -74,6 +74,7 @@ class PolicyServerConfig:
     allow_version_reset: bool = False  # take an update's version as given (may go backwards)
     warmup: bool = True  # one logprobs request before serving (_serving.warm_up)
     in_flight_requests: str = "finish"  # at an update: "finish" (drain) or "continue" on it
+    in_flight_kv: str = "recompute"  # "continue": the requests' KV recomputed, or "keep" it
 
 
 #: ``--warmup``: what it sends, what it costs at start (measured: docs/reliability.md)
@@ -105,6 +106,13 @@ def _our_parser(*, for_help: bool = False) -> argparse.ArgumentParser:
                            "staged, generation pauses only for the flip, and an answer says at "
                            "which token its version changed in 'weight_version_spans') "
                            f"(default {d.in_flight_requests})")
+    ours.add_argument("--in-flight-kv", choices=["recompute", "keep"],
+                      help="with --in-flight-requests continue: at the flip, drop the "
+                           "requests' KV so the new weights recompute it ('recompute'), or "
+                           "keep the KV the old weights computed and go on from it ('keep', as "
+                           "PipelineRL: no recompute after the flip; each request's prefix "
+                           "cache is keyed by the version it started on, so no later request "
+                           f"reuses old-weight KV) (default {d.in_flight_kv})")
     if for_help:
         vllm = p.add_argument_group(
             "vLLM's arguments (passed to vLLM's own parser; every other one too: see `vllm "
@@ -176,6 +184,9 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
                       f"(weight updates run there), got {given_ext}")
     args.worker_extension_cls = WORKER_EXTENSION
     cfg = PolicyServerConfig(**{k: v for k, v in vars(ns).items() if v is not None})
+    if cfg.in_flight_kv == "keep" and cfg.in_flight_requests != "continue":
+        _our_parser().error("--in-flight-kv keep needs --in-flight-requests continue (only "
+                            "requests that continue across an update have KV to keep)")
     if cfg.api_key is None and os.environ.get("WEIGHTSYNC_API_KEY"):
         cfg.api_key = os.environ["WEIGHTSYNC_API_KEY"]
     args.host, args.port, args.api_key = cfg.host, cfg.port, None
@@ -215,6 +226,7 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
         default_training_mode=None, pause_generation=True,
         serve_during_updates=cfg.serve_during_updates,
         allow_version_reset=cfg.allow_version_reset, in_flight=cfg.in_flight_requests,
+        in_flight_kv=cfg.in_flight_kv,
     )
     control.adapter_published = _adapter_names_for(app.state)
     await control.refresh_state()

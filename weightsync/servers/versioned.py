@@ -20,6 +20,10 @@
   token index], ...]}`` next to ``weight_version`` (the version it started on) in its JSON body,
   and in its SSE events from the flip on. Each request is given an ``X-Request-Id`` (vLLM names
   its engine requests after it) when it has none.
+* with ``in_flight_kv="keep"`` as well, the JSON body of a completion, chat or responses request
+  gets ``cache_salt`` = the version it started on (after the client's own salt, if any): the
+  prefix cache, not reset at such a flip, never gives a request KV of another version's
+  requests.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ VERSION_FIELD = "weight_version"
 #: with ``in_flight="continue"``: the versions of a request's tokens when an update landed under
 #: it, ``{vLLM request id: [[version, first token index], ...]}``
 SPANS_FIELD = "weight_version_spans"
+
+#: with ``in_flight_kv="keep"``: the routes whose JSON body gets the request's prefix-cache salt
+#: (vLLM's ``cache_salt``: ``UpdateControl.cache_salt_for``)
+SALTED = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 #: paths that never run the model: not gated, not tagged
 UNGATED = (
@@ -69,6 +77,8 @@ class VersionedResponses:
             return
         try:
             spans = None
+            if self.control.keep_kv and scope.get("path") in SALTED:
+                scope, receive = await _salted(scope, receive, version)
             if self.control.in_flight == "continue":
                 scope, request_id = _with_request_id(scope)
                 since, control = self.control.flip_seq, self.control
@@ -196,6 +206,39 @@ def _with_request_id(scope: dict) -> tuple[dict, str]:
     request_id = f"ws{uuid.uuid4().hex}"
     headers.append((b"x-request-id", request_id.encode()))
     return {**scope, "headers": headers}, request_id
+
+
+async def _salted(scope: dict, receive: Any, version: int) -> tuple[dict, Any]:
+    """The request with ``cache_salt`` set in its JSON body (``UpdateControl.cache_salt_for``:
+    the version it started on, after any salt of its own) and its ``content-length`` to match;
+    a body that is not a JSON object goes on unchanged (vLLM answers it)."""
+    chunks, first = [], None
+    while True:
+        message = await receive()
+        if message.get("type") != "http.request":  # the client left: hand that on
+            first = message
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    body = b"".join(chunks)
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        data["cache_salt"] = UpdateControl.cache_salt_for(version, data.get("cache_salt"))
+        body = json.dumps(data).encode()
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        scope = {**scope, "headers": headers}
+    pending = [first] if first is not None else [
+        {"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> dict:
+        return pending.pop(0) if pending else await receive()
+
+    return scope, replay
 
 
 def _header(headers: list, name: bytes) -> str:

@@ -38,6 +38,9 @@ def test_vllm_arguments_pass_through_and_win_over_defaults(monkeypatch):
     assert (cfg.host, cfg.port, cfg.api_key, cfg.request_wait_timeout_s) == (
         "0.0.0.0", 9000, "from-env", 5.0)
     assert parse(["--model", "m", "--api-key", "flag"])[0].api_key == "flag"
+    kept, _ = parse(["--model", "m", "--in-flight-requests", "continue", "--in-flight-kv", "keep"])
+    assert (kept.in_flight_requests, kept.in_flight_kv) == ("continue", "keep")
+    assert cfg.in_flight_kv == "recompute"
     _, gpu = parse(["--model", "m"], device="cuda")
     assert gpu.dtype == "auto" and gpu.kv_cache_memory_bytes is None
 
@@ -46,6 +49,9 @@ def test_vllm_arguments_pass_through_and_win_over_defaults(monkeypatch):
     (["--dtype", "float32"], "--model is required"),
     (["--model", "m", "--worker-extension-cls", "x.Y"], "--worker-extension-cls"),
     (["--model", "m", "--no-such-flag"], "no-such-flag"),
+    (["--model", "m", "--in-flight-kv", "keep"], "--in-flight-kv keep needs --in-flight-requests "
+                                                 "continue"),
+    (["--model", "m", "--in-flight-kv", "drop"], "--in-flight-kv"),
 ])
 def test_bad_arguments_exit_2_naming_them(capsys, argv, needle):
     with pytest.raises(SystemExit) as ei:

@@ -29,28 +29,34 @@ FLIP_AFTER = 20  # the update's flip is released once the stream has this many t
 CHECK_AFTER = 8  # tokens compared after the flip (long greedy runs may meet a near tie)
 
 
-@pytest.fixture(scope="module")
-def continue_server(tmp_path_factory):
+def _start(tmp_path_factory, name: str, extra: list[str]):
     """A model of hidden size 512 (4 layers): a stream of it lasts long enough to see."""
-    from conftest import start_policy_server, stop_server
+    from conftest import start_policy_server
 
     from weightsync.testing.tiny_models import build_tiny_causal_lm
 
-    root = tmp_path_factory.mktemp("policy-continue")
+    root = tmp_path_factory.mktemp(name)
     model_dir = build_tiny_causal_lm(root / "model", family="llama", hidden_size=512,
                                      num_layers=4, num_heads=4, num_kv_heads=2,
                                      max_position_embeddings=1024, tie_word_embeddings=True)
-    handle = start_policy_server(model_dir, str(root / "server.log"), extra=[
-        "--max-model-len", "1024", "--in-flight-requests", "continue"])
+    return start_policy_server(model_dir, str(root / "server.log"), extra=[
+        "--max-model-len", "1024", "--in-flight-requests", "continue", *extra])
+
+
+@pytest.fixture(scope="module")
+def continue_server(tmp_path_factory):
+    from conftest import stop_server
+
+    handle = _start(tmp_path_factory, "policy-continue", [])
     try:
         yield handle
     finally:
         stop_server(handle)
 
 
-def _stream(server, out: dict, started: threading.Event) -> None:
+def _stream(server, out: dict, started: threading.Event, prompt: str = PROMPT) -> None:
     """One streamed greedy completion; collects every event's token ids and the last spans."""
-    body = {"model": "tiny-policy", "prompt": PROMPT, "max_tokens": N_TOKENS, "temperature": 0,
+    body = {"model": "tiny-policy", "prompt": prompt, "max_tokens": N_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     tokens: list[int] = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
@@ -94,10 +100,13 @@ class _FinishOnCue:
         return await self.inner.finish_weight_update(finish)
 
 
-def test_a_request_in_flight_continues_on_the_new_weights_and_says_where(continue_server):
+def _flip_under_stream(server, prompt: str = PROMPT):
+    """Push the old weights, then stage an update to perturbed ones and release its finish once
+    a stream of ``prompt`` has ``FLIP_AFTER`` tokens. -> (the stream's collected events, the
+    update's stats, the old version, the old and new references, the server log's landing
+    lines)."""
     import weightsync as ws
 
-    server = continue_server
     old = Reference(server.model_dir)
     new = Reference(server.model_dir)
     trained = new.perturb(seed=21)
@@ -122,7 +131,7 @@ def test_a_request_in_flight_continues_on_the_new_weights_and_says_where(continu
                 target=lambda r=result: r.update(stats=sync.push(trained)))
             pusher.start()
             assert landed.wait(120)  # every byte of the update is staged on the server
-            reader = threading.Thread(target=_stream, args=(server, out, started))
+            reader = threading.Thread(target=_stream, args=(server, out, started, prompt))
             reader.start()
             assert started.wait(120)
             go.set()  # the flip, under the stream
@@ -133,8 +142,7 @@ def test_a_request_in_flight_continues_on_the_new_weights_and_says_where(continu
         sync.session.client = inner
     assert out["status"] == 200 and out["header_version"] == v0
     assert result["stats"].versions == [v0 + 1]
-    tokens = out["tokens"]
-    assert len(tokens) == N_TOKENS
+    assert len(out["tokens"]) == N_TOKENS
     landed_lines = [ln for ln in log.read_text(errors="replace").splitlines() if "landed" in ln]
     assert "spans" in out, f"no flip under the stream: {landed_lines[-1]}"
     (engine_id, spans), = out["spans"].items()  # one engine request (n=1)
@@ -142,10 +150,6 @@ def test_a_request_in_flight_continues_on_the_new_weights_and_says_where(continu
     k = spans[1][1]
     print(f"update landed at token {k} of {N_TOKENS}: {engine_id} {spans}")
     assert FLIP_AFTER <= k < N_TOKENS - CHECK_AFTER, f"the update landed at token {k}"
-    prompt = out.get("prompt_ids") or old.ids(PROMPT)
-    assert tokens[:k] == old.greedy(prompt, k)  # the old weights' tokens, exactly
-    assert tokens[k:k + CHECK_AFTER] == new.greedy(prompt + tokens[:k], CHECK_AFTER)
-    assert tokens[k:k + CHECK_AFTER] != old.greedy(prompt + tokens[:k], CHECK_AFTER)
     assert "under 1 request(s) in flight, which continue on it" in landed_lines[-1]
     # the pause and where it went: the phases add up to it (each printed to 0.1 ms)
     m = re.search(r"generation paused ([0-9.]+) ms \(freeze ([0-9.]+), load ([0-9.]+), "
@@ -154,6 +158,17 @@ def test_a_request_in_flight_continues_on_the_new_weights_and_says_where(continu
     total, *phases = (float(g) for g in m.groups())
     assert abs(sum(phases) - total) <= 0.5, landed_lines[-1]
     print(landed_lines[-1])
+    return out, k, old, new
+
+
+def test_a_request_in_flight_continues_on_the_new_weights_and_says_where(continue_server):
+    out, k, old, new = _flip_under_stream(continue_server)
+    tokens = out["tokens"]
+    prompt = out.get("prompt_ids") or old.ids(PROMPT)
+    assert tokens[:k] == old.greedy(prompt, k)  # the old weights' tokens, exactly
+    # the KV was dropped at the flip: the new weights recomputed it
+    assert tokens[k:k + CHECK_AFTER] == new.greedy(prompt + tokens[:k], CHECK_AFTER)
+    assert tokens[k:k + CHECK_AFTER] != old.greedy(prompt + tokens[:k], CHECK_AFTER)
 
 
 def test_requests_after_the_flip_carry_no_spans_and_the_new_version(continue_server):
@@ -164,3 +179,48 @@ def test_requests_after_the_flip_carry_no_spans_and_the_new_version(continue_ser
     assert r.status_code == 200
     body = r.json()
     assert body["weight_version"] == v and "weight_version_spans" not in body
+
+
+# -- --in-flight-kv keep: the requests go on from the KV the old weights computed -------------
+
+#: longer than a few KV blocks, so a later request of the same prompt could hit the prefix
+#: cache that the stream's prompt filled under the old weights (if it were not salted)
+LONG_PROMPT = " ".join([PROMPT] * 12)
+
+
+@pytest.fixture(scope="module")
+def keep_kv_server(tmp_path_factory):
+    from conftest import stop_server
+
+    handle = _start(tmp_path_factory, "policy-keep-kv", ["--in-flight-kv", "keep"])
+    try:
+        yield handle
+    finally:
+        stop_server(handle)
+
+
+def test_with_kept_kv_a_request_goes_on_from_the_old_weights_kv(keep_kv_server):
+    """PipelineRL's flip: the request's KV is not dropped, so after the flip the new weights
+    decode on the KV the old ones computed for the prompt and the tokens before the flip
+    (checked against transformers doing exactly that), not on a recomputed one. A request of
+    the same prompt after the flip does not reuse the old weights' prefix KV (every request is
+    salted with the version it started on): it equals the new model's own greedy answer."""
+    server = keep_kv_server
+    out, k, old, new = _flip_under_stream(server, LONG_PROMPT)
+    tokens = out["tokens"]
+    prompt = out.get("prompt_ids") or old.ids(LONG_PROMPT)
+    assert tokens[:k] == old.greedy(prompt, k)
+    # the old weights computed the KV of the prompt and of every token but the last one they
+    # produced (its KV is computed by the step that reads it: the first after the flip)
+    kept = new.greedy_on_kv(old, prompt + tokens[:k], len(prompt) + k - 1, CHECK_AFTER)
+    recomputed = new.greedy(prompt + tokens[:k], CHECK_AFTER)
+    assert kept != recomputed  # the test tells the two apart
+    assert tokens[k:k + CHECK_AFTER] == kept
+
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": "tiny-policy", "prompt": LONG_PROMPT, "max_tokens": CHECK_AFTER,
+        "temperature": 0, "return_token_ids": True, "ignore_eos": True})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["weight_version"] == server.version() and "weight_version_spans" not in body
+    assert body["choices"][0]["token_ids"] == new.greedy(prompt, CHECK_AFTER)
