@@ -257,12 +257,21 @@ case "$stage" in
   lora)
     need_vllm
     strategy=broadcast; [ "$gpus" -ge 2 ] || strategy=cuda_ipc
+    steps=${LORA_STEPS:-8}
+    # the 0.5B run traced (its adapter pushes' timeline: where the fixed cost goes), the 7B one
+    # untimed by any trace
+    rm -rf /tmp/ws-trace-lora && mkdir -p /tmp/ws-trace-lora
     for shape in qwen2-0.5b qwen2-7b; do
-      timeout -s ABRT 280 python3 benchmarks/bench_lora_adapter.py --shape "$shape" --steps 5 \
-          --strategy "$strategy" --json "$OUT/lora_$shape.json" \
-          > "$OUT/lora_$shape.txt" 2> "$OUT/lora_$shape.log"
+      trace=""; [ "$shape" = qwen2-0.5b ] && trace=/tmp/ws-trace-lora
+      WEIGHTSYNC_TRACE_DIR=$trace timeout -s ABRT 280 python3 benchmarks/bench_lora_adapter.py \
+          --shape "$shape" --steps "$steps" --strategy "$strategy" \
+          --json "$OUT/lora_$shape.json" > "$OUT/lora_$shape.txt" 2> "$OUT/lora_$shape.log"
       echo "bench lora_$shape rc=$?"
     done
+    # the bench pushes: the base, the first adapter, $steps adapter steps, $steps full pushes;
+    # the last adapter step is push $steps + 2 of 2 * $steps + 2
+    timeout 60 python3 benchmarks/trace_timeline.py /tmp/ws-trace-lora --last $((steps + 1)) \
+        --limit 70 > "$OUT/lora_timeline.txt" 2>&1
     summary
     ;;
   continue)
