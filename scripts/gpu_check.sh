@@ -269,8 +269,8 @@ case "$stage" in
       echo "bench lora_$shape rc=$?"
     done
     # the bench pushes: the base, the first adapter, $steps adapter steps, $steps full pushes;
-    # the last adapter step is push $steps + 2 of 2 * $steps + 2
-    timeout 60 python3 benchmarks/trace_timeline.py /tmp/ws-trace-lora --last $((steps + 1)) \
+    # the last three adapter steps are pushes $steps .. $steps + 2 of 2 * $steps + 2
+    timeout 60 python3 benchmarks/trace_timeline.py /tmp/ws-trace-lora --last $((steps + 3)) \
         --limit 70 > "$OUT/lora_timeline.txt" 2>&1
     summary
     ;;
