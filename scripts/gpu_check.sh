@@ -274,6 +274,16 @@ case "$stage" in
         --limit 70 > "$OUT/lora_timeline.txt" 2>&1
     summary
     ;;
+  lora-ipc)
+    # the same bench colocated: trainer and engine on GPU 0, the adapter through CUDA IPC
+    need_vllm
+    timeout -s ABRT 300 python3 benchmarks/bench_lora_adapter.py --shape qwen2-7b \
+        --steps "${LORA_STEPS:-8}" --strategy cuda_ipc --trainer-device cuda:0 \
+        --engine-device cuda:0 --json "$OUT/lora_ipc_qwen2-7b.json" \
+        > "$OUT/lora_ipc_qwen2-7b.txt" 2> "$OUT/lora_ipc_qwen2-7b.log"
+    echo "bench lora_ipc_qwen2-7b rc=$?"
+    summary
+    ;;
   continue)
     need_vllm; need_gpus 2
     pytest_stage continue 560 -s tests/gpu/test_continue_gpu.py
@@ -319,7 +329,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {perf|ab|layouts|trace|tests|tests-vllm|tests-servers|sleep|lora|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {perf|ab|layouts|trace|tests|tests-vllm|tests-servers|sleep|lora|lora-ipc|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac

@@ -282,11 +282,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--strategy", choices=["broadcast", "cuda_ipc", "packed_cuda_ipc"],
                    default="broadcast")
+    p.add_argument("--trainer-device", default="",
+                   help="default: cuda:0 when there is a GPU, else cpu")
+    p.add_argument("--engine-device", default="",
+                   help="default: cuda:1 when there are two GPUs, else the trainer's (the same "
+                        "device: the colocated case, for the IPC strategies)")
     p.add_argument("--json", help="also write the record here")
     a = p.parse_args(argv)
     cfg = LoRABenchConfig(hidden_size=a.hidden_size, layers=a.layers, vocab_size=a.vocab_size,
                           shape=a.shape, rank=a.rank, steps=a.steps, lr=a.lr,
-                          strategy=a.strategy)
+                          strategy=a.strategy, trainer_device=a.trainer_device,
+                          engine_device=a.engine_device)
     t0 = time.perf_counter()
     record = run(cfg)
     record["wall_s"] = time.perf_counter() - t0
