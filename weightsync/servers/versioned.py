@@ -20,8 +20,9 @@
   token index], ...]}`` next to ``weight_version`` (the version it started on) in its JSON body,
   and in its SSE events from the flip on. Each request is given an ``X-Request-Id`` (vLLM names
   its engine requests after it) when it has none.
-* with ``in_flight_kv="keep"`` as well, the JSON body of a completion, chat or responses request
-  gets ``cache_salt`` = the version it started on (after the client's own salt, if any): the
+* with ``in_flight_kv="keep"`` as well, the JSON body of a request to a route that generates
+  (``SALTED``: completions, chat, responses, vLLM's token-in/token-out generate) gets
+  ``cache_salt`` = the version it started on (after the client's own salt, if any): the
   prefix cache, not reset at such a flip, never gives a request KV of another version's
   requests.
 """
@@ -42,8 +43,9 @@ VERSION_FIELD = "weight_version"
 SPANS_FIELD = "weight_version_spans"
 
 #: with ``in_flight_kv="keep"``: the routes whose JSON body gets the request's prefix-cache salt
-#: (vLLM's ``cache_salt``: ``UpdateControl.cache_salt_for``)
-SALTED = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+#: (vLLM's ``cache_salt``: ``UpdateControl.cache_salt_for``): the ones that generate (other
+#: routes of vLLM's app, the pooling ones, are not salted: a policy server generates)
+SALTED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate")
 
 #: paths that never run the model: not gated, not tagged
 UNGATED = (
