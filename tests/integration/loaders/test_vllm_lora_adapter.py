@@ -81,6 +81,18 @@ def _close(a, b, atol=2e-3):
                for x, y in zip(xs, ys, strict=True))
 
 
+
+def _push_and_greedy(llm, model, name: str):
+    """One adapter push of ``model`` under ``name`` through a session of its own, then vLLM's
+    greedy tokens and logprobs for requests that name the adapter."""
+    async def run():
+        async with ws.connect([llm], "broadcast", extractor={"type": "lora_adapter",
+                                                             "adapter_name": name}) as sync:
+            await sync.push(model)
+        return vllm_greedy(llm, lora_request=ws.lora_request(name))
+
+    return asyncio.run(run())
+
 def test_adapter_push_serves_the_merged_model_and_replaces_the_last_version(lm):
     llm, path = lm
     model, tok = _policy(path)
@@ -114,13 +126,7 @@ def test_first_version_equals_merged_transformers(lm):
     model, tok = _policy(path, seed=3)
     want = hf_greedy(_merged(model), tok)
 
-    async def run():
-        async with ws.connect([llm], "broadcast", extractor={"type": "lora_adapter",
-                                                             "adapter_name": "other"}) as sync:
-            await sync.push(model)
-        return vllm_greedy(llm, lora_request=ws.lora_request("other"))
-
-    tokens, logprobs = asyncio.run(run())
+    tokens, logprobs = _push_and_greedy(llm, model, "other")
     assert tokens == want[0] and _close(logprobs, want[1])
     assert tokens != vllm_greedy(llm)[0]  # the adapter changes what is served
 
@@ -188,13 +194,10 @@ def test_later_versions_are_written_where_vllm_holds_the_adapter_bit_equal_to_it
                 if v == 1:
                     vllm_greedy(llm, lora_request=ws.lora_request("fast"))  # now active
             got = vllm_greedy(llm, lora_request=ws.lora_request("fast"))
-        async with ws.connect([llm], "broadcast", extractor={"type": "lora_adapter",
-                                                             "adapter_name": "fresh"}) as sync:
-            await sync.push(model)  # the same tensors, built by vLLM
-        fresh = vllm_greedy(llm, lora_request=ws.lora_request("fresh"))  # activated by vLLM
-        return hows, got, fresh
+        return hows, got
 
-    hows, got, fresh = asyncio.run(run())
+    hows, got = asyncio.run(run())
+    fresh = _push_and_greedy(llm, model, "fresh")  # the same tensors, built and activated by vLLM
     assert hows == ["built", "rewritten, slot recorded", "rewritten, slot replayed"]
     assert _digest(llm, "fast") == _digest(llm, "fresh")  # what vLLM holds, bit for bit
     fast_slot, fresh_slot = _slot(llm, "fast"), _slot(llm, "fresh")
@@ -209,25 +212,12 @@ def test_later_versions_are_written_where_vllm_holds_the_adapter_bit_equal_to_it
                         if "lora_" in n)
     assert llm.collective_rpc("weightsync_release_staging")[0] >= adapter_bytes
 
-    async def push_again():
-        async with ws.connect([llm], "broadcast", extractor={"type": "lora_adapter",
-                                                             "adapter_name": "fast"}) as sync:
-            await sync.push(model)
-        return vllm_greedy(llm, lora_request=ws.lora_request("fast"))
-
-    again = asyncio.run(push_again())
+    again = _push_and_greedy(llm, model, "fast")
     assert _slot(llm, "fast")["installed"] == "built"
     assert again[0] == want[0]
 
     other_rank, _ = _policy(path, r=4, seed=11)
-
-    async def push_other_rank():
-        async with ws.connect([llm], "broadcast", extractor={"type": "lora_adapter",
-                                                             "adapter_name": "fast"}) as sync:
-            await sync.push(other_rank)
-        return vllm_greedy(llm, lora_request=ws.lora_request("fast"))
-
-    tokens, logprobs = asyncio.run(push_other_rank())
+    tokens, logprobs = _push_and_greedy(llm, other_rank, "fast")
     assert _slot(llm, "fast")["installed"] == "built"  # another key: vLLM builds it
     want = hf_greedy(_merged(other_rank), tok)
     assert tokens == want[0] and _close(logprobs, want[1])
