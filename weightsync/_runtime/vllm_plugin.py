@@ -1,5 +1,6 @@
-"""weightsync's vLLM plugin: weightsync as a backend of vLLM's weight-transfer API, and a
-prefix-cache reset that visits only the blocks holding a hash.
+"""weightsync's vLLM plugin: weightsync as a backend of vLLM's weight-transfer API, an
+engine-core utility that flips an update between two steps, and a prefix-cache reset that
+visits only the blocks holding a hash.
 
 vLLM loads it in each of its processes, the engine core and the workers included (the
 ``vllm.general_plugins`` entry point ``weightsync``; installing weightsync registers it).
@@ -7,7 +8,9 @@ vLLM loads it in each of its processes, the engine core and the workers included
 ``register()`` first registers the ``weightsync`` backend with vLLM's weight-transfer factories
 (``vllm_compat.register_transfer_backend``), so an engine started with
 ``weight_transfer_config={"backend": "weightsync"}`` builds its workers' transfer engines from
-``weightsync.loaders.vllm_transfer_engine``. Then the reset: every weight update ends with a
+``weightsync.loaders.vllm_transfer_engine``. Then it gives vLLM's engine core the utility that
+flips an update between two steps without pausing the scheduler
+(``weightsync._runtime.vllm_flip``). Then the reset: every weight update ends with a
 prefix-cache reset (the cached KV of the old weights must not be hit), and vLLM's
 ``BlockPool.reset_prefix_cache`` drops its hash map, then resets the hash of *every* block of
 the KV cache in a Python loop: 12-15 ms per update for a 0.5B model at 30 % of an H200's memory
@@ -35,9 +38,11 @@ ENV = "WEIGHTSYNC_FAST_PREFIX_RESET"
 
 def register() -> None:
     """The entry point vLLM calls (at most once per process, idempotent here too)."""
+    from weightsync._runtime import vllm_flip
     from weightsync._runtime.vllm_compat import register_transfer_backend
 
     register_transfer_backend()
+    vllm_flip.register()
     if os.environ.get(ENV, "1") == "0":
         return
     try:

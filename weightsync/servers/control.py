@@ -63,7 +63,11 @@ the old weights computed, with no recompute after the resume; the prefix cache i
 reset either (blocks in use cannot be), and instead every request that may run the model is
 salted with the version it started on (``cache_salt_for``, which the policy server's middleware
 adds to the request as vLLM's ``cache_salt``): a request never reuses KV computed under another
-version than its own, except what a request in flight at the flip computed for itself.
+version than its own, except what a request in flight at the flip computed for itself. With the
+KV kept, nothing needs the scheduler paused: where the engine core has weightsync's utility
+(``weightsync._runtime.vllm_flip``, registered by weightsync's vLLM plugin), the flip is that
+utility, run by the engine core between two steps (count the tokens, the workers' finish), and
+generation is held only while it runs; without it the flip pauses as above.
 
 Logs (logger ``weightsync.servers.control``, prefixed with the server's name): every update's
 start (version, tensors, bytes, the drain), refusal (why), landing (version, chunks, bytes,
@@ -117,9 +121,11 @@ class Flip:
     """One update that landed under requests in flight (``in_flight="continue"``): the version
     before and after, and for each request the engine held then, how many of its output tokens
     the old weights produced (vLLM's request id -> count); ``paused_s``: how long generation
-    stood still for it; ``split_ms``: where that time went (``freeze``: pausing the scheduler
-    at a step boundary and counting tokens, ``load``: the workers' finish, which loads the
-    staged tensors, ``prefix_reset``, ``resume``)."""
+    stood still for it (a flip between two steps: how long it held vLLM's engine core);
+    ``split_ms``: where the flip's time went (``freeze``: pausing the scheduler at a step
+    boundary and counting tokens, ``load``: the workers' finish, which loads the staged
+    tensors, ``prefix_reset``, ``resume``; a flip between two steps: ``call``, the engine-core
+    utility's round trip, then ``prefix_reset`` and ``resume``, both nothing there)."""
 
     seq: int
     old_version: int
@@ -195,6 +201,9 @@ class UpdateControl:
         self.serve_during_updates = serve_during_updates or in_flight == "continue"
         self.flips: collections.deque[Flip] = collections.deque(maxlen=_KEPT_FLIPS)
         self.flip_seq = 0  # how many flips happened; a request notes it when it starts
+        #: whether the engine core flips between two steps (``_runtime.vllm_flip``); asked at
+        #: the first kept-KV flip
+        self._flips_between_steps: bool | None = None
         self.allow_version_reset = allow_version_reset
         self.gate = UpdateGate()
         self.workers = WorkerCalls(engine)
@@ -229,7 +238,12 @@ class UpdateControl:
                            background: bool = False) -> list[Any]:
         """``method`` on every worker's endpoint (``WorkerCalls.call``); mirror their state;
         raise a ``ServiceError``."""
-        answers = await self.workers.call(method, kwargs, what=what, background=background)
+        return self._results(await self.workers.call(method, kwargs, what=what,
+                                                      background=background))
+
+    def _results(self, answers: list[Any]) -> list[Any]:
+        """The workers' final answers: mirror their state; their results, or a ``ServiceError``
+        for the first that failed."""
         self._mirror([a.get("state", {}) for a in answers if isinstance(a, dict)])
         for a in answers:
             if not a.get("ok"):
@@ -570,15 +584,21 @@ class UpdateControl:
         old = self.version
         t0 = time.monotonic()
         published, counts = await self._land(active, finish, freeze=True)
-        paused = time.monotonic() - t0
+        took = time.monotonic() - t0
+        held = active.split_ms.pop("held", None)
         self.flip_seq += 1
-        self.flips.append(Flip(self.flip_seq, old, published, counts, paused,
-                               dict(active.split_ms)))
+        self.flips.append(Flip(self.flip_seq, old, published, counts,
+                               took if held is None else held / 1e3, dict(active.split_ms)))
         split = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in active.split_ms.items())
+        if held is None:
+            how = f"generation paused {took * 1e3:.1f} ms ({split} ms)"
+        else:  # flipped by the engine core between two steps (_runtime.vllm_flip)
+            how = (f"generation held {held:.1f} ms between two steps, not paused (the flip's "
+                   f"{split} ms)")
         log.info("%s: update %s landed under %d request(s) in flight, which continue on it: "
-                 "version %d, %d chunk(s), %s in %.2fs; generation paused %.1f ms (%s ms)",
-                 self.name, finish.update_id, len(counts), published, active.chunks,
-                 _mb(active.nbytes), time.monotonic() - active.started, paused * 1e3, split)
+                 "version %d, %d chunk(s), %s in %.2fs; %s", self.name, finish.update_id,
+                 len(counts), published, active.chunks, _mb(active.nbytes),
+                 time.monotonic() - active.started, how)
         return {"ok": True, "version": published, "state": self.torn_reason or "ready"}
 
     async def _land(self, active: _ActiveUpdate, finish: Any, *, freeze: bool = False,
@@ -598,15 +618,19 @@ class UpdateControl:
 
         try:
             async with self._guard(f"the finish of update {finish.update_id}"):
-                if freeze:
-                    from weightsync._runtime.vllm_compat import freeze_in_flight
+                if freeze and self.keep_kv and await self._between_steps():
+                    counts, results = await self._flip_between_steps(active, finish)
+                    lap("call")
+                else:
+                    if freeze:
+                        from weightsync._runtime.vllm_compat import freeze_in_flight
 
-                    active.paused = True  # from here on, _resume resumes whatever happens
-                    counts = await freeze_in_flight(self.engine, keep_kv=self.keep_kv)
-                    lap("freeze")
-                results = await self.call_workers("finish_weight_update",
-                                                  {"finish": finish.to_dict()})
-                lap("load")
+                        active.paused = True  # from here on, _resume resumes whatever happens
+                        counts = await freeze_in_flight(self.engine, keep_kv=self.keep_kv)
+                        lap("freeze")
+                    results = await self.call_workers("finish_weight_update",
+                                                      {"finish": finish.to_dict()})
+                    lap("load")
             if finish.ok:
                 if not self.keep_kv:  # kept KV: later requests are salted by version instead
                     await self.reset_prefix_cache()
@@ -626,6 +650,29 @@ class UpdateControl:
                 self.gate.release_write(finish.update_id)
         published = int(results[0]) if results and results[0] is not None else self.version
         return published, counts
+
+    async def _between_steps(self) -> bool:
+        if self._flips_between_steps is None:
+            from weightsync._runtime.vllm_flip import flip_supported
+
+            self._flips_between_steps = await flip_supported(self.engine)
+            if not self._flips_between_steps:
+                log.info("%s: the engine core has no weightsync flip (weightsync's vLLM plugin "
+                         "did not load there): kept-KV flips pause the scheduler", self.name)
+        return self._flips_between_steps
+
+    async def _flip_between_steps(self, active: _ActiveUpdate, finish: Any,
+                                  ) -> tuple[dict[str, int], list[Any]]:
+        """The kept-KV flip without a pause (``_runtime.vllm_flip``): vLLM's engine core counts
+        each request's old-weight tokens and runs the workers' finish between two steps.
+        Records the time it held the engine core (``split_ms["held"]``)."""
+        from weightsync._runtime.vllm_flip import flip_between_steps
+
+        args = ("finish_weight_update", {"finish": finish.to_dict()})
+        answer = await flip_between_steps(self.engine, "weightsync_call", args,
+                                          self.update_timeout_s)
+        active.split_ms["held"] = answer["held_ms"]
+        return answer["counts"], self._results(answer["answers"])
 
     @staticmethod
     def cache_salt_for(version: int, given: Any = None) -> str:

@@ -1,7 +1,8 @@
 """weightsync's vLLM plugin (``weightsync/_runtime/vllm_plugin.py``) in a real vLLM engine: after
 generation filled the prefix cache, the fast reset leaves exactly what vLLM's own reset leaves
 (no block holds a hash, the hash map is empty), the next generation equals the first, and the
-reset visits only the hashed blocks. The engine core runs in the script's process
+reset visits only the hashed blocks. And vLLM's engine core has the utility the plugin gives it,
+``weightsync_flip``. The engine core runs in the script's process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so its block pool can be read; vLLM loads the plugin
 there through the entry point the install registered."""
 
@@ -39,11 +40,15 @@ SCRIPT = textwrap.dedent('''
     hashed_after = sum(b.block_hash is not None for b in pool.blocks)
     in_map = len(pool.cached_block_hash_to_block._cache)
     again = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+    core = llm.llm_engine.engine_core.engine_core
+    probe = core.weightsync_flip(None)
+    flip = core.weightsync_flip(lambda worker: type(worker).__name__)
     print(json.dumps({
         "patched": getattr(BlockPool.reset_prefix_cache, "_weightsync_fast", False),
         "blocks": len(pool.blocks), "hashed_before": hashed_before, "reset": ok,
         "hashed_after": hashed_after, "in_map": in_map, "visited": visited,
-        "first": first, "again": again,
+        "first": first, "again": again, "probe": probe, "flip_answers": flip["answers"],
+        "flip_counts": flip["counts"], "flip_held_ms": flip["held_ms"],
     }))
 ''')
 
@@ -68,3 +73,13 @@ def test_the_fast_reset_leaves_what_vllms_own_leaves_visiting_only_the_hashed_bl
     assert not plain["patched"] and plain["visited"] == []
     keys = ("blocks", "hashed_before", "reset", "hashed_after", "in_map", "first", "again")
     assert {k: plain[k] for k in keys} == {k: fast[k] for k in keys}
+
+
+def test_the_engine_core_gets_the_flip_utility_which_runs_the_workers_method(tmp_path):
+    """The plugin gives vLLM's ``EngineCore`` ``weightsync_flip`` (``_runtime/vllm_flip.py``): a
+    probe answers ready; a flip runs the given method on the worker and counts the requests
+    the scheduler holds (none between two ``generate`` calls)."""
+    got = _run(tmp_path)
+    assert got["probe"] == {"ready": True}
+    assert len(got["flip_answers"]) == 1 and "Worker" in got["flip_answers"][0], got
+    assert got["flip_counts"] == {} and got["flip_held_ms"] >= 0
