@@ -5,8 +5,8 @@ The server runs on GPU 1 with the qwen2-7b shape (dummy weights; a tiny model's 
 trainer on GPU 0 pushes over NCCL with one call per chunk (``stream: false``: requests decode
 between chunks) through the front door. Four streams decode while a push lands. Measured: the
 server's own figure for the flip ("generation paused N ms": pause, load of the staged tensors,
-resume; with the KV kept, "generation held N ms between two steps": the engine core's flip, no
-pause), the longest gap between two events of a stream while the push ran against the median
+resume; with the KV kept, "generation not paused: flipped between two steps in N ms": the engine
+core's flip, while the step in flight runs on), the longest gap between two events of a stream while the push ran against the median
 gap before it, and the push's seconds. Checked: every stream ends with all its tokens and
 reports where its version changed (``weight_version_spans``). Run twice: the requests' KV
 recomputed by the new weights after the flip (``--in-flight-kv recompute``) or kept
@@ -115,7 +115,8 @@ def test_generation_stands_still_only_for_the_flip_of_a_7b_update(tmp_path, kv):
                   if "which continue on it" in ln]
     finally:
         server.stop()
-    paused = (re.search(r"generation (?:paused|held) ([0-9.]+) ms", landed[-1])
+    paused = (re.search(r"generation (?:paused|not paused: flipped between two steps in) "
+                        r"([0-9.]+) ms", landed[-1])
               if landed else None)
     gaps_before, gaps_during = [], []
     for o in outs:

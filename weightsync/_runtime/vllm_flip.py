@@ -8,8 +8,9 @@ needs the pause: vLLM's engine core runs a utility call between two iterations o
 a utility that counts the requests' tokens and then calls the workers' finish is itself the
 step boundary. The step in flight when it runs keeps going on the GPU with the old weights (its
 kernels were queued before the finish; a worker of a multiprocess executor takes the finish
-after that step), and every step scheduled after it runs on the new ones. Generation is held
-only while the utility runs, and a GPU still busy with the step in flight hides part of that.
+after that step), and every step scheduled after it runs on the new ones. No step is scheduled
+while the utility runs; the finish waits for its own copies, so for the step in flight too, which
+the GPU runs meanwhile: the tokens stand still only for what comes after that step.
 
 Engine-core side: ``engine_core_flip`` becomes ``EngineCore.weightsync_flip`` when vLLM loads
 weightsync's plugin (``weightsync._runtime.vllm_plugin.register``, in the engine core's process).

@@ -67,7 +67,8 @@ version than its own, except what a request in flight at the flip computed for i
 KV kept, nothing needs the scheduler paused: where the engine core has weightsync's utility
 (``weightsync._runtime.vllm_flip``, registered by weightsync's vLLM plugin), the flip is that
 utility, run by the engine core between two steps (count the tokens, the workers' finish), and
-generation is held only while it runs; without it the flip pauses as above.
+no step is scheduled while it runs (the step in flight runs on); without it the flip pauses as
+above.
 
 Logs (logger ``weightsync.servers.control``, prefixed with the server's name): every update's
 start (version, tensors, bytes, the drain), refusal (why), landing (version, chunks, bytes,
@@ -593,8 +594,8 @@ class UpdateControl:
         if held is None:
             how = f"generation paused {took * 1e3:.1f} ms ({split} ms)"
         else:  # flipped by the engine core between two steps (_runtime.vllm_flip)
-            how = (f"generation held {held:.1f} ms between two steps, not paused (the flip's "
-                   f"{split} ms)")
+            how = (f"generation not paused: flipped between two steps in {held:.1f} ms, the "
+                   f"step in flight running on (the flip's {split} ms)")
         log.info("%s: update %s landed under %d request(s) in flight, which continue on it: "
                  "version %d, %d chunk(s), %s in %.2fs; %s", self.name, finish.update_id,
                  len(counts), published, active.chunks, _mb(active.nbytes),

@@ -155,8 +155,9 @@ def _flip_under_stream(server, prompt: str = PROMPT):
     paused = re.search(r"generation paused ([0-9.]+) ms \(freeze ([0-9.]+), load ([0-9.]+), "
                        r"prefix reset ([0-9.]+), resume ([0-9.]+) ms\)", line)
     # or a flip between two steps: the engine core held for part of the call's round trip
-    held = re.search(r"generation held ([0-9.]+) ms between two steps, not paused \(the "
-                     r"flip's call ([0-9.]+), prefix reset ([0-9.]+), resume ([0-9.]+) ms\)", line)
+    held = re.search(r"generation not paused: flipped between two steps in ([0-9.]+) ms, the "
+                     r"step in flight running on \(the flip's call ([0-9.]+), prefix reset "
+                     r"([0-9.]+), resume ([0-9.]+) ms\)", line)
     assert paused or held, line
     if paused:
         total, *phases = (float(g) for g in paused.groups())
@@ -217,7 +218,7 @@ def test_with_kept_kv_a_request_goes_on_from_the_old_weights_kv(keep_kv_server):
     it counted is where the new weights' tokens start (the checks below fail at any other)."""
     server = keep_kv_server
     out, k, old, new, line = _flip_under_stream(server, LONG_PROMPT)
-    assert "between two steps, not paused" in line
+    assert "generation not paused: flipped between two steps" in line
     tokens = out["tokens"]
     prompt = out.get("prompt_ids") or old.ids(LONG_PROMPT)
     assert tokens[:k] == old.greedy(prompt, k)
