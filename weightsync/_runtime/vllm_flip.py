@@ -84,14 +84,23 @@ async def flip_supported(engine: Any) -> bool:
 
 async def flip_between_steps(engine: Any, method: str, args: tuple,
                              timeout_s: float | None = None) -> dict[str, Any]:
-    """Run the flip's workers' ``method(*args)`` in the engine core between two steps. ->
-    ``{"counts": {external request id: old-weight output tokens}, "answers": [...],
-    "held_ms": float}``."""
-    answer = await engine.engine_core.call_utility_async(UTILITY, method, timeout_s, tuple(args))
+    """Run the flip's workers' ``method(*args)`` in the engine core between two steps (in every
+    engine core of a data-parallel engine where vLLM can reach each). -> ``{"counts":
+    {external request id: old-weight output tokens}, "answers": [each worker's], "held_ms": the
+    longest an engine core was held}``."""
+    core = engine.engine_core
+    every = getattr(core, "call_utility_all_async", None)  # vLLM >= 0.32: each DP engine core
+    if every is not None:
+        answers = list(await every(UTILITY, method, timeout_s, tuple(args)))
+    else:
+        answers = [await core.call_utility_async(UTILITY, method, timeout_s, tuple(args))]
     states = getattr(getattr(engine, "output_processor", None), "request_states", None) or {}
     counts: dict[str, int] = {}
-    for rid, made in (answer.get("counts") or {}).items():
-        state = states.get(rid)
-        counts[str(getattr(state, "external_req_id", None) or rid)] = int(made)
-    return {"counts": counts, "answers": list(answer.get("answers") or ()),
-            "held_ms": float(answer.get("held_ms") or 0.0)}
+    workers: list[Any] = []
+    for answer in answers:
+        for rid, made in (answer.get("counts") or {}).items():
+            state = states.get(rid)
+            counts[str(getattr(state, "external_req_id", None) or rid)] = int(made)
+        workers += list(answer.get("answers") or ())
+    return {"counts": counts, "answers": workers,
+            "held_ms": max(float(a.get("held_ms") or 0.0) for a in answers)}

@@ -43,6 +43,18 @@ def test_the_server_gets_the_counts_under_its_own_request_ids():
     assert calls[-1] == (vllm_flip.UTILITY, ("weightsync_call", 5.0, ("m", {})))
 
 
+def test_a_data_parallel_engine_flips_in_every_engine_core():
+    class Cores:
+        async def call_utility_all_async(self, method, *args):
+            return [{"counts": {"a": 4}, "answers": [{"ok": True, "w": 0}], "held_ms": 1.0},
+                    {"counts": {"b": 9}, "answers": [{"ok": True, "w": 1}], "held_ms": 3.0}]
+
+    got = asyncio.run(vllm_flip.flip_between_steps(SimpleNamespace(engine_core=Cores()),
+                                                   "weightsync_call", (), None))
+    assert got == {"counts": {"a": 4, "b": 9}, "held_ms": 3.0,
+                   "answers": [{"ok": True, "w": 0}, {"ok": True, "w": 1}]}
+
+
 def test_an_engine_without_the_utility_is_not_flipped_between_steps():
     class Core:
         async def call_utility_async(self, method, *args):
