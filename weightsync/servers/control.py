@@ -13,7 +13,10 @@ What must hold:
 * every response that ran the model comes from one complete weight version, and carries it:
   requests hold the read side of ``UpdateGate`` (``serving()``), an update holds the write side
   from start to finish, so in-flight requests drain before the first byte lands and new ones
-  wait until the update is done;
+  wait until the update is done; a LoRA adapter-only update (``scoped_by_model``: the policy
+  server with ``--enable-lora``) does that only with the requests that name its adapter (or no
+  model the middleware could read): the base model's requests, and other adapters', neither
+  wait for it nor hold it back, since it changes nothing they read;
 * a torn engine (an update died after some chunks landed) answers 503 with the reason until a
   complete update lands; a refused update (bad names/shapes/dtypes/mode) changes nothing;
 * the version changes only when an update completed; the prefix cache is reset after every
@@ -26,7 +29,7 @@ What must hold:
   sender can start;
 * with ``pause_generation`` (the policy server) the engine's scheduler is paused from start to
   finish as well, so nothing the gate does not see (a route we do not know) decodes across the
-  change either;
+  change either (not for an adapter-only update: vLLM's pause would wait for every request);
 * no worker call holds the engine: calls go through ``weightsync.servers._workers.WorkerCalls``
   (a worker answers "pending" after a slice and the call goes on in the worker), so a join that
   nobody completes does not hold model requests; a new ``init_communicator`` or
@@ -195,6 +198,9 @@ class UpdateControl:
         self.default_training_mode = default_training_mode
         self.pause_generation = pause_generation
         self.in_flight = in_flight
+        #: requests say which model they ask for (the policy server with LoRA adapters sets it):
+        #: an adapter-only update then waits only for requests of that adapter (``_gate``)
+        self.scoped_by_model = False
         #: keep the KV of requests in flight at a flip (``in_flight_kv="keep"``): no recompute,
         #: no prefix-cache reset; requests are salted by version instead (``cache_salt_for``)
         self.keep_kv = in_flight_kv == "keep"
@@ -282,14 +288,17 @@ class UpdateControl:
 
     # -- the read side: requests that run the model ------------------------------------------
     @contextlib.asynccontextmanager
-    async def serving(self, what: str = "request", label: str = "") -> AsyncIterator[int]:
+    async def serving(self, what: str = "request", label: str = "",
+                      model: str | None = None) -> AsyncIterator[int]:
         """Hold the read side while a request runs the model; yields the version that serves
         it. Raises ``ServiceError(503)`` when an update runs longer than ``wait_timeout_s`` or
         the weights are torn. ``label`` (e.g. ``"POST /v1/completions"``) names the request in
-        the error an update gets when it cannot drain."""
+        the error an update gets when it cannot drain. ``model``: the model the request asked
+        for, when known: a LoRA adapter-only update of another adapter neither waits for it nor
+        holds it back (``_gate``)."""
         await self.expire_stale_update()
         try:
-            token = await self.gate.acquire_read(self.wait_timeout_s, label or what)
+            token = await self.gate.acquire_read(self.wait_timeout_s, label or what, model)
         except TimeoutError:
             active = self._active
             raise ServiceError(
@@ -443,27 +452,30 @@ class UpdateControl:
         self.refuse_during_join(f"update {start.update_id}")
         await self.expire_stale_update()
         t0 = time.monotonic()
+        adapter = _adapter_name(start)
         if self._active is not None:
             if self._active.update_id == start.update_id:
                 raise ServiceError(409, f"update {start.update_id} was already started")
-            held = self._active.holds_gate
+            # the held gate passes on to an update of the same scope only (the weights, or the
+            # same adapter): another waits for the requests its scope conflicts with
+            held = self._active.holds_gate and self._active.adapter == adapter
             await self._abort_active(f"superseded by update {start.update_id}",
                                      keep_gate=held and holds_gate)
             if held and holds_gate:
                 self.gate.transfer_write(start.update_id)
             elif holds_gate:
-                await self._acquire_write(start.update_id)
+                await self._acquire_write(start.update_id, adapter)
         elif holds_gate:
-            await self._acquire_write(start.update_id)
+            await self._acquire_write(start.update_id, adapter)
         drained = time.monotonic() - t0
         idle = self.update_timeout_s if start.idle_timeout_s is None else min(
             float(start.idle_timeout_s), self.update_timeout_s)
         active = _ActiveUpdate(start.update_id, mode, idle_timeout_s=idle, holds_gate=holds_gate,
-                               adapter=_adapter_name(start))
+                               adapter=adapter)
         try:
             async with self._guard(f"the start of update {start.update_id}"):
                 await self.call_workers("start_weight_update", {"start": start.to_dict()})
-            if self.pause_generation and holds_gate:
+            if self.pause_generation and holds_gate and adapter is None:
                 await self._pause(active)
         except BaseException as e:
             await self._resume(active)
@@ -481,12 +493,15 @@ class UpdateControl:
                  _mode_name(mode), ", staged" if start.staged else "", drained)
         return {"ok": True, "update_id": start.update_id, "version": self.version}
 
-    async def _acquire_write(self, owner: str) -> None:
+    async def _acquire_write(self, owner: str, adapter: str | None = None) -> None:
+        """The gate's write side for update ``owner`` (of LoRA adapter ``adapter``, or of the
+        weights: ``_gate``'s scopes); ``ServiceError(503)`` when the requests it waits for do
+        not drain in time."""
         try:
-            await self.gate.acquire_write(owner, self.wait_timeout_s)
+            await self.gate.acquire_write(owner, self.wait_timeout_s, adapter)
         except TimeoutError:
             why = (f"requests in flight did not drain in {self.wait_timeout_s:g}s "
-                   f"({self.gate.in_flight()}); retry the update")
+                   f"({self.gate.in_flight(adapter=adapter)}); retry the update")
             log.warning("%s: update %s: %s", self.name, owner, why)
             raise ServiceError(503, why) from None
 
@@ -562,12 +577,12 @@ class UpdateControl:
             return await self._finish_continuing(active, finish)
         if not active.holds_gate:  # staged while serving: drain the requests, then flip
             try:
-                await self._acquire_write(finish.update_id)
+                await self._acquire_write(finish.update_id, active.adapter)
             except ServiceError as e:
                 await self._abort_active(f"finish: {e.message}")
                 raise
             active.holds_gate = True
-            if self.pause_generation and finish.ok:
+            if self.pause_generation and finish.ok and active.adapter is None:
                 await self._pause(active)
         published, _ = await self._land(active, finish)
         if finish.ok:

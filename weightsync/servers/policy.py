@@ -229,6 +229,9 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
         in_flight_kv=cfg.in_flight_kv,
     )
     control.adapter_published = _adapter_names_for(app.state)
+    # requests of the base model (or of another adapter) neither wait for an adapter-only
+    # update nor hold it back
+    control.scoped_by_model = bool(getattr(args, "enable_lora", False))
     await control.refresh_state()
     await control.world_size()  # asked once here: /get_world_size never waits for workers
     if cfg.warmup:

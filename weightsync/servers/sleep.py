@@ -190,8 +190,9 @@ class SleepAwareControl(UpdateControl):
         self._update_mode: TrainingMode | None = None
 
     @contextlib.asynccontextmanager
-    async def serving(self, what: str = "request", label: str = "") -> AsyncIterator[int]:
-        async with self.sleep_mode.awake(), super().serving(what, label) as version:
+    async def serving(self, what: str = "request", label: str = "",
+                      model: str | None = None) -> AsyncIterator[int]:
+        async with self.sleep_mode.awake(), super().serving(what, label, model) as version:
             yield version
 
     async def start(self, metadata: dict, mode: TrainingMode | None, version: int | None) -> dict:

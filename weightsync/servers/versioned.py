@@ -8,6 +8,10 @@
   request arrives until its last byte (a whole stream included) has been sent, so an update
   waits for it to finish and it never decodes across a weight change: all of its tokens come
   from the version it reports;
+* with ``UpdateControl.scoped_by_model`` (the policy server with LoRA adapters) it first reads
+  the JSON body of a request to a route that generates (``SALTED``) and holds the read side for
+  the ``"model"`` it names: an adapter-only update of another adapter neither waits for it nor
+  holds it back (``weightsync.servers._gate``);
 * it answers 503 (JSON ``{"detail": ...}``) while the weights are torn, or when an update holds
   the gate longer than the control's ``wait_timeout_s``;
 * it adds ``x-weight-version: <v>`` to the response headers, and ``"weight_version": <v>`` as a
@@ -70,8 +74,12 @@ class VersionedResponses:
         if scope.get("type") != "http" or not self._gated(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
+        body = None
+        if scope.get("path") in SALTED and (self.control.keep_kv or self.control.scoped_by_model):
+            body = await _Body.read(receive)
+        model = body.model() if body is not None and self.control.scoped_by_model else None
         serving = self.control.serving(
-            "generate", f"{scope.get('method', '')} {scope.get('path', '')}")
+            "generate", f"{scope.get('method', '')} {scope.get('path', '')}", model)
         try:
             version = await serving.__aenter__()
         except ServiceError as e:
@@ -79,8 +87,10 @@ class VersionedResponses:
             return
         try:
             spans = None
-            if self.control.keep_kv and scope.get("path") in SALTED:
-                scope, receive = await _salted(scope, receive, version)
+            if body is not None:
+                if self.control.keep_kv:
+                    scope = body.salt(scope, version)
+                receive = body.replay(receive)
             if self.control.in_flight == "continue":
                 scope, request_id = _with_request_id(scope)
                 since, control = self.control.flip_seq, self.control
@@ -210,37 +220,61 @@ def _with_request_id(scope: dict) -> tuple[dict, str]:
     return {**scope, "headers": headers}, request_id
 
 
-async def _salted(scope: dict, receive: Any, version: int) -> tuple[dict, Any]:
-    """The request with ``cache_salt`` set in its JSON body (``UpdateControl.cache_salt_for``:
-    the version it started on, after any salt of its own) and its ``content-length`` to match;
-    a body that is not a JSON object goes on unchanged (vLLM answers it)."""
-    chunks, first = [], None
-    while True:
-        message = await receive()
-        if message.get("type") != "http.request":  # the client left: hand that on
-            first = message
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    body = b"".join(chunks)
-    try:
-        data = json.loads(body) if body else None
-    except ValueError:
-        data = None
-    if isinstance(data, dict):
-        data["cache_salt"] = UpdateControl.cache_salt_for(version, data.get("cache_salt"))
-        body = json.dumps(data).encode()
+class _Body:
+    """A request's body, read whole before the app sees it (the model it names decides which
+    updates it waits for; with kept KV it gets its prefix-cache salt), then handed to the app
+    as one message."""
+
+    def __init__(self, raw: bytes, left: dict | None) -> None:
+        self.raw = raw
+        self.left = left  # the message that ended the read early (the client left), if any
+        try:
+            data = json.loads(raw) if raw else None
+        except ValueError:
+            data = None
+        self.data = data if isinstance(data, dict) else None
+
+    @classmethod
+    async def read(cls, receive: Any) -> _Body:
+        chunks, left = [], None
+        while True:
+            message = await receive()
+            if message.get("type") != "http.request":  # the client left: hand that on
+                left = message
+                break
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        return cls(b"".join(chunks), left)
+
+    def model(self) -> str | None:
+        """The ``"model"`` a JSON object body names (None: none, or not a JSON object)."""
+        model = self.data.get("model") if self.data is not None else None
+        return model if isinstance(model, str) else None
+
+    def salt(self, scope: dict, version: int) -> dict:
+        """Set ``cache_salt`` in a JSON object body (``UpdateControl.cache_salt_for``: the
+        version the request started on, after any salt of its own); -> the scope with its
+        ``content-length`` to match. A body that is not a JSON object goes on unchanged (vLLM
+        answers it)."""
+        if self.data is None:
+            return scope
+        self.data["cache_salt"] = UpdateControl.cache_salt_for(version, self.data.get("cache_salt"))
+        self.raw = json.dumps(self.data).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(body)).encode()))
-        scope = {**scope, "headers": headers}
-    pending = [first] if first is not None else [
-        {"type": "http.request", "body": body, "more_body": False}]
+        headers.append((b"content-length", str(len(self.raw)).encode()))
+        return {**scope, "headers": headers}
 
-    async def replay() -> dict:
-        return pending.pop(0) if pending else await receive()
+    def replay(self, receive: Any) -> Any:
+        """A ``receive`` that gives the app the body (or the client's leaving), then the
+        server's own messages."""
+        pending = [self.left] if self.left is not None else [
+            {"type": "http.request", "body": self.raw, "more_body": False}]
 
-    return scope, replay
+        async def replayed() -> dict:
+            return pending.pop(0) if pending else await receive()
+
+        return replayed
 
 
 def _header(headers: list, name: bytes) -> str:

@@ -3,12 +3,13 @@ HTTP): the trainer pushes only its adapter (``ws.connect(url, extractor="lora_ad
 ``/v1/models`` then lists it, requests with ``"model": <adapter>`` are served by its latest
 version (prompt logprobs, greedy tokens and their logprobs equal the merged model in
 transformers, fp32), requests naming the base model by the base weights; a refused adapter
-changes nothing."""
+changes nothing; an adapter update does not wait for a base-model request in flight."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 
 import httpx
 import pytest
@@ -120,3 +121,55 @@ def test_a_relay_forwards_an_adapter_update_as_one(lora_server):
     assert loader.last_stats.num_tensors == stats.num_tensors == 12
     for p in PROMPTS:
         _check(lora_server, merged, p, "relayed")
+
+
+def test_an_adapter_update_lands_while_a_base_model_stream_runs(lora_server):
+    """An adapter-only update changes nothing a base-model request reads, so it does not wait
+    for one to finish (``servers/_gate.py``'s scopes): the push returns while a long base-model
+    stream is still running, the stream keeps its one version, and the adapter serves its new
+    version at once. (The session connects and pushes once before the stream starts, so the
+    timed push is the update alone.)"""
+    import threading
+    import time
+
+    model, merged, base = _policy(lora_server.model_dir, seed=6)
+    model2, merged2, _ = _policy(lora_server.model_dir, seed=7)
+    first, out = threading.Event(), {}
+
+    def stream():
+        body = {"model": "tiny-policy", "prompt": PROMPTS[0], "max_tokens": 200, "n": 64,
+                "temperature": 1.0, "seed": 0, "ignore_eos": True, "stream": True}
+        versions = set()
+        with httpx.stream("POST", lora_server.url + "/v1/completions", json=body,
+                          timeout=300) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    versions.add(json.loads(line[6:]).get("weight_version"))
+                    first.set()
+        out["versions"], out["ended"] = versions, time.monotonic()
+        first.set()
+
+    async def go():
+        async with ws.connect([lora_server.url], "broadcast", api_key=lora_server.api_key,
+                              extractor={"type": "lora_adapter", "adapter_name": "policy"}) as sync:
+            await sync.push(model)
+            reader = threading.Thread(target=stream)
+            reader.start()
+            assert await asyncio.to_thread(first.wait, 120)
+            assert "ended" not in out  # the base-model request is in flight
+            t0 = time.monotonic()
+            stats = await sync.push(model2)
+            out["pushed"], out["push_s"] = time.monotonic(), time.monotonic() - t0
+            await asyncio.to_thread(reader.join, 300)
+            return stats
+
+    stats = asyncio.run(go())
+    print(f"adapter push {out['push_s']:.2f}s, returned {out['ended'] - out['pushed']:.2f}s "
+          f"before the base stream ended")
+    assert out["status"] == 200 and len(out["versions"]) == 1
+    assert out["pushed"] < out["ended"], "the adapter update waited for the base-model stream"
+    (v,) = out["versions"]
+    assert stats.versions == [v + 1]
+    for p in PROMPTS:
+        _check(lora_server, merged2, p, "policy")

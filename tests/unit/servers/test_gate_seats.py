@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -92,3 +93,109 @@ def test_a_waiting_update_holds_new_requests_back_and_the_first_waiter_wins():
         return held_back, writer_first, c.gate.readers
 
     assert asyncio.run(go()) == (True, True, 0)
+
+
+# -- scopes: a LoRA adapter-only update and the requests of other models ----------------------
+
+
+async def _asgi_request_for(asgi, model: str | None, path: str = "/v1/completions") -> None:
+    """A never-ending request whose JSON body names ``model`` (None: a body that is not JSON)."""
+    body = b"not json" if model is None else json.dumps({"model": model, "prompt": "hi"}).encode()
+    sent = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if sent:
+            return sent.pop()
+        await asyncio.Event().wait()
+
+    async def send(message):
+        pass
+
+    await asgi({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
+
+
+async def _scoped_requests(c: UpdateControl, *models: str | None) -> list[asyncio.Future]:
+    asgi = VersionedResponses(_hanging_app, control=c)
+    n = c.gate.readers + len(models)
+    tasks = [asyncio.ensure_future(_asgi_request_for(asgi, m)) for m in models]
+    while c.gate.readers < n:
+        await asyncio.sleep(0.01)
+    return tasks
+
+
+async def _seated_within(c: UpdateControl, model: str | None, seconds: float) -> bool:
+    """Whether a new request for ``model`` gets its seat within ``seconds`` (then it ends)."""
+    before = c.gate.readers
+    task = asyncio.ensure_future(_asgi_request_for(VersionedResponses(_hanging_app, control=c),
+                                                   model))
+    try:
+        async with asyncio.timeout(seconds):
+            while c.gate.readers == before:
+                await asyncio.sleep(0.01)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def test_an_adapter_update_neither_waits_for_nor_holds_back_other_models_requests():
+    """With ``scoped_by_model`` (the policy server with LoRA): an update of adapter "policy"
+    gets the gate while a base-model request runs, and new base-model requests get in while it
+    holds the gate; requests for "policy", or whose model the middleware cannot read, wait for
+    it. An update of the weights still waits for the base-model request."""
+
+    async def go():
+        c = UpdateControl(None, wait_timeout_s=5)
+        c.scoped_by_model = True
+        base = await _scoped_requests(c, "tiny-policy")
+        await c.gate.acquire_write("adapter-1", 0.5, adapter="policy")  # TimeoutError if it waited
+        got = {m: await _seated_within(c, m, 0.3) for m in ("tiny-policy", "other", "policy", None)}
+        c.gate.release_write("adapter-1")
+        with pytest.raises(TimeoutError):
+            await c.gate.acquire_write("weights-1", 0.3)  # the base request is still in flight
+        for t in base:
+            t.cancel()
+        await asyncio.gather(*base, return_exceptions=True)
+        await c.gate.acquire_write("weights-2", 0.5)
+        return got
+
+    assert asyncio.run(go()) == {"tiny-policy": True, "other": True, "policy": False, None: False}
+
+
+def test_an_adapter_update_that_cannot_drain_names_only_the_requests_of_its_adapter():
+    async def go():
+        c = UpdateControl(None, wait_timeout_s=0.3)
+        c.scoped_by_model = True
+        tasks = await _scoped_requests(c, "tiny-policy", "policy")
+        try:
+            with pytest.raises(ServiceError) as e:
+                await c.start({"update_id": "u1", "lora_adapter": {"name": "policy"}}, None, 1)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return e.value
+
+    err = asyncio.run(go())
+    assert err.status == 503 and "did not drain in 0.3s" in err.message
+    assert err.message.count("POST /v1/completions for 0s") == 1  # the adapter's, not the base's
+
+
+def test_without_scopes_every_request_holds_an_adapter_update_back():
+    """A server without LoRA (``scoped_by_model`` False) reads no body: an adapter update, were
+    one sent, would wait for every request as an update of the weights does."""
+
+    async def go():
+        c = UpdateControl(None, wait_timeout_s=5)
+        tasks = await _scoped_requests(c, "tiny-policy")
+        try:
+            with pytest.raises(TimeoutError):
+                await c.gate.acquire_write("adapter-1", 0.3, adapter="policy")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(go())
