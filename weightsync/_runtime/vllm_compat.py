@@ -516,11 +516,23 @@ async def freeze_in_flight(engine: Any, *, keep_kv: bool = False) -> dict[str, i
             break
     await asyncio.sleep(0)  # the handler finishes the item it took (synchronous for <128 reqs)
     counts: dict[str, int] = {}
-    for rid, state in getattr(engine.output_processor, "request_states", {}).items():
+    states = request_states(engine)
+    for rid, state in states.items():
         tokens = getattr(state.detokenizer, "output_token_ids", None)
         if tokens is not None:
-            counts[str(getattr(state, "external_req_id", None) or rid)] = len(tokens)
+            counts[external_request_id(states, rid)] = len(tokens)
     return counts
+
+
+def request_states(engine: Any) -> dict:
+    """``AsyncLLM``'s request states by vLLM's request id (empty where it has none)."""
+    return getattr(getattr(engine, "output_processor", None), "request_states", None) or {}
+
+
+def external_request_id(states: dict, rid: str) -> str:
+    """The id a server gave vLLM's request ``rid`` (its ``X-Request-Id`` based one), or ``rid``
+    when the request is no longer tracked or this vLLM keeps no other id."""
+    return str(getattr(states.get(rid), "external_req_id", None) or rid)
 
 
 async def resume_generation(engine: Any) -> None:

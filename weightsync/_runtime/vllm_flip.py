@@ -94,13 +94,14 @@ async def flip_between_steps(engine: Any, method: str, args: tuple,
         answers = list(await every(UTILITY, method, timeout_s, tuple(args)))
     else:
         answers = [await core.call_utility_async(UTILITY, method, timeout_s, tuple(args))]
-    states = getattr(getattr(engine, "output_processor", None), "request_states", None) or {}
+    from weightsync._runtime.vllm_compat import external_request_id, request_states
+
+    states = request_states(engine)
     counts: dict[str, int] = {}
     workers: list[Any] = []
     for answer in answers:
         for rid, made in (answer.get("counts") or {}).items():
-            state = states.get(rid)
-            counts[str(getattr(state, "external_req_id", None) or rid)] = int(made)
+            counts[external_request_id(states, rid)] = int(made)
         workers += list(answer.get("answers") or ())
     return {"counts": counts, "answers": workers,
             "held_ms": max(float(a.get("held_ms") or 0.0) for a in answers)}

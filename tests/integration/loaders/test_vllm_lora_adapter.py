@@ -81,7 +81,6 @@ def _close(a, b, atol=2e-3):
                for x, y in zip(xs, ys, strict=True))
 
 
-
 def _push_and_greedy(llm, model, name: str):
     """One adapter push of ``model`` under ``name`` through a session of its own, then vLLM's
     greedy tokens and logprobs for requests that name the adapter."""
@@ -92,6 +91,7 @@ def _push_and_greedy(llm, model, name: str):
         return vllm_greedy(llm, lora_request=ws.lora_request(name))
 
     return asyncio.run(run())
+
 
 def test_adapter_push_serves_the_merged_model_and_replaces_the_last_version(lm):
     llm, path = lm

@@ -132,7 +132,7 @@ def test_an_adapter_update_lands_while_a_base_model_stream_runs(lora_server):
     import threading
     import time
 
-    model, merged, base = _policy(lora_server.model_dir, seed=6)
+    model, _, _ = _policy(lora_server.model_dir, seed=6)
     model2, merged2, _ = _policy(lora_server.model_dir, seed=7)
     first, out = threading.Event(), {}
 
