@@ -437,6 +437,16 @@ def engine_core_dead(llm: Any) -> bool:
     return bool(getattr(getattr(core, "resources", None), "engine_dead", False))
 
 
+def engine_core_processes(engine: Any) -> list:
+    """The engine-core processes an ``AsyncLLM`` (or ``LLM`` engine) started, from its client's
+    process manager (vLLM's ``CoreEngineProcManager``, 0.26 and 0.32); empty for an in-process
+    core, a Ray-managed one or another layout."""
+    core = getattr(engine, "engine_core", None)
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    procs = getattr(manager, "processes", None)
+    return list(procs) if isinstance(procs, list) else []
+
+
 def reset_prefix_cache(llm: Any) -> bool:
     fn = getattr(llm, "reset_prefix_cache", None)
     if fn is None:  # pragma: no cover

@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 #: once: the segments leak and Python's resource tracker warns about them at exit)
 ENGINE_STOP_GRACE_S = 10.0
 _POKE_EVERY_S = 0.25
+_ASK_STOPPING_S = 2.0
 
 #: vLLM's loggers that report the engine core's exit as a failure; quiet once a stop began
 ENGINE_DEATH_LOGGERS = ("vllm.v1.engine.async_llm",)
@@ -217,17 +218,46 @@ async def stop_engine(engine: Any, grace_s: float = ENGINE_STOP_GRACE_S) -> None
     that the SIGTERM does not interrupt, so its handler runs only when the next input arrives:
     while the shutdown waits (in a thread), a cheap utility call every ``_POKE_EVERY_S`` gives
     it that input. vLLM's output handler (a task on this loop) is cancelled first: it would
-    otherwise log the engine core's exit as an ``EngineDeadError`` traceback. Callers: both
+    otherwise log the engine core's exit as an ``EngineDeadError`` traceback. An engine core
+    that is already stopping by itself (Ctrl-C in a terminal signals the whole process group)
+    is not signalled: it gets up to ``grace_s`` to leave on its own first. Callers: both
     servers' ``serve``, on their loop, after uvicorn stopped."""
+    from weightsync._runtime.vllm_compat import engine_core_processes
+
     handler = getattr(engine, "output_handler", None)
     if isinstance(handler, asyncio.Task):
         handler.cancel()
+    cores = [p for p in engine_core_processes(engine) if p.is_alive()]
+    if cores and await _engine_core_stopping(engine):
+        # Ctrl-C in a terminal signals the whole process group: the engine core got the SIGINT
+        # too and is stopping its workers. vLLM's shutdown below would SIGTERM it, and a SIGTERM
+        # that lands after it restored the default handler (its teardown does that first) kills
+        # it before it unlinks its queues: wait for it to leave by itself instead.
+        await asyncio.to_thread(_join_all, cores, grace_s)
     done = asyncio.ensure_future(asyncio.to_thread(engine.shutdown, timeout=grace_s))
     while not done.done():
         with contextlib.suppress(Exception):  # a stopping engine may answer nothing
             await asyncio.wait_for(engine.reset_prefix_cache(), _POKE_EVERY_S)
         await asyncio.wait([done], timeout=_POKE_EVERY_S)
     await done
+
+
+async def _engine_core_stopping(engine: Any) -> bool:
+    """Whether the engine core is stopping by itself (or gone): it no longer answers a utility
+    call as it does while serving. Once a signal started its shutdown it refuses the call
+    ("Server shutting down") while still in its loop, and answers nothing once it left the loop
+    for its teardown; a serving core answers within a step."""
+    try:
+        await asyncio.wait_for(engine.reset_prefix_cache(), _ASK_STOPPING_S)
+    except Exception:  # noqa: BLE001 - refused, unanswered or dead: it is not serving
+        return True
+    return False
+
+
+def _join_all(procs: list, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
 
 
 #: a server's event loop that did not run for this long is logged (``watch_loop_stalls``)
