@@ -11,7 +11,9 @@
 * with ``UpdateControl.scoped_by_model`` (the policy server with LoRA adapters) it first reads
   the JSON body of a request to a route that generates (``SALTED``) and holds the read side for
   the ``"model"`` it names: an adapter-only update of another adapter neither waits for it nor
-  holds it back (``weightsync.servers._gate``);
+  holds it back (``weightsync.servers._gate``). Such an update lands while other requests hold
+  KV blocks, when vLLM refuses to reset its prefix cache, so these requests get the version
+  salt described below too: the adapter's next request never reads KV its old version computed;
 * it answers 503 (JSON ``{"detail": ...}``) while the weights are torn, or when an update holds
   the gate longer than the control's ``wait_timeout_s``;
 * it adds ``x-weight-version: <v>`` to the response headers, and ``"weight_version": <v>`` as a
@@ -24,7 +26,8 @@
   token index], ...]}`` next to ``weight_version`` (the version it started on) in its JSON body,
   and in its SSE events from the flip on. Each request is given an ``X-Request-Id`` (vLLM names
   its engine requests after it) when it has none.
-* with ``in_flight_kv="keep"`` as well, the JSON body of a request to a route that generates
+* with ``in_flight_kv="keep"`` as well (and with ``scoped_by_model``), the JSON body of a
+  request to a route that generates
   (``SALTED``: completions, chat, responses, vLLM's token-in/token-out generate) gets
   ``cache_salt`` = the version it started on (after the client's own salt, if any): the
   prefix cache, not reset at such a flip, never gives a request KV of another version's
@@ -46,7 +49,8 @@ VERSION_FIELD = "weight_version"
 #: it, ``{vLLM request id: [[version, first token index], ...]}``
 SPANS_FIELD = "weight_version_spans"
 
-#: with ``in_flight_kv="keep"``: the routes whose JSON body gets the request's prefix-cache salt
+#: with ``in_flight_kv="keep"`` or ``scoped_by_model``: the routes whose JSON body gets the
+#: request's prefix-cache salt
 #: (vLLM's ``cache_salt``: ``UpdateControl.cache_salt_for``): the ones that generate (other
 #: routes of vLLM's app, the pooling ones, are not salted: a policy server generates)
 SALTED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate")
@@ -88,7 +92,7 @@ class VersionedResponses:
         try:
             spans = None
             if body is not None:
-                if self.control.keep_kv:
+                if self.control.keep_kv or self.control.scoped_by_model:
                     scope = body.salt(scope, version)
                 receive = body.replay(receive)
             if self.control.in_flight == "continue":
