@@ -189,6 +189,9 @@ class UpdateControl:
     ) -> None:
         if not isinstance(adapter_slots, int) or adapter_slots < 1:
             raise ValueError(f"adapter_slots must be an int >= 1, got {adapter_slots!r}")
+        if adapter_slots > 1 and in_flight == "continue":
+            raise ValueError("adapter_slots > 1 keeps each request on the adapter version it "
+                             "started with; in_flight='continue' moves it to the new one")
         if in_flight not in IN_FLIGHT_MODES:
             raise ValueError(f"in_flight must be one of {list(IN_FLIGHT_MODES)}, got "
                              f"{in_flight!r}")

@@ -205,6 +205,10 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
     if cfg.adapter_slots > 1 and not getattr(args, "enable_lora", False):
         _our_parser().error("--adapter-slots keeps versions of LoRA adapters: it needs "
                             "--enable-lora")
+    if cfg.adapter_slots > 1 and cfg.in_flight_requests == "continue":
+        _our_parser().error("--adapter-slots keeps each request on the adapter version it "
+                            "started with, --in-flight-requests continue moves it to the new "
+                            "one: choose one")
     if cfg.api_key is None and os.environ.get("WEIGHTSYNC_API_KEY"):
         cfg.api_key = os.environ["WEIGHTSYNC_API_KEY"]
     args.host, args.port, args.api_key = cfg.host, cfg.port, None

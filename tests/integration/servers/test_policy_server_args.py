@@ -58,6 +58,8 @@ def test_vllm_arguments_pass_through_and_win_over_defaults(monkeypatch):
     (["--model", "m", "--adapter-slots", "2"], "--adapter-slots keeps versions of LoRA adapters: "
                                                 "it needs --enable-lora"),
     (["--model", "m", "--enable-lora", "--adapter-slots", "0"], "--adapter-slots must be >= 1"),
+    (["--model", "m", "--enable-lora", "--adapter-slots", "2", "--in-flight-requests",
+      "continue"], "--adapter-slots keeps each request on the adapter version it started with"),
 ])
 def test_bad_arguments_exit_2_naming_them(capsys, argv, needle):
     with pytest.raises(SystemExit) as ei:

@@ -160,3 +160,10 @@ def test_the_slot_table_answers_each_request_its_seated_slot():
         assert table.slots == {} and table.get("policy") is None and "policy" not in table
     finally:
         SEATED.reset(token)
+
+
+def test_slots_and_continuing_requests_are_refused_together():
+    with pytest.raises(ValueError, match="adapter_slots > 1 keeps each request"):
+        UpdateControl(None, adapter_slots=2, in_flight="continue")
+    with pytest.raises(ValueError, match="adapter_slots must be an int >= 1"):
+        UpdateControl(None, adapter_slots=0)
