@@ -6,8 +6,9 @@ trainer on GPU 0 pushes over NCCL with one call per chunk (``stream: false``: re
 between chunks) through the front door. Four streams decode while a push lands. Measured: the
 server's own figure for the flip ("generation paused N ms": pause, load of the staged tensors,
 resume; with the KV kept, "generation not paused: flipped between two steps in N ms": the engine
-core's flip, while the step in flight runs on), the longest gap between two events of a stream while the push ran against the median
-gap before it, and the push's seconds. Checked: every stream ends with all its tokens and
+core's flip, while the step in flight runs on), the longest gap between two events of a stream
+while the push ran against the median gap before it, the gaps around the event that brought each
+stream's first token of the new version (the flip alone), and the push's seconds. Checked: every stream ends with all its tokens and
 reports where its version changed (``weight_version_spans``). Run twice: the requests' KV
 recomputed by the new weights after the flip (``--in-flight-kv recompute``) or kept
 (``keep``, PipelineRL's way: no recompute, and no pause either). Figures go to
@@ -38,8 +39,9 @@ def _stream(url: str, out: dict, started: threading.Event) -> None:
 
     body = {"model": "m7b", "prompt": "The weights move", "max_tokens": TOKENS,
             "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
     times: list[float] = []
+    counts: list[int] = []  # the stream's tokens so far, at each event of ``times``
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
         out["status"] = r.status_code
         for line in r.iter_lines():
@@ -54,10 +56,28 @@ def _stream(url: str, out: dict, started: threading.Event) -> None:
             if not event.get("choices"):
                 continue  # the usage event carries no token
             times.append(now)  # one event per engine step that gave this stream tokens
+            counts.append((counts[-1] if counts else 0)
+                          + len(event["choices"][0].get("token_ids") or []))
             if len(times) == 16:
                 started.set()
-    out["times"] = times
+    out["times"], out["counts"] = times, counts
     started.set()
+
+
+def _flip_gaps(out: dict) -> list[float]:
+    """The gaps (s) between the events of one stream around its flip: the event that brought
+    the first token of the new version (``weight_version_spans``: [[old, 0], [new, k]]) and the
+    one before it, with a step of context each side; [] when the stream saw no flip."""
+    spans = next(iter((out.get("spans") or {}).values()), None)
+    if not spans or len(spans) < 2:
+        return []
+    k = spans[1][1]
+    times, counts = out.get("times", []), out.get("counts", [])
+    e = next((i for i, c in enumerate(counts) if c > k), None)
+    if e is None or e == 0:
+        return []
+    lo, hi = max(1, e - 1), min(len(times), e + 2)
+    return [times[i] - times[i - 1] for i in range(lo, hi)]
 
 
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
@@ -133,6 +153,11 @@ def test_generation_stands_still_only_for_the_flip_of_a_7b_update(tmp_path, kv):
         "flip_paused_ms": float(paused.group(1)) if paused else None,
         "median_gap_before_ms": 1e3 * statistics.median(gaps_before) if gaps_before else None,
         "max_gap_during_push_ms": 1e3 * max(gaps_during) if gaps_during else None,
+        # the gap that brought each stream's first token of the new version, one step of context
+        # each side: what the flip itself costs a stream (the push's receive is over by then)
+        "flip_gaps_ms": [[round(1e3 * g, 1) for g in _flip_gaps(o)] for o in outs],
+        "max_gap_at_flip_ms": max((1e3 * g for o in outs for g in _flip_gaps(o)),
+                                  default=None),
         "events": [len(o.get("times", [])) for o in outs],
         "completion_tokens": [o.get("completion_tokens") for o in outs],
         "statuses": [o.get("status") for o in outs],
