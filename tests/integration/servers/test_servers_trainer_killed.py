@@ -204,7 +204,7 @@ def _settled(t: Target, since: int, version: int, timeout_s: float = IDLE_S + 20
     deadline = t0 + timeout_s
     while True:
         log = _log_since(t, since)
-        ended = None
+        ended = start = None
         if log is not None:
             start = re.search(rf"{CONTROL}[^\n]*: update (\w+) started: version {version - 1} -> "
                               rf"{version}\b", log)
