@@ -8,8 +8,8 @@ server's own figure for the flip ("generation paused N ms": pause, load of the s
 resume; with the KV kept, "generation not paused: flipped between two steps in N ms": the engine
 core's flip, while the step in flight runs on), the longest gap between two events of a stream
 while the push ran against the median gap before it, the gaps around the event that brought each
-stream's first token of the new version (the flip alone), and the push's seconds. Checked: every stream ends with all its tokens and
-reports where its version changed (``weight_version_spans``). Run twice: the requests' KV
+stream's first token of the new version (the flip alone), and the push's seconds. Checked:
+every stream ends with all its tokens and reports where its version changed (``weight_version_spans``). Run twice: the requests' KV
 recomputed by the new weights after the flip (``--in-flight-kv recompute``) or kept
 (``keep``, PipelineRL's way: no recompute, and no pause either). Figures go to
 ``$WEIGHTSYNC_GPU_OUT/continue_7b_<kv>.json`` when that variable is set."""
