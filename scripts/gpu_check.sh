@@ -276,12 +276,18 @@ case "$stage" in
     ;;
   lora-ipc)
     # the same bench colocated: trainer and engine on GPU 0, the adapter through CUDA IPC
+    # (traced: the timeline of its last adapter pushes)
     need_vllm
-    timeout -s ABRT 300 python3 benchmarks/bench_lora_adapter.py --shape qwen2-7b \
-        --steps "${LORA_STEPS:-8}" --strategy cuda_ipc --trainer-device cuda:0 \
+    steps=${LORA_STEPS:-8}
+    rm -rf /tmp/ws-trace-lora-ipc && mkdir -p /tmp/ws-trace-lora-ipc
+    WEIGHTSYNC_TRACE_DIR=/tmp/ws-trace-lora-ipc timeout -s ABRT 300 python3 \
+        benchmarks/bench_lora_adapter.py --shape qwen2-7b \
+        --steps "$steps" --strategy cuda_ipc --trainer-device cuda:0 \
         --engine-device cuda:0 --json "$OUT/lora_ipc_qwen2-7b.json" \
         > "$OUT/lora_ipc_qwen2-7b.txt" 2> "$OUT/lora_ipc_qwen2-7b.log"
     echo "bench lora_ipc_qwen2-7b rc=$?"
+    timeout 60 python3 benchmarks/trace_timeline.py /tmp/ws-trace-lora-ipc --last $((steps + 3)) \
+        --limit 70 > "$OUT/lora_ipc_timeline.txt" 2>&1
     summary
     ;;
   continue)

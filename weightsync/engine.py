@@ -58,6 +58,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import operator
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -188,6 +189,9 @@ class WeightUpdateEndpoint:
         self._last_manifest: tuple[list, list[TensorMeta]] | None = None
         self._accepted: tuple[list[TensorMeta], Any, Any] | None = None
         self._accepted_adapter: tuple[list[TensorMeta], Any] | None = None  # (manifest, spec)
+        # the last request found to carry its update's whole manifest: (names, dtypes, shapes,
+        # manifest), the very objects (a receiver that caches a layout hands the same ones)
+        self._manifest_request: tuple[Any, Any, Any, Any] | None = None
         self._deltas = DeltaStore(name)  # what delta updates need (weightsync.delta.store)
         self._last_update_ms: dict[str, float] | None = None
 
@@ -368,7 +372,7 @@ class WeightUpdateEndpoint:
                 raise UpdateRefusedError(f"{self.name}: {problem}")
             assert update is not None
             t0 = time.perf_counter()
-            req.validated = _is_manifest(req, update.start.manifest)  # checked at start
+            req.validated = self._carries_manifest(req, update.start.manifest)
             try:
                 try:
                     if not req.validated:
@@ -486,6 +490,8 @@ class WeightUpdateEndpoint:
             except BaseException:
                 await self._refuse_all(requests)
                 raise
+        if self._update is not None:  # this call carries the finish too: views lent to the
+            self._update.sink.one_call = True  # chunks stay valid until it (load_borrowed)
         for i, request in enumerate(requests):
             try:
                 await self.update_named_weights(request)
@@ -537,6 +543,19 @@ class WeightUpdateEndpoint:
         if raw is not None and msg.manifest is not None:
             self._last_manifest = (raw, msg.manifest)
         return msg
+
+    def _carries_manifest(self, req: Any, manifest: list[TensorMeta] | None) -> bool:
+        """The request carries exactly the update's manifest (checked at start: the chunk is
+        not checked again). The very lists found to match last time match again without a
+        compare (a cached layout's request and a reused parsed manifest are the same objects
+        from one update to the next)."""
+        last = self._manifest_request
+        if last is not None and manifest is not None and all(
+                map(operator.is_, last, (req.names, req.dtypes, req.shapes, manifest))):
+            return True
+        found = _is_manifest(req, manifest)
+        self._manifest_request = (req.names, req.dtypes, req.shapes, manifest) if found else None
+        return found
 
     def _accepted_before(self, msg: WeightUpdateStart) -> bool:
         """This very manifest (the same list object: ``_parse_start`` reuses it) was accepted

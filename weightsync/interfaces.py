@@ -407,6 +407,16 @@ class WeightLoader(abc.ABC):
     @abc.abstractmethod
     async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None: ...
 
+    async def load_borrowed(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """``load_weights`` of views the sender keeps valid and unchanged until the update's
+        finish returned: the receiver says they stay so until the engine call that carried
+        them returns (``cuda_ipc``: the trainer's own memory, held until the engines
+        answered), and the endpoint's sink forwards them here only when that call carries the
+        finish too (``apply_update``). A loader that installs at finish may keep them instead
+        of copying, and must have read them when its ``finish_update`` returns. Default:
+        ``load_weights``."""
+        await self.load_weights(named_tensors)
+
     def expected_metadata(self) -> Mapping[str, TensorMeta] | None:
         """Names/shapes/dtypes the target accepts, or None when unknown (no validation)."""
         return None
@@ -585,11 +595,20 @@ class WeightTransferSender(abc.ABC):
         finish = WeightUpdateFinish(update_id=start.update_id, version=start.version,
                                     num_chunks=1)
         one = SingleCallClient(client, start.to_dict(), finish.to_dict())
-        await self._pipeline(one).run([chunk], stats, _stamper(start.update_id, start.version))
+        # one chunk: no transfer to overlap its request with; a cheap one is made on the loop
+        # (no hop to a worker thread and back on the update's path)
+        await self._pipeline(one, overlap=not self.prepares_inline(chunk)).run(
+            [chunk], stats, _stamper(start.update_id, start.version))
         assert one.versions is not None
         stats.versions = one.versions
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def prepares_inline(self, chunk: WeightChunk) -> bool:
+        """Hook: whether ``create_request(chunk)`` is cheap enough to run on the event loop
+        when nothing overlaps it (an update of one chunk). Default: no (it may pack
+        megabytes)."""
+        return False
 
     def _coalesce(
         self, chunks: AsyncIterable[WeightChunk] | Iterable[WeightChunk], *, held: bool
@@ -598,9 +617,11 @@ class WeightTransferSender(abc.ABC):
         every tensor exists already). The default sends them as they come."""
         return chunks
 
-    def _pipeline(self, client: InferenceEngineClient) -> SendPipeline:
+    def _pipeline(self, client: InferenceEngineClient, *,
+                  overlap: bool = True) -> SendPipeline:
         """The pipeline for one update: ``cfg.max_inflight_chunks`` (else ``max_inflight``)
-        chunks at once, bounded by what the client allows (``max_inflight_updates``)."""
+        chunks at once, bounded by what the client allows (``max_inflight_updates``);
+        requests made in a worker thread if the sender ``overlap``s and ``overlap``."""
         wanted = getattr(getattr(self, "cfg", None), "max_inflight_chunks", self.max_inflight)
         window = max(1, min(int(wanted), int(client.max_inflight_updates)))
 
@@ -610,8 +631,8 @@ class WeightTransferSender(abc.ABC):
         prepare = self.create_request
         if getattr(getattr(self, "cfg", None), "checksum", False):
             prepare = self._request_with_checksums
-        return SendPipeline(prepare=prepare, transfer=transfer,
-                            release=self._release, window=window, overlap=self.overlap)
+        return SendPipeline(prepare=prepare, transfer=transfer, release=self._release,
+                            window=window, overlap=self.overlap and overlap)
 
     def _request_with_checksums(self, chunk: WeightChunk) -> WeightUpdateRequest:
         """``create_request`` plus one checksum per tensor of the chunk as the trainer holds it

@@ -53,6 +53,9 @@ class UpdateSink(WeightLoader):
         self.loader = loader
         self.staged = staged
         self.name = name
+        #: the endpoint sets it while one call carries the update's chunks and its finish
+        #: (``apply_update``): borrowed views may then be lent on (``load_borrowed``)
+        self.one_call = False
         self.touched = False  # the engine's loader was given bytes in this update
         self.staged_bytes = 0
         self.seen: set[str] = set()
@@ -123,7 +126,14 @@ class UpdateSink(WeightLoader):
         self.loader.loaded_in_place(list(named_tensors))
         self._raise_for(bad)
 
-    async def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+    async def load_borrowed(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Views valid until the call that carried them returns (``WeightLoader.load_borrowed``):
+        lent on to the loader while ``one_call`` (that call carries the finish too) and the
+        update is in place; otherwise loaded as any chunk (copied)."""
+        await self.load_weights(named_tensors, borrowed=self.one_call and not self.staged)
+
+    async def load_weights(self, named_tensors: dict[str, torch.Tensor], *,
+                           borrowed: bool = False) -> None:
         check = None
         if self._want is not None:
             check = asyncio.ensure_future(self._checked(named_tensors))
@@ -137,7 +147,10 @@ class UpdateSink(WeightLoader):
                     self._stage(named_tensors)
             else:
                 self.touched = True
-                await self.loader.load_weights(named_tensors)
+                if borrowed:
+                    await self.loader.load_borrowed(named_tensors)
+                else:
+                    await self.loader.load_weights(named_tensors)
         finally:
             bad = await check if check is not None else []
         self._raise_for(bad)

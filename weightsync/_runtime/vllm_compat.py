@@ -29,6 +29,8 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from weightsync._runtime import trace
+
 LOAD_MODES = ("auto", "direct", "reload")
 
 # safetensors header dtype -> our dtype strings
@@ -419,6 +421,8 @@ def utility_sender(llm: Any) -> Callable[..., concurrent.futures.Future] | None:
     def send(method: str, *args: Any) -> concurrent.futures.Future:
         call_id = uuid.uuid1().int >> 64  # as call_utility numbers its calls
         future: concurrent.futures.Future = concurrent.futures.Future()
+        if trace.enabled:  # when the answer reached this process (the client's output thread)
+            future.add_done_callback(lambda _: trace.mark("rpc.answer.arrived", method=method))
         results[call_id] = future
         try:
             send_input(utility, (0, call_id, method, args))

@@ -68,6 +68,37 @@ def register() -> None:
         return
     if getattr(EngineCore, UTILITY, None) is not engine_core_flip:
         setattr(EngineCore, UTILITY, engine_core_flip)
+    _trace_requests()
+
+
+def _trace_requests() -> None:
+    """With tracing on (``weightsync._runtime.trace``), mark when vLLM's engine core loop takes
+    each client request and when it is done with it (``core.request`` / ``core.request.end``,
+    with the utility's method): a call's time splits into the way in, the work and the way
+    back. Nothing is wrapped with tracing off."""
+    from weightsync._runtime import trace
+
+    if not trace.enabled:
+        return
+    try:
+        from vllm.v1.engine.core import EngineCoreProc
+    except Exception:  # noqa: BLE001 - another vLLM layout: nothing traced there
+        return
+    original = EngineCoreProc._handle_client_request
+    if getattr(original, "_weightsync_traced", False):
+        return
+
+    def handle(self: Any, request_type: Any, request: Any) -> Any:
+        method = request[2] if isinstance(request, tuple) and len(request) == 4 else ""
+        trace.mark("core.request", type=getattr(request_type, "name", str(request_type)),
+                   method=method)
+        try:
+            return original(self, request_type, request)
+        finally:
+            trace.mark("core.request.end")
+
+    handle._weightsync_traced = True  # type: ignore[attr-defined]
+    EngineCoreProc._handle_client_request = handle
 
 
 async def flip_supported(engine: Any) -> bool:

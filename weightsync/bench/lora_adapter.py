@@ -154,8 +154,9 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
                          # where the adapter push's time went: the trainer's front door
                          # (SyncStats.front_ms) and the engine's endpoint (worker 0)
                          "front_ms": a.front_ms, "engine_ms": engine_ms,
-                         # how worker 0 installed it: "built" by vLLM, or "rewritten, slot
-                         # recorded / replayed / set_lora / inactive" (loaders.vllm_lora_install)
+                         # how worker 0 installed it: "built" by vLLM, or "rewritten[ from
+                         # lent views], slot recorded / replayed / set_lora / inactive"
+                         # (loaders.vllm_lora_install)
                          "installed": installed,
                          # bf16: the kernels may break a near-tie either way (see the docstring)
                          "exact": bytes_equal and (dtype == torch.bfloat16
@@ -167,7 +168,26 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
             f = await sync.push(plain)
             row.update(full_bytes=f.total_bytes, full_s=f.seconds,
                        bytes_ratio=row["adapter_bytes"] / f.total_bytes)
+    floor = await rpc_floor_ms(llm)
+    for row in rows:
+        row["rpc_floor_ms"] = floor
     return rows, model_bytes
+
+
+async def rpc_floor_ms(llm: Any, calls: int = 30) -> float:
+    """The median round trip of one call into the workers that does nothing
+    (``weightsync_version``), sent the way a push sends its update (``VLLMWorkers``: through
+    vLLM's engine core, from this loop): the floor under any push's time, measured in the same
+    run."""
+    from weightsync.loaders.vllm_driver import VLLMWorkers
+
+    workers = VLLMWorkers(llm)
+    times = []
+    for _ in range(calls + 3):
+        t0 = time.perf_counter()
+        await workers.rpc("weightsync_version", timeout_s=60.0)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[3:])
 
 
 def _same_adapter(llm: Any, pushed_id: int, file_id: int) -> tuple[bool, str]:
@@ -235,6 +255,7 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
     return {**{f"{k}_median": v for k, v in med.items()},
             "adapter_bytes": rows[0]["adapter_bytes"], "full_bytes": rows[0]["full_bytes"],
             "full_over_adapter": med["full_s"] / med["adapter_s"],
+            "rpc_floor_ms": rows[0].get("rpc_floor_ms"),
             "file_over_adapter": med["vllm_file_s"] / med["adapter_s"],
             "all_exact": all(r["exact"] for r in rows)}
 
@@ -267,6 +288,9 @@ def format_table(record: dict[str, Any]) -> str:
         f"the full bytes); full push {s['full_s_median'] * 1e3:.1f} ms = "
         f"{s['full_over_adapter']:.1f}x; vLLM file load {s['vllm_file_s_median'] * 1e3:.1f} ms = "
         f"{s['file_over_adapter']:.1f}x; exact: {s['all_exact']}")
+    if s.get("rpc_floor_ms") is not None:
+        lines.append(f"floor: one call into the workers that does nothing, through vLLM's "
+                     f"engine core as a push sends it: {s['rpc_floor_ms']:.2f} ms (median)")
     return "\n".join(lines)
 
 

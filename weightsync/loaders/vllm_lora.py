@@ -142,7 +142,8 @@ class VLLMLoRAAdapterLoader(WeightLoader):
                 spec, base_meta, _supported_modules(manager))
         self._expected = self.memory.expected[key]
         self._received: dict[str, torch.Tensor] = {}  # arrived outside the record's inbox
-        self._landed: set[str] = set()  # arrived in the record's inbox
+        self._landed: set[str] = set()  # arrived in the record's inbox (or lent for it)
+        self._lent: list[torch.Tensor] | None = None  # lent views, in the record's order
         self._record: InstalledAdapter | None = None  # where this update's bytes go
 
     # -- checks --------------------------------------------------------------------------------
@@ -186,6 +187,7 @@ class VLLMLoRAAdapterLoader(WeightLoader):
     async def start_update(self, start: WeightUpdateStart) -> None:
         self._received.clear()
         self._landed.clear()
+        self._lent = None
         helper = self._peft_helper()
         try:
             helper.validate_legal(self.manager.lora_config)
@@ -248,9 +250,22 @@ class VLLMLoRAAdapterLoader(WeightLoader):
             with torch.no_grad():
                 torch._foreach_copy_(dsts, srcs)
 
+    async def load_borrowed(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Views valid until this finish returns (``WeightLoader.load_borrowed``): when they are
+        the whole adapter in the record's dtypes, shapes and device they are kept, not copied
+        into the inbox, and the finish copies them once, where the version goes (a next
+        version: straight into vLLM's tensors). Else ``load_weights``."""
+        record = self._record
+        lent = record.lent_order(named_tensors) if record is not None else None
+        if lent is None:
+            return await self.load_weights(named_tensors)
+        self._lent = lent
+        self._landed.update(record.inbox)
+
     async def finish_update(self, finish: WeightUpdateFinish) -> None:
         received, self._received = self._received, {}
         landed, self._landed = self._landed, set()
+        lent, self._lent = self._lent, None
         missing = self._missing(set(received) | landed)
         if missing:
             raise WeightMismatchError(missing, target=self.target)
@@ -258,11 +273,15 @@ class VLLMLoRAAdapterLoader(WeightLoader):
         adapters = self.manager._adapter_manager
         whole = record is not None and not received and landed == set(record.inbox)
         if whole and record.can_rewrite(adapters, self.spec.adapter_id):
-            how = record.rewrite(adapters, self.spec.adapter_id)
-            compat.wait_for_copies(self.worker)  # the inbox takes the next update's bytes
-            self.memory.how[self.spec.adapter_id] = f"rewritten, slot {how}"
+            how = record.rewrite(adapters, self.spec.adapter_id, lent=lent)
+            # the inbox takes the next update's bytes; lent views are read before we return
+            compat.wait_for_copies(self.worker)
+            self.memory.how[self.spec.adapter_id] = (
+                f"rewritten{' from lent views' if lent is not None else ''}, slot {how}")
             trace.mark("lora.rewritten", slot=how)
             return
+        if lent is not None:  # built by vLLM from the inbox: the lent views go there first
+            record.take(lent)
         if whole:
             given = record.private_copies(self.manager.lora_config.lora_dtype)
             lora, scales = self._build(given)

@@ -98,6 +98,11 @@ class InstalledAdapter:
     #: the manifest object and config last found to match ``key`` (the endpoint hands the
     #: same parsed manifest again while the trainer sends the same one)
     matched: tuple[Any, dict] | None = None
+    #: ``held`` as views in ``metas`` order (set with ``held_flat``)
+    held_views: list[torch.Tensor] = field(default_factory=list)
+    #: the lent views last found to fit (the dict a receiver hands again while its layout
+    #: holds) and their tensors in ``metas`` order
+    lent: tuple[Any, list[torch.Tensor]] | None = None
 
     def matches(self, config: Mapping[str, Any], manifest: list[TensorMeta]) -> bool:
         """Whether an update of ``config`` and ``manifest`` has this record's key."""
@@ -107,6 +112,31 @@ class InstalledAdapter:
             return False
         self.matched = (manifest, dict(config))
         return True
+
+    def lent_order(self, named: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
+        """``named`` in ``metas`` order when it is the whole inbox's names with their dtypes,
+        shapes and device (what ``take`` and ``rewrite`` copy from), else None. The dict found
+        to fit last time fits again without a look at its tensors."""
+        last = self.lent
+        if last is not None and last[0] is named:
+            return last[1]
+        if len(named) != len(self.inbox):
+            return None
+        out = []
+        for m in self.metas:
+            t, want = named.get(m.name), self.inbox[m.name]
+            if (t is None or t.dtype != want.dtype or t.shape != want.shape
+                    or t.device != want.device):
+                return None
+            out.append(t)
+        self.lent = (named, out)
+        return out
+
+    def take(self, lent: Sequence[torch.Tensor]) -> None:
+        """Copy lent views (``lent_order``) into the inbox."""
+        import torch
+
+        torch._foreach_copy_(list(self.inbox.values()), list(lent))
 
     @classmethod
     def allocate(cls, key: tuple, metas: Sequence[TensorMeta], device: Any) -> InstalledAdapter | None:
@@ -133,7 +163,9 @@ class InstalledAdapter:
         held.copy_(self.inbox_flat)
         self.held_flat = held
         self.b_start = sum(m.numel for m in self.metas if not m.name.endswith("lora_B.weight"))
-        return _views(held, self.metas)
+        views = _views(held, self.metas)
+        self.held_views = list(views.values())
+        return views
 
     def remember(self, lora: Any, given: Mapping[str, torch.Tensor],
                  scales: Mapping[int, float]) -> None:
@@ -162,8 +194,11 @@ class InstalledAdapter:
         return (self.held_flat is not None and self.lora is not None
                 and adapters._registered_adapters.get(adapter_id) is self.lora)
 
-    def rewrite(self, adapters: Any, adapter_id: int) -> str:
-        """Write the version in ``inbox`` over the last one (see the module docstring); returns
+    def rewrite(self, adapters: Any, adapter_id: int,
+                lent: Sequence[torch.Tensor] | None = None) -> str:
+        """Write the version in ``inbox`` (or in ``lent``, views in ``metas`` order: copied
+        straight into ``held``, cast as vLLM casts) over the last one (see the module
+        docstring); returns
         how the slot was written: "replayed", "recorded" (its copies recorded first, then
         replayed), "set_lora" (not replayable: vLLM's ``set_lora`` of every layer) or
         "inactive". Whatever may fail (the recording runs vLLM's code) runs before the last
@@ -177,7 +212,10 @@ class InstalledAdapter:
                                                        self.held_flat)
             how = "recorded"
         held = self.held_flat
-        held.copy_(self.inbox_flat)
+        if lent is None:
+            held.copy_(self.inbox_flat)
+        else:
+            torch._foreach_copy_(self.held_views, list(lent))
         if len(self.scale_parts) == 1:
             scale = self.scale_parts[0][0]
             if scale != 1:
@@ -202,7 +240,8 @@ class InstalledAdapter:
 class AdapterMemory:
     """What one worker keeps between adapter updates: per adapter id its ``InstalledAdapter``
     and how its last version was installed (``how``: "built" by vLLM, or "rewritten, slot
-    recorded" / "replayed" / "set_lora" / "inactive"), per adapter config the adapter tensors
+    recorded" / "replayed" / "set_lora" / "inactive", "rewritten from lent views, ..." when
+    ``rewrite`` copied lent views), per adapter config the adapter tensors
     the served model implies (``expected``)."""
 
     installed: dict[int, InstalledAdapter] = field(default_factory=dict)

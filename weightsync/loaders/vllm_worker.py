@@ -272,7 +272,7 @@ class WeightSyncWorkerExtension:
 
     def weightsync_lora_slot(self, adapter_id: int) -> dict[str, Any]:
         """How this worker installed the last version of adapter ``adapter_id`` (``installed``:
-        "built" by vLLM or "rewritten, slot ..."; "" if never) and, where the adapter is active,
+        "built" by vLLM or "rewritten[ from lent views], slot ..."; "" if never) and, where the adapter is active,
         its slot and the digest of what the slot holds (``loaders.vllm_lora.adapter_slot_digest``)."""
         from weightsync.loaders.vllm_lora import adapter_slot_digest
 

@@ -14,8 +14,12 @@ Processes: ``create_sender`` / the sender run in the training process; receivers
 workers. With ``every_rank: true`` (hybrid engines: training rank i and engine worker i share a
 GPU) every training rank runs a sender in lockstep and each worker reads its own rank's copy
 (``strategies/_every_rank.py``). There is no data-plane rendezvous (``EmptyWeightSyncInfo``); the engine only has to
-see the same GPUs / the same ``/dev/shm``. Every request's bytes stay valid until the engines'
-``update_named_weights`` returned: the loader copies out of the views before that.
+see the same GPUs / the same ``/dev/shm``. Every request's bytes stay valid until the engine
+call that carried it returned (the sender releases them after the engines answered): the
+receiver hands its views on as lent (``WeightLoader.load_borrowed``), so the loader copies out
+of them before its ``update_named_weights`` returns, or, when that call is the update's one
+``apply_update``, before its finish returns (an adapter copies them straight where vLLM holds
+it).
 """
 
 from __future__ import annotations
@@ -214,6 +218,13 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
             return all(loc is not None for loc in locate_many(chunk.tensors))
 
         return coalesce(chunks, zero_copy)
+
+    def prepares_inline(self, chunk: WeightChunk) -> bool:
+        """The very tensors of the last request (a trainer pushing the same parameters again):
+        its handles are reused, so the request is made without encoding anything."""
+        again = self._encoded
+        return (again is not None and getattr(self, "rank_group", None) is None
+                and again.ids == tuple(map(id, chunk.tensors)))
 
     def create_request(self, chunk: WeightChunk) -> CudaIpcWeightUpdateRequest:
         trace.mark("ipc.request.begin", tensors=len(chunk.names))
@@ -435,7 +446,10 @@ class CudaIpcTransferReceiver(WeightTransferReceiver):
                 layout.replica = self.last_replica
         if layout is not None:  # the template validated it before calling us
             layout.valid_for = _engine_loader(loader)
-        await loader.load_weights(tensors)
+        if request.replicas:
+            await loader.load_weights(tensors)
+        else:  # the sender holds every buffer of the request until the engines answered
+            await loader.load_borrowed(tensors)
 
     def _views(self, request: WeightUpdateRequest, handles: list[IpcBufferHandle]) -> dict:
         raws = []

@@ -178,7 +178,8 @@ def test_later_versions_are_written_where_vllm_holds_the_adapter_bit_equal_to_it
     names, shapes) are written into the tensors vLLM holds and, where the adapter is active,
     into its slot: the first time vLLM's own set_lora is recorded, then its copies replayed. The result is compared with vLLM building and activating the same tensors
     under another name: the same LoRAModel tensors, the same slot contents, the same tokens
-    (= the merged model in transformers). A push of another rank is built by vLLM again."""
+    (= the merged model in transformers); through cuda_ipc the same, from the views the sender
+    lends for the update's one call. A push of another rank is built by vLLM again."""
     llm, path = lm
     model, tok = _policy(path, seed=11)
 
@@ -205,6 +206,26 @@ def test_later_versions_are_written_where_vllm_holds_the_adapter_bit_equal_to_it
     assert fast_slot["digest"] == fresh_slot["digest"]  # the replayed slot = vLLM's activation
     want = hf_greedy(_merged(model), tok)
     assert got[0] == fresh[0] == want[0] and _close(got[1], want[1])
+
+    # the next versions through cuda_ipc (shared memory on a CPU engine): the update is one
+    # call, so the engine keeps the views the sender lends it and copies them straight where
+    # vLLM holds the adapter (no inbox between); bit-equal again
+    async def through_ipc():
+        hows = []
+        async with ws.connect([llm], "cuda_ipc", extractor={"type": "lora_adapter",
+                                                            "adapter_name": "fast"}) as sync:
+            for _ in range(2):
+                _train_step(model, tok)
+                await sync.push(model)
+                hows.append(_slot(llm, "fast")["installed"])
+        return hows
+
+    assert asyncio.run(through_ipc()) == ["rewritten from lent views, slot replayed"] * 2
+    _push_and_greedy(llm, model, "fresh")
+    assert _digest(llm, "fast") == _digest(llm, "fresh")
+    assert _slot(llm, "fast")["digest"] == _slot(llm, "fresh")["digest"]
+    want = hf_greedy(_merged(model), tok)
+    assert vllm_greedy(llm, lora_request=ws.lora_request("fast"))[0] == want[0]
 
     # before a sleep the engine frees the buffers adapter updates arrive in; the next version
     # is built by vLLM again (and still equals the merged model)
