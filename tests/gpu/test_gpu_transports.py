@@ -34,7 +34,10 @@ def _chunks(sd, per_chunk=9):
             for i in range(0, len(names), per_chunk)]
 
 
-def _sync(engine_kwargs, strategy_cfg, sd, *, engines=1, syncs=2, env=None, before=None):
+def _sync(engine_kwargs, strategy_cfg, sd, *, engines=1, syncs=2, env=None, before=None,
+          chunks=None):
+    """``syncs`` syncs of ``sd`` (new values each time, in place); ``chunks``: send this very
+    list of chunks every time (else chunks made anew for each sync)."""
     engs = [
         LocalEngineProcess.spawn(FACTORY, {**SHAPE, "fill": "zeros", **engine_kwargs},
                                  name=f"gpu-engine{i}", env=(env or [None] * engines)[i])
@@ -55,7 +58,8 @@ def _sync(engine_kwargs, strategy_cfg, sd, *, engines=1, syncs=2, env=None, befo
                     if before is not None:
                         before(v, sd)
                     want = {n: tensor_digest(t) for n, t in sd.items()}
-                    stats = await sender.send_chunks(_chunks(sd), client, version=v)
+                    stats = await sender.send_chunks(chunks if chunks is not None
+                                                     else _chunks(sd), client, version=v)
                     assert stats.versions == [v] * engines
                     for e in engs:
                         got = await e.call("state_digest")
@@ -89,6 +93,25 @@ def test_cuda_ipc_reuses_the_handles_of_unchanged_tensors_and_encodes_a_replaced
     sender = _sync({"device": "cuda"}, {"type": "cuda_ipc"}, sd, syncs=4, before=replace)
     assert sender.reencoded_skipped == 2  # syncs 2 and 4
     assert sender.references == 2  # syncs 2 and 4: the engine's decoded layout, by key
+
+
+def test_cuda_ipc_replays_an_update_of_the_very_same_chunks():
+    """The same chunk objects sent again (a trainer's held update, its tensors updated in
+    place) are replayed: one call that refers to the layout the engine decoded, nothing made
+    anew; bit-exact each time. A chunk whose tensor the caller replaced by a new allocation
+    (sync 3) is not replayed: encoded again and sent in full, bit-exact; sync 4 replays that."""
+    sd = qwen2_module(**SHAPE, seed=5, device="cuda").state_dict()
+    first = next(iter(sd))
+    chunks = _chunks(sd)
+
+    def replace(v, sd):
+        if v == 3:
+            sd[first] = sd[first].clone()
+            chunks[0].tensors[0] = sd[first]
+
+    sender = _sync({"device": "cuda"}, {"type": "cuda_ipc"}, sd, syncs=4, before=replace,
+                   chunks=chunks)
+    assert sender.replayed == 2  # syncs 2 and 4
 
 
 def test_packed_cuda_ipc_gpu_buffers_into_gpu_engine():

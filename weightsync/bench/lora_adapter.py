@@ -131,7 +131,10 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
         await sync.push(model)
         for step in range(1, cfg.steps + 1):
             loss = _train_step(model, opt, min(base.config.vocab_size, 1000), step)
+            replayed = getattr(sync.sender, "replayed", 0)
             a = await sync.push(model)
+            # sent as a replay of the last update (cuda_ipc: the same held chunks, one call)
+            replayed = getattr(sync.sender, "replayed", 0) > replayed
             engine_ms = llm.collective_rpc("weightsync_state")[0].get("last_update_ms")
             installed = llm.collective_rpc("weightsync_lora_slot", args=(
                 ws.lora_request("policy").lora_int_id,))[0]["installed"]
@@ -157,7 +160,7 @@ async def _steps(cfg: LoRABenchConfig, llm: Any, path: str, root: str, dtype: An
                          # how worker 0 installed it: "built" by vLLM, or "rewritten[ from
                          # lent views], slot recorded / replayed / set_lora / inactive"
                          # (loaders.vllm_lora_install)
-                         "installed": installed,
+                         "installed": installed, "replayed": replayed,
                          # bf16: the kernels may break a near-tie either way (see the docstring)
                          "exact": bytes_equal and (dtype == torch.bfloat16
                                                    or (file_equal and hf_equal))})
@@ -277,7 +280,7 @@ def format_table(record: dict[str, Any]) -> str:
             f"{r['vllm_file_s'] * 1e3:>12.1f} {r['bytes_ratio']:>6.2%} {r['exact']} "
             f"(bytes = file {r['bytes_equal']}; tokens = file {r['file_equal']}, file = "
             f"itself {r['file_repeatable']}, = transformers {r['hf_equal']}; "
-            f"{r.get('installed', '')})")
+            f"{r.get('installed', '')}{'; replayed' if r.get('replayed') else ''})")
     for side in ("front_ms", "engine_ms"):
         parts = [r[side] for r in record["rows"] if r.get(side)]
         if parts:
