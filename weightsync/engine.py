@@ -55,6 +55,7 @@ version is taken as given, the reference's rule for a trainer that restarted its
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
@@ -67,6 +68,7 @@ from typing import Any
 from weightsync._runtime import trace
 from weightsync.delta.store import DeltaLoader, DeltaStore
 from weightsync.errors import (
+    ManifestUnknownError,
     UpdateIncompleteError,
     UpdateRefusedError,
     WeightMismatchError,
@@ -77,6 +79,10 @@ from weightsync.types import TensorMeta, WeightUpdateFinish, WeightUpdateStart
 from weightsync.update_sink import UpdateSink
 
 log = logging.getLogger(__name__)
+
+#: manifests an endpoint keeps for starts that refer to them (``manifest_of``): one per
+#: trainer or adapter pushing into it, a few of each
+KEPT_MANIFESTS = 8
 
 
 class EndpointState(enum.StrEnum):
@@ -187,6 +193,10 @@ class WeightUpdateEndpoint:
         self._lock = asyncio.Lock()
         # the last manifest parsed (raw, parsed) and the last one accepted (parsed, mode, heads)
         self._last_manifest: tuple[list, list[TensorMeta]] | None = None
+        # the parsed manifests of the last updates that carried one, by update id (what a
+        # start's ``manifest_of`` refers to), most recent last
+        self._manifests: collections.OrderedDict[str, list[TensorMeta]] = (
+            collections.OrderedDict())
         self._accepted: tuple[list[TensorMeta], Any, Any] | None = None
         self._accepted_adapter: tuple[list[TensorMeta], Any] | None = None  # (manifest, spec)
         # the last request found to carry its update's whole manifest: (names, dtypes, shapes,
@@ -532,16 +542,32 @@ class WeightUpdateEndpoint:
     # -- internals ---------------------------------------------------------------------------
     def _parse_start(self, start: dict) -> WeightUpdateStart:
         """The start message; a manifest equal to the last one parsed (a trainer sends the same
-        one every step) is not parsed again."""
+        one every step) is not parsed again, and a start that refers to it (``manifest_of``
+        the id of the update that carried it) gets it; one that refers to any other is
+        refused (``ManifestUnknownError``), before anything changes."""
         raw = start.get("manifest") if isinstance(start, dict) else None
         last = self._last_manifest
-        if raw is not None and last is not None and raw == last[0]:
+        if raw is not None and last is not None and raw == last[0] and not start.get(
+                "manifest_of"):
             msg = WeightUpdateStart.from_dict({**start, "manifest": None})
             msg.manifest = last[1]
-            return msg
-        msg = WeightUpdateStart.from_dict(start)
-        if raw is not None and msg.manifest is not None:
-            self._last_manifest = (raw, msg.manifest)
+        else:
+            msg = WeightUpdateStart.from_dict(start)
+        if msg.manifest_of:
+            held = self._manifests.get(msg.manifest_of)
+            if held is None:
+                raise ManifestUnknownError(
+                    f"{self.name}: update {msg.update_id} refers to the manifest of update "
+                    f"{msg.manifest_of}, which this engine does not hold (restarted, or it "
+                    f"took {KEPT_MANIFESTS} other manifests since); send the manifest in full")
+            self._manifests.move_to_end(msg.manifest_of)
+            msg.manifest = held
+        elif raw is not None and msg.manifest is not None:
+            if last is None or last[1] is not msg.manifest:
+                self._last_manifest = (raw, msg.manifest)
+            self._manifests[msg.update_id] = msg.manifest  # what later starts may refer to
+            while len(self._manifests) > KEPT_MANIFESTS:
+                self._manifests.popitem(last=False)
         return msg
 
     def _carries_manifest(self, req: Any, manifest: list[TensorMeta] | None) -> bool:

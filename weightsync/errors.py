@@ -146,6 +146,12 @@ class DeltaBaseMismatchError(UpdateRefusedError):
     any byte moves; the sender then sends a full update."""
 
 
+class ManifestUnknownError(UpdateRefusedError):
+    """A start that refers to the manifest of an earlier update (``manifest_of``) reached an
+    engine that does not hold that manifest (restarted, or it parsed another one since):
+    refused before anything changed; the sender sends the manifest in full."""
+
+
 class ChecksumMismatchError(WeightSyncError):
     """The bytes an engine received are not the bytes the sender sent (``weightsync.integrity``):
     the update fails like any other fault. ``offenders`` lists one line per tensor."""
@@ -168,7 +174,7 @@ ERROR_TYPES: dict[str, type[BaseException]] = {
     for cls in (
         WeightSyncError, WeightMismatchError, WeightSyncTimeout, UpdateIncompleteError,
         EngineDiedError, EngineUnreachableError, UpdateRefusedError, CommunicatorReplacedError,
-        DeltaBaseMismatchError, ChecksumMismatchError,
+        DeltaBaseMismatchError, ManifestUnknownError, ChecksumMismatchError,
         CollectiveError, CollectiveTimeout, EngineSilentError, ValueError, TypeError,
     )
 }

@@ -579,6 +579,9 @@ class WeightUpdateStart(_Tagged):
     ``version`` None or 0: the engine's next version (the reference's "bump").
     ``allow_version_reset``: publish ``version`` even when it is not newer than the served one
     (a trainer that restarted its count; the reference's rule); by default it must increase.
+    ``manifest_of``: instead of a manifest, the id of the update whose manifest this one
+    repeats (a replayed update, ``strategies/cuda_ipc``); an engine that does not hold that
+    manifest refuses the start (``ManifestUnknownError``) and nothing changes.
     """
 
     TYPE: ClassVar[str] = "start"
@@ -601,6 +604,7 @@ class WeightUpdateStart(_Tagged):
     # a LoRA adapter-only update (``weightsync.lora_adapter``: ``{name, config}``); the manifest
     # then lists the adapter's lora_A / lora_B tensors. None: an update of the model's weights
     lora_adapter: dict[str, Any] | None = None
+    manifest_of: str = ""
 
     def __post_init__(self) -> None:
         if self.training_mode is not None:
@@ -619,6 +623,10 @@ class WeightUpdateStart(_Tagged):
         if self.manifest is not None and not isinstance(self.manifest, (list, tuple)):
             raise ValueError(f"manifest must be a list of tensor metadata or null, got "
                              f"{type(self.manifest).__name__}")
+        if not isinstance(self.manifest_of, str) or (self.manifest_of and
+                                                      self.manifest is not None):
+            raise ValueError("manifest_of must be a string (an update id), given only without "
+                             "a manifest")
         if self.manifest is not None:
             self.manifest = [
                 m if isinstance(m, TensorMeta) else TensorMeta.from_dict(m) for m in self.manifest

@@ -282,6 +282,39 @@ def test_a_manifest_sent_again_is_checked_once_but_a_new_training_mode_checks_it
     assert e.ep.version == 2
 
 
+def test_a_start_may_refer_to_the_manifest_of_an_earlier_update():
+    """``manifest_of``: the manifest of an update the engine parsed (a replayed update sends
+    it so, not again); checked once. A reference to a manifest the engine does not hold (never
+    seen, or pushed out by KEPT_MANIFESTS later ones) is refused before anything changes."""
+    from weightsync.engine import KEPT_MANIFESTS
+    from weightsync.errors import ManifestUnknownError
+
+    e = Engine()
+    new = _new_weights()
+    manifest = [ws.TensorMeta(n, "float32", list(t.shape)) for n, t in new.items()]
+    checks = []
+    validate = e.ep.loader.validate
+    e.ep.loader.validate = lambda metas: (checks.append(1), validate(metas))[1]
+    e.start("u1", 1, manifest)
+    e.chunk("u1", 0, new)
+    assert e.finish("u1", 1, 1) == 1
+    e.start("u2", 2, manifest_of="u1")
+    e.chunk("u2", 0, _new_weights(2))
+    assert e.finish("u2", 2, 1) == 2
+    assert len(checks) == 1  # the referred manifest's verdict stands
+    before = e.snapshot()
+    with pytest.raises(ManifestUnknownError, match="manifest of update nope"):
+        e.start("u3", 3, manifest_of="nope")
+    assert (e.ep.version, e.ep.state) == (2, "idle")
+    _assert_weights(e.module, before)
+    for i in range(KEPT_MANIFESTS):  # other manifests push it out
+        e.start(f"o{i}", 0, manifest[: 1 + i % 2] if i % 2 else manifest[:1])
+        e.finish(f"o{i}", 0, 0, ok=False)
+    with pytest.raises(ManifestUnknownError):
+        e.start("u4", 3, manifest_of="u1")
+    assert e.ep.version == 2
+
+
 def test_version_zero_means_the_next_version():
     """The reference's rule: a forced version of 0 (falsy) bumps the served one."""
     e = Engine()

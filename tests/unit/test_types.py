@@ -420,3 +420,15 @@ def test_a_request_equal_to_the_last_checked_one_skips_the_entry_checks_but_not_
     with pytest.raises(ValueError, match="checksums"):
         Req.from_dict({**base, "checksums": [1]})
     assert Req.from_dict(dict(base)).names == ["a", "b"]
+
+
+def test_a_start_refers_to_a_manifest_only_without_one():
+    from weightsync.types import TensorMeta, WeightUpdateStart
+
+    ok = WeightUpdateStart.from_dict({"update_id": "b", "manifest_of": "a"})
+    assert ok.manifest_of == "a" and ok.manifest is None
+    with pytest.raises(ValueError, match="manifest_of"):
+        WeightUpdateStart.from_dict({"update_id": "b", "manifest_of": "a",
+                                     "manifest": [TensorMeta("w", "float32", [1]).to_dict()]})
+    with pytest.raises(ValueError, match="manifest_of"):
+        WeightUpdateStart.from_dict({"update_id": "b", "manifest_of": 3})

@@ -39,7 +39,7 @@ from weightsync._runtime.copy import copy_into
 from weightsync._runtime.pool import SizedSegmentPool
 from weightsync._runtime.shm import AttachedSegments, Segment
 from weightsync.config import StrategyConfig
-from weightsync.errors import WeightSyncError, WeightSyncTimeout
+from weightsync.errors import ManifestUnknownError, WeightSyncError, WeightSyncTimeout
 from weightsync.interfaces import (
     InferenceEngineClient,
     WeightLoader,
@@ -317,7 +317,10 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
         t0 = time.perf_counter()
         version = kwargs.get("version")
         stamp = {"update_id": stats.update_id, "version": version}
-        start = {**last.start, **stamp}
+        # the manifest by reference to the update that carried it (each engine keeps it)
+        start = {**last.start, **stamp, "manifest": None,
+                 "manifest_of": last.start["update_id"]} if last.start.get(
+                     "manifest") is not None else {**last.start, **stamp}
         request = {**last.request, **stamp, "chunk_index": 0, "is_last": True}
         finish = WeightUpdateFinish(update_id=stats.update_id, version=version,
                                     num_chunks=1).to_dict()
@@ -329,6 +332,8 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
                                               timeout_s + 5.0)
         except BaseException as e:
             self._last = None
+            if isinstance(e, ManifestUnknownError) and len(getattr(client, "names", ())) == 1:
+                return None  # its one engine refused the start, nothing changed: send it anew
             with self._lock:  # whatever the engines hold now, send every layout in full again
                 self._known.clear()
             if isinstance(e, TimeoutError) and not isinstance(e, WeightSyncTimeout):
