@@ -276,18 +276,20 @@ case "$stage" in
     ;;
   lora-ipc)
     # the same bench colocated: trainer and engine on GPU 0, the adapter through CUDA IPC
-    # (traced: the timeline of its last adapter pushes)
+    # (LORA_TRACE=1: traced, and the timeline of its last adapter pushes; tracing adds its
+    # own marks and a flush at each finish to the times)
     need_vllm
     steps=${LORA_STEPS:-8}
     rm -rf /tmp/ws-trace-lora-ipc && mkdir -p /tmp/ws-trace-lora-ipc
-    WEIGHTSYNC_TRACE_DIR=/tmp/ws-trace-lora-ipc timeout -s ABRT 300 python3 \
+    trace=""; [ "${LORA_TRACE:-0}" = 1 ] && trace=/tmp/ws-trace-lora-ipc
+    WEIGHTSYNC_TRACE_DIR=$trace timeout -s ABRT 300 python3 \
         benchmarks/bench_lora_adapter.py --shape qwen2-7b \
         --steps "$steps" --strategy cuda_ipc --trainer-device cuda:0 \
         --engine-device cuda:0 --json "$OUT/lora_ipc_qwen2-7b.json" \
         > "$OUT/lora_ipc_qwen2-7b.txt" 2> "$OUT/lora_ipc_qwen2-7b.log"
     echo "bench lora_ipc_qwen2-7b rc=$?"
-    timeout 60 python3 benchmarks/trace_timeline.py /tmp/ws-trace-lora-ipc --last $((steps + 3)) \
-        --limit 70 > "$OUT/lora_ipc_timeline.txt" 2>&1
+    [ -n "$trace" ] && timeout 60 python3 benchmarks/trace_timeline.py "$trace" \
+        --last $((steps + 3)) --limit 70 > "$OUT/lora_ipc_timeline.txt" 2>&1
     summary
     ;;
   continue)
