@@ -34,6 +34,7 @@ from weightsync.loaders.torch_module import TorchModuleWeightLoader
 from weightsync.registry import STRATEGIES
 from weightsync.types import WeightUpdateRequest
 
+LEND: list = []  # non-empty: the receiver lends its views (``load_borrowed``)
 WIRE: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 FLIP: set[tuple[str, int]] = set()  # chunks whose first received byte is flipped (a fault)
 STRATEGY = f"test_flaky_{uuid.uuid4().hex[:6]}"
@@ -52,7 +53,10 @@ class FlakyReceiver(WeightTransferReceiver):
         if (request.update_id, request.chunk_index) in FLIP:
             first = next(iter(tensors.values()))
             first.view(-1).view(torch.uint8)[0] ^= 0xFF  # the injected corruption
-        await loader.load_weights(tensors)
+        if LEND:  # views the sender keeps until the call that carried them returns
+            await loader.load_borrowed(tensors)
+        else:
+            await loader.load_weights(tensors)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -91,6 +95,7 @@ def _clear():
     yield
     WIRE.clear()
     FLIP.clear()
+    LEND.clear()
 
 
 def _j(d: dict) -> dict:
@@ -440,3 +445,47 @@ def test_checksummed_staged_pushes_land_bit_exact_over_every_strategy(strategy):
     assert all(r["checksums"] is not None and len(r["checksums"]) == len(r["names"])
                for r in seen)
     _same({k: v.detach() for k, v in module.state_dict().items()}, src)
+
+
+class LendingLoader(TorchModuleWeightLoader):
+    """Records how it was given each chunk: lent (``load_borrowed``) or to copy."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module=module)
+        self.got: list[str] = []
+
+    async def load_borrowed(self, named_tensors) -> None:
+        self.got.append("lent")
+        await super().load_weights(named_tensors)
+
+    async def load_weights(self, named_tensors) -> None:
+        self.got.append("copy")
+        await super().load_weights(named_tensors)
+
+
+@pytest.mark.parametrize("how", ["one call", "three calls", "one call, staged"])
+def test_lent_views_reach_the_loader_only_when_one_call_carries_the_finish_too(how):
+    """A receiver lends views valid until the call that carried them returns; the sink lends
+    them on only inside ``apply_update`` (that call carries the finish: a loader may keep them
+    until then) and only in place (a staged update copies them, as any chunk)."""
+    LEND.append(True)
+    module = _model(0)
+    loader = LendingLoader(module)
+    ep = WeightUpdateEndpoint(loader, name="eng0")
+    _run(ep.init_weight_transfer({"type": STRATEGY}, ws.EmptyWeightSyncInfo().to_dict(), 1))
+    new = _weights(1)
+    WIRE[("u", 0)] = new
+    start = ws.WeightUpdateStart(update_id="u", version=1, staged="staged" in how).to_dict()
+    req = FlakyRequest(names=list(new), dtypes=[ws.types.dtype_to_str(t.dtype)
+                                                 for t in new.values()],
+                       shapes=[list(t.shape) for t in new.values()], update_id="u",
+                       chunk_index=0).to_dict()
+    finish = ws.WeightUpdateFinish(update_id="u", version=1, num_chunks=1).to_dict()
+    if how.startswith("one call"):
+        assert _run(ep.apply_update(_j(start), [_j(req)], _j(finish))) == 1
+    else:
+        _run(ep.start_weight_update(_j(start)))
+        _run(ep.update_named_weights(_j(req)))
+        assert _run(ep.finish_weight_update(_j(finish))) == 1
+    assert loader.got == (["lent"] if how == "one call" else ["copy"])
+    _same({k: v.detach() for k, v in module.state_dict().items()}, new)
