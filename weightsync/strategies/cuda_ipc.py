@@ -252,7 +252,7 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
         self._encoded: _Encoded | None = None  # the last request's handles, while reusable
         self.reencoded_skipped = 0  # requests that reused them (tests and benchmarks read it)
         self._last: _LastUpdate | None = None  # the last one-call update, while replayable
-        self._sent: tuple[WeightChunk, dict, dict] | None = None  # its chunk, start, request
+        self._sent: tuple[WeightChunk, dict, str] | None = None  # chunk, start, layout key
         self.replayed = 0  # updates sent by ``_replay`` (tests and benchmarks read it)
 
     async def send_chunks(self, chunks: Any, inference_client: Any, **kwargs: Any) -> SyncStats:
@@ -281,12 +281,11 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
                 or kwargs.get("delta") is not None or kwargs.get("extras")
                 or getattr(self, "rank_group", None) is not None):
             return None
-        chunk, start, request = sent
+        chunk, start, key = sent
         encoded = self._encoded
-        key = request.get("layout_key")
         with self._lock:
             known = key in self._known.values()
-        if (not known or encoded is None
+        if (not key or not known or encoded is None
                 or encoded.ids != tuple(map(id, chunk.tensors))):
             return None
         reference = CudaIpcWeightUpdateRequest(names=[], dtypes=[], shapes=[], layout_key=key)
@@ -497,7 +496,7 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
         await self.share_handles(request)
         start = getattr(inference_client, "start", None)  # a SingleCallClient's: one call
         if isinstance(start, dict):
-            self._sent = (chunk, start, request.to_dict())
+            self._sent = (chunk, start, getattr(request, "layout_key", ""))
         try:
             await call_engines(inference_client, request,
                                self.cfg.chunk_timeout_s(chunk.total_size_bytes))
