@@ -56,13 +56,20 @@ class _Flipper:
         return due
 
     async def load_weights(self, named: dict) -> None:
-        if self._due():
-            named = dict(named)
-            first = next(iter(named))
-            bad = named[first].detach().clone()
-            bad.view(-1).view(__import__("torch").uint8)[0] ^= 0xFF
-            named[first] = bad
-        await self.loader.load_weights(named)
+        await self.loader.load_weights(self._flipped(named))
+
+    async def load_borrowed(self, named: dict) -> None:  # views a receiver lends (cuda_ipc)
+        await self.loader.load_borrowed(self._flipped(named))
+
+    def _flipped(self, named: dict) -> dict:
+        if not self._due():
+            return named
+        named = dict(named)
+        first = next(iter(named))
+        bad = named[first].detach().clone()
+        bad.view(-1).view(__import__("torch").uint8)[0] ^= 0xFF
+        named[first] = bad
+        return named
 
     async def landed_in_place(self, named: dict) -> None:
         if self._due():  # the bytes are in the weights already: corrupt them there

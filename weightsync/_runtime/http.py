@@ -7,12 +7,43 @@ may be used from several loops in turn (a blocking twin's private loop, then ``a
 so ``LoopClients`` keeps one client for the loop in use and makes a new one when the loop
 changes. ``error_from_response`` turns an error answer into the error the codec
 (``weightsync.errors.error_from_http``) rebuilds from it.
+
+The other side of those connections: ``default_keep_alive_s``, how long every HTTP server
+weightsync runs keeps an idle connection (the policy and reward servers,
+``weightsync.servers._serving``; the reward loop's router, ``weightsync.reward_loop.router``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
+
+#: seconds an idle keep-alive connection stays open (``--keep-alive-timeout-s``) unless vLLM's
+#: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` says otherwise. Longer than the idle expiry of common HTTP
+#: clients (httpx 5 s, aiohttp 15 s) and load balancers (60 s), so the client always drops an
+#: idle connection before the server does. With uvicorn's 5 s (vLLM's default) a client
+#: that reuses a connection idle for about 5 s (a trainer thread that was busy, a request every
+#: few seconds) races the server's close and gets "Server disconnected without sending a
+#: response" instead of an answer: seen under load (tests/integration/servers, the load test;
+#: the reward loop's router, tests/integration/reward_loop).
+KEEP_ALIVE_TIMEOUT_S = 65.0
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
+
+
+def default_keep_alive_s() -> float:
+    """``$VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` when set (what ``vllm serve`` would use), else
+    ``KEEP_ALIVE_TIMEOUT_S``."""
+    raw = os.environ.get(KEEP_ALIVE_ENV)
+    if not raw:
+        return KEEP_ALIVE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"${KEEP_ALIVE_ENV} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"${KEEP_ALIVE_ENV} must be > 0 seconds, got {raw!r}")
+    return value
 
 
 class LoopClients:

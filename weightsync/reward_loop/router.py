@@ -150,8 +150,12 @@ class RewardRouter:
             await self.http.aclose()
             raise ConnectionError("reward router: server(s) not answering at start: "
                                   + "; ".join(s.describe() for s in down))
+        from weightsync._runtime.http import default_keep_alive_s
+
+        # idle connections outlive what clients keep (httpx: 5 s; uvicorn's own 5 s races them)
         config = uvicorn.Config(self.app(), host=self.cfg.host, port=self.cfg.port,
-                                log_level="warning", access_log=False, lifespan="off")
+                                log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=default_keep_alive_s())  # type: ignore[arg-type]
         self._uvicorn = uvicorn.Server(config)
         self._uvicorn.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         self._serving = asyncio.ensure_future(self._uvicorn.serve())

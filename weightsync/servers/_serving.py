@@ -23,6 +23,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
+from weightsync._runtime.http import (  # the idle keep-alive default of every server
+    KEEP_ALIVE_ENV,
+    KEEP_ALIVE_TIMEOUT_S,
+    default_keep_alive_s,
+)
+
 #: seconds a stopping server gives vLLM's engine core to stop its workers and unlink its
 #: shared-memory queues before it is killed (vLLM's default, ``shutdown_timeout`` 0, kills it at
 #: once: the segments leak and Python's resource tracker warns about them at exit)
@@ -33,30 +39,6 @@ _ASK_STOPPING_S = 2.0
 #: vLLM's loggers that report the engine core's exit as a failure; quiet once a stop began
 ENGINE_DEATH_LOGGERS = ("vllm.v1.engine.async_llm",)
 
-#: seconds an idle keep-alive connection stays open (``--keep-alive-timeout-s``) unless vLLM's
-#: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` says otherwise. Longer than the idle expiry of common HTTP
-#: clients (httpx 5 s, aiohttp 15 s) and load balancers (60 s), so the client always drops an
-#: idle connection before the server does. With uvicorn's 5 s (vLLM's default) a client
-#: that reuses a connection idle for about 5 s (a trainer thread that was busy, a request every
-#: few seconds) races the server's close and gets "Server disconnected without sending a
-#: response" instead of an answer: seen under load (tests/integration/servers, the load test).
-KEEP_ALIVE_TIMEOUT_S = 65.0
-KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
-
-
-def default_keep_alive_s() -> float:
-    """``$VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` when set (what ``vllm serve`` would use), else
-    ``KEEP_ALIVE_TIMEOUT_S``."""
-    raw = os.environ.get(KEEP_ALIVE_ENV)
-    if not raw:
-        return KEEP_ALIVE_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"${KEEP_ALIVE_ENV} must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"${KEEP_ALIVE_ENV} must be > 0 seconds, got {raw!r}")
-    return value
 
 
 #: the control plane's routes, as the ready line lists them

@@ -117,6 +117,30 @@ def test_the_control_plane_is_not_forwarded(manager):
     assert r.status_code == 404 and "weightsync.connect" in r.json()["detail"]
 
 
+def test_an_idle_connection_to_the_router_outlives_what_clients_keep(manager):
+    """A client that reuses a connection idle for longer than uvicorn's 5 s default (httpx
+    keeps one 5 s) still gets an answer: the router keeps idle connections as the servers do
+    (``default_keep_alive_s``), so it never closes one under a client's next request (the
+    race showed as ReadError in a reward worker, under load)."""
+    import http.client
+
+    host, port = manager.get_router_address().rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        answers = []
+        for wait_s in (0.0, 5.5):
+            time.sleep(wait_s)
+            conn.request("POST", "/update_param_batch", body=b"{}",
+                         headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            answers.append((r.status, conn.sock is not None and conn.sock.fileno()))
+            r.read()
+        assert answers[0][0] == answers[1][0] == 404, answers
+        assert answers[0][1] == answers[1][1], answers  # the same connection, still open
+    finally:
+        conn.close()
+
+
 def test_servers_at_different_versions_are_refused_unless_allowed(manager, servers,
                                                                   tiny_reward_model_dir):
     from weightsync.reward_loop.router import RewardRouter, RouterConfig
