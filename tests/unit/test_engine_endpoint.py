@@ -260,13 +260,19 @@ def test_versions_must_increase():
     _assert_weights(e.module, before)
 
 
-def test_a_manifest_sent_again_is_checked_once_but_a_new_training_mode_checks_it_again():
-    e = Engine()
+def _counting_checks(e: Engine) -> tuple[dict, list, list]:
+    """New weights, their manifest, and a list that grows at each check of the loader."""
     new = _new_weights()
     manifest = [ws.TensorMeta(n, "float32", list(t.shape)) for n, t in new.items()]
-    checks = []
+    checks: list[int] = []
     validate = e.ep.loader.validate
     e.ep.loader.validate = lambda metas: (checks.append(1), validate(metas))[1]
+    return new, manifest, checks
+
+
+def test_a_manifest_sent_again_is_checked_once_but_a_new_training_mode_checks_it_again():
+    e = Engine()
+    new, manifest, checks = _counting_checks(e)
     for v in (1, 2):
         e.start(f"u{v}", v, manifest)
         e.chunk(f"u{v}", 0, new)
@@ -290,11 +296,7 @@ def test_a_start_may_refer_to_the_manifest_of_an_earlier_update():
     from weightsync.errors import ManifestUnknownError
 
     e = Engine()
-    new = _new_weights()
-    manifest = [ws.TensorMeta(n, "float32", list(t.shape)) for n, t in new.items()]
-    checks = []
-    validate = e.ep.loader.validate
-    e.ep.loader.validate = lambda metas: (checks.append(1), validate(metas))[1]
+    new, manifest, checks = _counting_checks(e)
     e.start("u1", 1, manifest)
     e.chunk("u1", 0, new)
     assert e.finish("u1", 1, 1) == 1
@@ -308,7 +310,7 @@ def test_a_start_may_refer_to_the_manifest_of_an_earlier_update():
     assert (e.ep.version, e.ep.state) == (2, "idle")
     _assert_weights(e.module, before)
     for i in range(KEPT_MANIFESTS):  # other manifests push it out
-        e.start(f"o{i}", 0, manifest[: 1 + i % 2] if i % 2 else manifest[:1])
+        e.start(f"o{i}", 0, manifest[: 1 + i % 2])
         e.finish(f"o{i}", 0, 0, ok=False)
     with pytest.raises(ManifestUnknownError):
         e.start("u4", 3, manifest_of="u1")
