@@ -55,6 +55,7 @@ worker, inside the endpoint's ``update_named_weights``.
 from __future__ import annotations
 
 import asyncio
+import operator
 import queue
 import time
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
@@ -144,12 +145,14 @@ def plan_transfers(metas: Sequence[TensorMeta], pack_below: int = SMALL_BYTES,
 
 @dataclass
 class FeedItem:
-    """A chunk handed to the lane: its tensors, where it starts in the manifest, and a CUDA
-    event recorded after it was produced (the lane's stream waits for it; None on the CPU)."""
+    """A chunk handed to the lane: its tensors, where it starts in the manifest, a CUDA event
+    recorded after it was produced (the lane's stream waits for it; None on the CPU) and the
+    manifest's entries it was checked against (its layout, as the lane plans it)."""
 
     chunk: WeightChunk
     first: int
     ready: Any = None
+    metas: list[TensorMeta] | None = None
 
 
 #: ``StreamFeed.ready``: the extraction has not made the next item yet
@@ -204,7 +207,7 @@ class StreamFeed:
                         f"{index} on): the chunks must follow the manifest, same order, shapes "
                         f"and dtypes")
                 await self._slots.acquire()
-                self._queue.put(FeedItem(chunk, index, _record_ready(chunk)))
+                self._queue.put(FeedItem(chunk, index, _record_ready(chunk), expected))
                 nbytes = chunk.total_size_bytes
                 trace.mark("feed.chunk", chunk=self.chunks, first=index, bytes=nbytes)
                 index += len(chunk)
@@ -300,15 +303,58 @@ class Staging:
         self._buf = None
 
 
-def layout_key(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-               places: Sequence[int]) -> tuple:
-    """What a chunk's views of a buffer depend on: its tensors and where each transfer sits."""
-    return (tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes), tuple(places))
+@dataclass(frozen=True)
+class ChunkLayout:
+    """A chunk's transfers (``plan_transfers``) for one run of manifest entries (``metas``:
+    the first found with them), and a number that names it in ``Staging.views`` keys (unique
+    within its ``ChunkLayouts``)."""
+
+    serial: int
+    metas: list[TensorMeta]
+    transfers: list[Transfer]
+
+
+class ChunkLayouts:
+    """Chunk layouts worked out once (both sides), by the entries a chunk carries: looked up
+    first by the entries' identity, so an update whose entries are the very objects of an
+    earlier one (the front door's held manifest on the sender; a layout reference's entries on
+    a receiver, ``BroadcastTransferReceiver.parse_request``) finds its layout without a look
+    at them (~0.5 ms of host time for an adapter's 400 tensors, every update), then by their
+    names, dtypes and shapes (a manifest made anew for the same model: its layout, and the
+    views cut for it, are the same)."""
+
+    #: the most entries kept, of either kind (a 7B model streams 15 chunks)
+    MAX_LAYOUTS = 256
+
+    def __init__(self) -> None:
+        self._by_ids: dict[tuple, tuple[list[TensorMeta], ChunkLayout]] = {}
+        self._by_content: dict[tuple, ChunkLayout] = {}
+        self._serial = 0
+
+    def of(self, metas: list[TensorMeta], pack_below: int, pack_bytes: int) -> ChunkLayout:
+        ids = (tuple(map(id, metas)), pack_below, pack_bytes)
+        hit = self._by_ids.get(ids)
+        if hit is not None and all(map(operator.is_, hit[0], metas)):
+            return hit[1]
+        content = (tuple((m.name, m.dtype, tuple(m.shape)) for m in metas), pack_below,
+                   pack_bytes)
+        found = self._by_content.get(content)
+        if found is None:
+            if len(self._by_content) >= self.MAX_LAYOUTS:
+                self._by_content.clear()
+            self._serial += 1
+            found = self._by_content[content] = ChunkLayout(
+                self._serial, list(metas), plan_transfers(metas, pack_below, pack_bytes))
+        if len(self._by_ids) >= self.MAX_LAYOUTS:
+            self._by_ids.clear()
+        self._by_ids[ids] = (list(metas), found)  # held: their ids stay theirs
+        return found
 
 
 def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_s: float,
                 packs: Sequence[Staging], grouped: bool = False, overlap: bool = True,
-                pack_below: int = SMALL_BYTES, pack_bytes: int = PACK_BYTES) -> bool | str:
+                pack_below: int = SMALL_BYTES, pack_bytes: int = PACK_BYTES,
+                layouts: ChunkLayouts | None = None) -> bool | str:
     """The sender's whole update on the lane thread (see the module docstring): True when every
     chunk went out, ``"aborted"`` when the stream failed (the receivers were told), False when a
     receiver voted no (nothing moved). A failed collective raises (the group is out of step).
@@ -322,12 +368,16 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
     and the receivers issue theirs the same way). Chunk ``k`` is issued before chunk ``k - 1``
     is waited for; it packs its small tensors (below ``pack_below`` bytes, in buffers of at
     most ``pack_bytes``) into ``packs[k % 2]`` (two buffers: the one chunk ``k + 2`` reuses is
-    free by then), and its feed slot comes back once it completed. ``overlap`` False: each chunk is waited for before the
-    next one's data is issued (``BroadcastConfig.overlap_chunks``)."""
+    free by then), and its feed slot comes back once it completed. ``overlap`` False: each
+    chunk is waited for before the next one's data is issued
+    (``BroadcastConfig.overlap_chunks``). ``layouts``: the sender's chunk layouts, kept from
+    one update to the next (a new cache if None)."""
+    layouts = layouts if layouts is not None else ChunkLayouts()
     with group.on_device():
         vote = group.start_all_reduce_min(1)
         item, early = _while_voting(group, feed, vote, packs[0], checksum=checksum,
-                                    pack_below=pack_below, pack_bytes=pack_bytes)
+                                    pack_below=pack_below, pack_bytes=pack_bytes,
+                                    layouts=layouts)
         if group.finish_all_reduce_min(vote) == 0:
             trace.mark("lane.vote", go=False)
             return False
@@ -355,7 +405,8 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
                 bufs, early = early, None
             else:
                 bufs = _prepare_chunk(group, item, packs[chunks % 2], checksum=checksum,
-                                      pack_below=pack_below, pack_bytes=pack_bytes)
+                                      pack_below=pack_below, pack_bytes=pack_bytes,
+                                      layouts=layouts)
             pending += group.start_broadcasts(bufs, 0, grouped=grouped)
             del bufs
             trace.mark("lane.chunk.end", chunk=chunks)
@@ -382,7 +433,8 @@ def send_stream(group: Group, feed: StreamFeed, *, checksum: bool, idle_timeout_
 
 
 def _while_voting(group: Group, feed: StreamFeed, vote: Pending, pack: Staging, *,
-                  checksum: bool, pack_below: int, pack_bytes: int) -> tuple[Any, Any]:
+                  checksum: bool, pack_below: int, pack_bytes: int,
+                  layouts: ChunkLayouts) -> tuple[Any, Any]:
     """While the vote is out: with an ``early`` feed, take the first chunk as soon as it is
     handed over and prepare it (``_prepare_chunk``: its small tensors packed, into ``pack``,
     the one chunk 0 uses), so that once every member voted go its bytes leave at once.
@@ -397,28 +449,31 @@ def _while_voting(group: Group, feed: StreamFeed, vote: Pending, pack: Staging, 
     if not isinstance(item, FeedItem):
         return item, None
     bufs = _prepare_chunk(group, item, pack, checksum=checksum, pack_below=pack_below,
-                          pack_bytes=pack_bytes)
+                          pack_bytes=pack_bytes, layouts=layouts)
     trace.mark("lane.chunk.early", chunk=0)
     return item, bufs
 
 
 def _prepare_chunk(group: Group, item: FeedItem, pack: Staging, *, checksum: bool,
-                   pack_below: int, pack_bytes: int) -> list[torch.Tensor]:
+                   pack_below: int, pack_bytes: int,
+                   layouts: ChunkLayouts) -> list[torch.Tensor]:
     """One chunk's buffers, in the order its broadcasts go out: its small tensors packed into
     ``pack``, the others as they are, then, with ``checksum``, its checksums. The caller
     issues them (``Group.start_broadcasts``) and drops the list: once issued, the chunk's
-    tensors are held by the returned ``Pending`` s and the feed item only."""
+    tensors are held by the returned ``Pending`` s and the feed item only. The chunk's layout
+    is the manifest entries the feed checked it against (``layouts``: planned once)."""
     import torch
 
     chunk = item.chunk
     if item.ready is not None:
         torch.cuda.current_stream(group.device).wait_event(item.ready)
-    metas = chunk.metas()
-    transfers = plan_transfers(metas, pack_below, pack_bytes)
+    layout = layouts.of(item.metas if item.metas is not None else chunk.metas(), pack_below,
+                        pack_bytes)
+    transfers = layout.transfers
     places, need = buffer_places(transfers, lambda k, tr: tr.packed)
     packed = pack.get(need) if need else None
     if packed is not None:
-        _pack(pack, packed, transfers, places, metas, chunk)
+        _pack(pack, packed, layout, places, chunk)
         trace.mark("lane.chunk.packed", bytes=need)
     bufs = []
     for tr, at in zip(transfers, places, strict=True):
@@ -452,11 +507,13 @@ def buffer_places(transfers: list[Transfer],
     return places, need
 
 
-def _pack(staging: Staging, buf: torch.Tensor, transfers: list[Transfer], places: list[int],
-          metas: list[TensorMeta], chunk: WeightChunk) -> None:
+def _pack(staging: Staging, buf: torch.Tensor, layout: ChunkLayout, places: list[int],
+          chunk: WeightChunk) -> None:
     """Copy the chunk's small tensors into their packed places (one batched copy per dtype; the
     destination views are the buffer's, kept for the chunk's layout)."""
     import torch
+
+    transfers, metas = layout.transfers, layout.metas
 
     def build() -> list[tuple[list[Any], list[int]]]:
         by_dtype: dict[Any, tuple[list[Any], list[int]]] = {}
@@ -470,9 +527,8 @@ def _pack(staging: Staging, buf: torch.Tensor, transfers: list[Transfer], places
                 idx.append(i)
         return list(by_dtype.values())
 
-    key = layout_key(chunk.names, chunk.dtype_names, chunk.shape_lists, places)
     tensors = chunk.tensors
-    for ds, idx in staging.views(("pack", key), build):
+    for ds, idx in staging.views(("pack", layout.serial), build):
         dev = ds[0].device
         torch._foreach_copy_(ds, [tensors[i] if tensors[i].device == dev else tensors[i].to(dev)
                                   for i in idx])
@@ -515,6 +571,7 @@ class ChunkPlan:
     targets: dict[int, Any]
     places: list[int]
     need: int
+    serial: int = 0  # its ChunkLayout's
 
 
 @dataclass
@@ -571,19 +628,23 @@ class StreamReceiver:
         # the last update's names and its first header's count: an update of the same names
         # is expected to cut its first chunk alike (``prepare``)
         self._last_first: tuple[list[str], int] | None = None
+        self.layouts = ChunkLayouts()
 
-    def prepare(self, request: Any, sink: WeightLoader) -> Prepared:
+    def prepare(self, request: Any, sink: WeightLoader,
+                metas: list[TensorMeta] | None = None) -> Prepared:
         """The work that does not wait for the sender, done while the vote is out (the caller
         runs it on the engine's thread between issuing its vote and waiting for it): the
-        update's entries and, when the last update had the same names, the receive plan of a
-        first chunk cut as that one's was (checked against the real header before use)."""
-        metas = request.metas()
+        update's entries (``metas`` when the caller holds them decoded: the entries of a layout
+        it keeps, the same objects every update, so their chunks' plans are kept too) and,
+        when the last update had the same names, the receive plan of a first chunk cut as that
+        one's was (checked against the real header before use)."""
+        metas = request.metas() if metas is None else metas
         trace.mark("recv.metas", tensors=len(metas))
         last, first = self._last_first or (None, 0)
         if last is None or last != request.names or not 0 < first <= len(metas):
             return Prepared(metas)
         pack = (int(request.pack_below_bytes), int(request.pack_bytes))
-        chunk = self._plan(metas[:first], pack, sink, None)
+        chunk = self._plan(metas[:first], pack, sink, None, self.layouts)
         trace.mark("recv.chunk.planned", chunk=0, tensors=first)
         return Prepared(metas, first, chunk)
 
@@ -617,7 +678,7 @@ class StreamReceiver:
         while True:
             count, first = header
             if count in (END, ABORT) and held is not None:
-                failure = await self._land_posted(sink, held, failure)
+                failure = await self._land_posted(sink, held, failure, last=count == END)
                 held = None
             if count == END:
                 if first != chunks or index != len(metas):
@@ -637,7 +698,8 @@ class StreamReceiver:
             if chunks == 0 and prepared.chunk is not None and count == prepared.first:
                 plan = prepared.chunk  # cut while the vote was out, as the header says
             else:
-                plan = self._plan(metas[index : index + count], pack, sink, failure)
+                plan = self._plan(metas[index : index + count], pack, sink, failure,
+                                  self.layouts)
             if held is not None and plan.need > self.OVERLAP_STAGING:
                 failure = await self._land_posted(sink, held, failure)  # no second large buffer
                 held = None
@@ -662,16 +724,21 @@ class StreamReceiver:
             raise failure
 
     async def _land_posted(self, sink: Any, posted: Posted,
-                    failure: BaseException | None) -> BaseException | None:
+                           failure: BaseException | None, *, last: bool = False
+                           ) -> BaseException | None:
         """Wait for ``posted``'s collectives, then hand it to the sink unless an earlier chunk
         failed; -> the update's failure so far (a loader's failure is kept, not raised: the
-        receiver goes on receiving so the group stays in step)."""
+        receiver goes on receiving so the group stays in step). ``last``: the update's last
+        chunk (the sender's end came): its staged views are lent (``load_borrowed``), since no
+        later chunk of this update writes into its staging and the next update waits for
+        this call to return."""
         sums = await in_thread(self._finish, posted)
         if failure is not None:
             return failure
         trace.mark("recv.land.begin", chunk=posted.number)
         try:
-            await _land(sink, posted.number, posted.metas, posted.staged, posted.direct, sums)
+            await _land(sink, posted.number, posted.metas, posted.staged, posted.direct, sums,
+                        lend=last)
             self.direct += len(posted.direct)
         except BaseException as e:
             return e
@@ -709,14 +776,15 @@ class StreamReceiver:
 
     @staticmethod
     def _plan(metas: list[TensorMeta], pack: tuple[int, int], sink: Any,
-              failure: BaseException | None) -> ChunkPlan:
-        """How one chunk of ``metas`` is received: its transfers, which land in place (none
-        after a loader failure: the rest of the stream goes to staging) and where the others
-        sit in staging."""
-        transfers = plan_transfers(metas, *pack)
+              failure: BaseException | None, layouts: ChunkLayouts) -> ChunkPlan:
+        """How one chunk of ``metas`` is received: its transfers (``layouts``: planned once),
+        which land in place (none after a loader failure: the rest of the stream goes to
+        staging) and where the others sit in staging."""
+        layout = layouts.of(metas, *pack)
+        transfers = layout.transfers
         targets = {} if failure is not None else _direct_targets(sink, metas, transfers)
         places, need = buffer_places(transfers, lambda k, tr, t=targets: k not in t)
-        return ChunkPlan(metas, transfers, targets, places, need)
+        return ChunkPlan(layout.metas, transfers, targets, places, need, layout.serial)
 
     def _post_chunk(
         self, number: int, plan: ChunkPlan, slot: int, checksum: bool, grouped: bool,
@@ -738,11 +806,10 @@ class StreamReceiver:
             parts: dict[int, Any] = {}
             staged: dict[str, Any] = {}
             if buf is not None:
-                key = layout_key([m.name for m in metas], [m.dtype for m in metas],
-                                 [m.shape for m in metas], places)
-                parts, views = staging.views(
-                    ("recv", key), lambda: _staged_views(buf, transfers, places, metas))
-                staged = dict(views)  # the loader gets its own dict
+                # the chunk's layout and where its transfers sit name its views of the buffer
+                parts, staged = staging.views(
+                    ("recv", plan.serial, tuple(places)),
+                    lambda: _staged_views(buf, transfers, places, metas))
             trace.mark("recv.chunk.views")
             bufs = []
             for k, tr in enumerate(transfers):
@@ -791,9 +858,11 @@ def _direct_targets(sink: Any, metas: list[TensorMeta], transfers: list[Transfer
 
 
 async def _land(sink: Any, index: int, metas: list[TensorMeta], staged: dict[str, Any],
-                direct: dict[str, Any], sums: list[int] | None) -> None:
+                direct: dict[str, Any], sums: list[int] | None, *, lend: bool = False) -> None:
     """Hand chunk ``index`` of the stream to the sink: checksums first, then what landed in
-    place, then the staged tensors to the loader."""
+    place, then the staged tensors to the loader: ``staged`` itself when ``lend`` (the views
+    kept for the chunk's layout, the same dict every update: a loader that keeps lent views
+    knows it again), else a dict of its own."""
     if sums is not None:
         sink.expect_checksums([m.name for m in metas], sums, chunk=index)
         trace.mark("recv.checksums", chunk=index)
@@ -801,5 +870,8 @@ async def _land(sink: Any, index: int, metas: list[TensorMeta], staged: dict[str
         await sink.landed_in_place(direct)
         trace.mark("recv.in_place", chunk=index, tensors=len(direct))
     if staged:
-        await sink.load_weights(staged)
-        trace.mark("recv.load", chunk=index, tensors=len(staged))
+        if lend:
+            await sink.load_borrowed(staged)
+        else:
+            await sink.load_weights(dict(staged))
+        trace.mark("recv.load", chunk=index, tensors=len(staged), lent=lend)

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -46,6 +47,7 @@ from weightsync._runtime.threads import SerialLane, in_thread, spawn
 from weightsync.config import StrategyConfig
 from weightsync.errors import (
     EngineDiedError,
+    ManifestUnknownError,
     WeightMismatchError,
     WeightSyncError,
     WeightSyncTimeout,
@@ -64,10 +66,18 @@ from weightsync.strategies._layout import (
     pack_into,
     plan_layout,
 )
+from weightsync.strategies._replay import (
+    LastUpdate,
+    engine_loader,
+    held_chunks,
+    manifest_ids,
+    update_options,
+)
 from weightsync.strategies._stream import (
     PACK_BYTES,
     SMALL_BYTES,
     WIRE_VERSION,
+    ChunkLayouts,
     Staging,
     StreamFeed,
     StreamReceiver,
@@ -203,8 +213,24 @@ class BroadcastWeightUpdateRequest(WeightUpdateRequest):
     #: under ``pack_below_bytes`` packed into buffers of at most ``pack_bytes``
     pack_below_bytes: int = SMALL_BYTES
     pack_bytes: int = PACK_BYTES
+    #: (stream) names the request's entries (names, dtypes, shapes), as the sender assigned;
+    #: a request that carries only the key (no names) means "the entries of the request that
+    #: carried this key in full before": each receiver keeps them decoded
+    #: (``BroadcastTransferReceiver.parse_request``)
+    layout_key: str = ""
+
+    @property
+    def is_reference(self) -> bool:
+        """Only ``layout_key``: the receiver fills in the entries it keeps for it."""
+        return bool(self.layout_key) and not self.names
 
     def _coerce(self) -> None:
+        if self.is_reference and (self.dtypes or self.shapes or self.checksums):
+            raise ValueError("broadcast request: a layout reference carries no entries (dtypes, "
+                             "shapes, checksums)")
+        if not isinstance(self.layout_key, str):
+            raise ValueError(f"broadcast request: layout_key must be a string, got "
+                             f"{self.layout_key!r}")
         super()._coerce()
         for f, low in (("wire_version", 1), ("pack_below_bytes", 0), ("pack_bytes", 1)):
             v = getattr(self, f)
@@ -353,6 +379,9 @@ class BroadcastTransferSender(WeightTransferSender):
         self._wire = WIRE_VERSION  # the order of the stream's collectives this sender issues
         self._pack = (int(float(cfg.pack_below_mb) * (1 << 20)),
                       max(1, int(float(cfg.pack_mb) * (1 << 20))))
+        self._layouts = ChunkLayouts()  # the chunk layouts the lane planned, kept
+        self._last: LastUpdate | None = None  # the last streamed update, while replayable
+        self.replayed = 0  # streamed updates sent as a replay (tests and benchmarks read it)
 
     # -- one streamed update --------------------------------------------------------------------
     async def send_chunks(
@@ -383,38 +412,86 @@ class BroadcastTransferSender(WeightTransferSender):
                 training_mode=training_mode, head_name_patterns=head_name_patterns,
                 extras=extras, delta=delta, lora_adapter=lora_adapter)
         self._check_usable()
+        options = {"manifest": manifest, "training_mode": training_mode,
+                   "head_name_patterns": head_name_patterns, "extras": extras, "delta": delta,
+                   "lora_adapter": lora_adapter}
+        held = held_chunks(chunks)
+        last, self._last = self._last, None  # kept again once this update went through
+        try:
+            stats = await self._send_stream(chunks, inference_client, version, options, held,
+                                            last)
+        except ManifestUnknownError:
+            # a replay's start referred to a manifest its one engine no longer keeps: refused
+            # before anything changed (the engine voted no): the update in full
+            stats = await self._send_stream(chunks, inference_client, version, options, held,
+                                            None)
+        return stats
+
+    async def _send_stream(self, chunks: Any, inference_client: InferenceEngineClient,
+                           version: int | None, options: dict, held: list | None,
+                           last: LastUpdate | None) -> SyncStats:
+        """One streamed update (see ``send_chunks``). An update of the very chunks of the last
+        one (``held``, ``last.fits``: the front door's held update or the same list, the same
+        options and manifest) is *replayed*: the start and request of ``last`` with this
+        update's id and version; the request refers to the layout every engine keeps decoded
+        (``layout_key``) and, with one engine, the start to the manifest it keeps
+        (``manifest_of``): nothing is planned, serialized or validated again. Else the
+        update is sent in full, with a layout key when it may be replayed."""
+        manifest = options["manifest"]
         stats = SyncStats(update_id=uuid.uuid4().hex)
         t0 = time.perf_counter()
-        start = self.start_message(stats.update_id, version, manifest, training_mode,
-                                   head_name_patterns, extras, delta=delta,
-                                   lora_adapter=lora_adapter)
-        request = BroadcastWeightUpdateRequest(
-            names=[m.name for m in manifest], dtypes=[m.dtype for m in manifest],
-            shapes=[list(m.shape) for m in manifest], src_rank=0, packed=False, stream=True,
-            grouped=self._grouped, wire_version=self._wire,
-            pack_below_bytes=self._pack[0], pack_bytes=self._pack[1],
-            update_id=stats.update_id, chunk_index=0, is_last=True, version=version,
-            checksums=[0] * len(manifest) if self.cfg.checksum else None)
-        finish = WeightUpdateFinish(update_id=stats.update_id, version=version, num_chunks=1)
-        total = request.total_size_bytes
         carries_apply = bool(getattr(inference_client, "supports_apply_update", False))
-        if carries_apply and len(getattr(inference_client, "names", None) or ()) == 1:
+        one_engine = carries_apply and len(getattr(inference_client, "names", None) or ()) == 1
+        replay = last is not None and held is not None and last.fits(held, options)
+        if replay:
+            assert last is not None
+            start_d, request_d, finish_d = last.messages(stats.update_id, version,
+                                                         manifest_by_reference=one_engine)
+            staged = bool(start_d.get("staged"))
+            self.replayed += 1
+            trace.mark("lane.replay", tensors=len(manifest))
+        else:
+            start = self.start_message(stats.update_id, version, manifest,
+                                       options["training_mode"], options["head_name_patterns"],
+                                       options["extras"], delta=options["delta"],
+                                       lora_adapter=options["lora_adapter"])
+            replayable = (held is not None and not self.cfg.checksum
+                          and options["delta"] is None and not options["extras"])
+            request = BroadcastWeightUpdateRequest(
+                names=[m.name for m in manifest], dtypes=[m.dtype for m in manifest],
+                shapes=[list(m.shape) for m in manifest], src_rank=0, packed=False,
+                stream=True, grouped=self._grouped, wire_version=self._wire,
+                pack_below_bytes=self._pack[0], pack_bytes=self._pack[1],
+                update_id=stats.update_id, chunk_index=0, is_last=True, version=version,
+                checksums=[0] * len(manifest) if self.cfg.checksum else None,
+                layout_key=uuid.uuid4().hex if replayable else "")
+            finish = WeightUpdateFinish(update_id=stats.update_id, version=version,
+                                        num_chunks=1)
+            start_d, request_d, finish_d = start.to_dict(), request.to_dict(), finish.to_dict()
+            staged = start.staged
+            if replayable:
+                assert held is not None
+                last = LastUpdate(held=list(held), options=update_options(options),
+                                  manifest_ids=manifest_ids(manifest), start=start_d,
+                                  request={**request_d, "names": [], "dtypes": [],
+                                           "shapes": []})
+        total = sum(m.nbytes for m in manifest)
+        if one_engine:
             # one engine: the whole update is one call (see the class docstring)
             trace.mark("rpc.apply.begin", tensors=len(manifest), bytes=total)
             # issued here, before the lane starts its vote (a channel that can sends the call
             # before apply_update returns: the engine's start overlaps the lane's set-up); one
             # refused before it left raises here, before any rank enters a collective
             engines = asyncio.ensure_future(_applied(inference_client.apply_update(
-                start.to_dict(), [request.to_dict()], finish.to_dict())))
+                start_d, [request_d], finish_d)))
         else:
             # the start on its own first: every engine is alive and accepts the update before
             # any rank enters a collective (see the class docstring)
             trace.mark("rpc.start.begin", tensors=len(manifest), bytes=total)
-            await inference_client.start_weight_update(start.to_dict())
+            await inference_client.start_weight_update(start_d)
             trace.mark("rpc.start.end")
             engines = asyncio.ensure_future(_chunk_then_finish(
-                inference_client, request.to_dict(), finish.to_dict(),
-                fused=carries_apply and not start.staged))
+                inference_client, request_d, finish_d, fused=carries_apply and not staged))
         # chunk k - 1 in flight, k going out, k + 1 announced; chunks that exist already (a
         # list, or an iterable that says ``ready_made``) are handed over before the vote ends
         feed = StreamFeed(depth=3, early=isinstance(chunks, (list, tuple))
@@ -450,6 +527,7 @@ class BroadcastTransferSender(WeightTransferSender):
         stats.num_chunks, stats.num_tensors, stats.total_bytes = (
             feed.chunks, feed.tensors, feed.nbytes)
         stats.seconds = time.perf_counter() - t0
+        self._last = last  # every engine holds its manifest and layout now
         return stats
 
     def _stream_data(self, feed: StreamFeed) -> bool | str:
@@ -458,7 +536,8 @@ class BroadcastTransferSender(WeightTransferSender):
             return send_stream(self.group, feed, checksum=bool(self.cfg.checksum),
                                idle_timeout_s=float(self.cfg.idle_timeout_s), packs=self._packs,
                                grouped=self._grouped, overlap=bool(self.cfg.overlap_chunks),
-                               pack_below=self._pack[0], pack_bytes=self._pack[1])
+                               pack_below=self._pack[0], pack_bytes=self._pack[1],
+                               layouts=self._layouts)
         except BaseException as e:
             self._broken = self._broken or f"{type(e).__name__}: {e}"[:300]
             raise
@@ -611,6 +690,33 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
         self.stream = StreamReceiver(group, Staging(group.device),
                                      header_timeout_s=float(cfg.idle_timeout_s),
                                      overlap=bool(cfg.overlap_chunks))
+        # the entries of streamed requests that carried a layout key, most recent last
+        self.layouts: OrderedDict[str, _Entries] = OrderedDict()
+
+    def parse_request(self, request_dict: dict) -> WeightUpdateRequest:
+        """As the base class; a layout reference gets the entries the request that carried its
+        key in full had (the very lists: the endpoint then knows them for the update's manifest
+        without a compare). A key this receiver does not hold leaves the reference bare: it is
+        refused before the vote (``_cannot_stream``), so the group stays in step."""
+        req = super().parse_request(request_dict)
+        key = getattr(req, "layout_key", "")
+        if not key:
+            return req
+        if req.is_reference:
+            known = self.layouts.get(key)
+            if known is not None:
+                self.layouts.move_to_end(key)
+                req.names, req.dtypes, req.shapes = known.names, known.dtypes, known.shapes
+        else:
+            self.layouts[key] = _Entries(req.names, req.dtypes, req.shapes)
+            while len(self.layouts) > KEPT_LAYOUTS:
+                self.layouts.popitem(last=False)
+        return req
+
+    def _known_valid(self, request: WeightUpdateRequest, loader: WeightLoader) -> bool:
+        known = self.layouts.get(getattr(request, "layout_key", "") or "")
+        return (known is not None and request.names is known.names
+                and known.valid_for is engine_loader(loader))
 
     async def _receive_and_load(
         self, request: WeightUpdateRequest, loader: WeightLoader
@@ -622,11 +728,15 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
                 raise WeightSyncError(f"update {request.update_id}: {why}; this engine's "
                                       f"weights are unchanged")
             trace.mark("recv.vote")
+            known = self.layouts.get(request.layout_key) if request.layout_key else None
+            if known is not None:  # the template validated it before calling us
+                known.valid_for = engine_loader(loader)
             # issued here (so it is out before this thread's next Python), waited for on a
             # helper thread; meanwhile: the update's entries, the first chunk's plan
             voting = spawn(self._vote_yes, self._start_vote_yes())
             try:
-                prepared = self.stream.prepare(request, loader)
+                prepared = self.stream.prepare(
+                    request, loader, known.metas() if known is not None else None)
             finally:
                 go = await asyncio.wrap_future(voting)  # (the vote goes on either way)
             if not go:
@@ -651,6 +761,10 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
             return (f"the sender streams wire version {request.wire_version}, this engine "
                     f"speaks {WIRE_VERSION} (weightsync versions differ between trainer and "
                     f"engine: install the same on both)")
+        if request.is_reference:
+            return (f"the request refers to layout {request.layout_key[:8]}, which this engine "
+                    f"does not hold (its receiver was re-initialised?); connect again (a new "
+                    f"sender sends every layout in full)")
         if request.grouped and not self.group.can_group():
             return (f"it asks for grouped NCCL broadcasts (the sender's group_calls: true) but "
                     f"this engine's {self.group.backend_name} group cannot issue them (torch "
@@ -712,6 +826,27 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+
+
+#: streamed layouts a receiver keeps for references (a sender refers to its last update's)
+KEPT_LAYOUTS = 16
+
+
+class _Entries:
+    """A streamed request's entries kept for its layout key (receiver side): the lists it
+    carried, the loader that accepted them, and their ``TensorMeta`` s made once (the same
+    objects every update: the stream's chunk plans are kept for them)."""
+
+    def __init__(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        self.names, self.dtypes, self.shapes = names, dtypes, shapes
+        self.valid_for: Any = None
+        self._metas: list[TensorMeta] | None = None
+
+    def metas(self) -> list[TensorMeta]:
+        if self._metas is None:
+            self._metas = [TensorMeta(n, d, s) for n, d, s in
+                           zip(self.names, self.dtypes, self.shapes, strict=True)]
+        return self._metas
 
 
 async def _applied(call: Any) -> list[int | None]:

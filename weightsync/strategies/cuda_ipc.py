@@ -25,7 +25,6 @@ it).
 from __future__ import annotations
 
 import asyncio
-import operator
 import threading
 import time
 import uuid
@@ -56,6 +55,13 @@ from weightsync.strategies._every_rank import (
 )
 from weightsync.strategies._ipc_open import IpcBufferOpener
 from weightsync.strategies._layout import as_bytes, views_into
+from weightsync.strategies._replay import (
+    LastUpdate,
+    engine_loader,
+    held_chunks,
+    manifest_ids,
+    update_options,
+)
 from weightsync.strategies.shared_weights import locate_many
 from weightsync.types import (
     EmptyWeightSyncInfo,
@@ -63,7 +69,6 @@ from weightsync.types import (
     SyncStats,
     WeightChunk,
     WeightSyncInfo,
-    WeightUpdateFinish,
     WeightUpdateRequest,
     is_int,
     parse_handles,
@@ -165,48 +170,6 @@ def _layout_of(names: list[str], tensors: list[Any]) -> tuple:
     return tuple(names), tuple((t.data_ptr(), t.dtype, t.shape) for t in tensors)
 
 
-@dataclass(eq=False)
-class _LastUpdate:
-    """The last update a ``CudaIpcTransferSender`` sent as one call of a layout reference
-    (see ``CudaIpcTransferSender._replay``): the held chunks it was made of (held: their ids
-    stay theirs), the coalesced chunk sent, the start's per-update options and manifest (ids
-    of its entries), the start sent and the reference request."""
-
-    held: list[WeightChunk]
-    chunk: WeightChunk
-    options: tuple
-    manifest_ids: tuple | None
-    start: dict
-    request: dict
-
-    def fits(self, held: list[WeightChunk], kwargs: dict) -> bool:
-        return (len(held) == len(self.held) and all(map(operator.is_, held, self.held))
-                and _options(kwargs) == self.options
-                and _ids(kwargs.get("manifest")) == self.manifest_ids)
-
-
-def _options(kwargs: dict) -> tuple:
-    """An update's options that its start carries, apart from its manifest and version."""
-    mode = kwargs.get("training_mode")
-    return (getattr(mode, "value", mode), tuple(kwargs.get("head_name_patterns") or ()),
-            kwargs.get("extras") or None, kwargs.get("delta"), kwargs.get("lora_adapter"))
-
-
-def _ids(manifest: Any) -> tuple | None:
-    return None if manifest is None else tuple(map(id, manifest))
-
-
-def _held_chunks(chunks: Any) -> list | None:
-    """The chunks an update is made of when they exist already: a list, or a ready-made
-    stream's ``chunks`` (the front door's held update); None for chunks still to be made."""
-    if isinstance(chunks, (list, tuple)):
-        return list(chunks)
-    if getattr(chunks, "ready_made", False) and isinstance(getattr(chunks, "chunks", None),
-                                                           list):
-        return chunks.chunks
-    return None
-
-
 def bucket_bytes(cfg: Any) -> int:
     return int(float(cfg.bucket_size_mb) * (1 << 20))
 
@@ -251,7 +214,7 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
         self.references = 0  # requests sent as a layout reference (tests and benchmarks read it)
         self._encoded: _Encoded | None = None  # the last request's handles, while reusable
         self.reencoded_skipped = 0  # requests that reused them (tests and benchmarks read it)
-        self._last: _LastUpdate | None = None  # the last one-call update, while replayable
+        self._last: LastUpdate | None = None  # the last one-call update, while replayable
         self._sent: tuple[WeightChunk, dict, str] | None = None  # chunk, start, layout key
         self.replayed = 0  # updates sent by ``_replay`` (tests and benchmarks read it)
 
@@ -259,7 +222,7 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
         """As every sender's; an update of the very chunks of the last one, sent the same way
         (one ``apply_update`` call, a request the engines decoded before), is replayed
         (``_replay``)."""
-        held = _held_chunks(chunks)
+        held = held_chunks(chunks)
         last = self._last
         if last is not None and held is not None and last.fits(held, kwargs):
             stats = await self._replay(last, chunks, inference_client, kwargs)
@@ -270,7 +233,7 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
         self._last = self._replayable(held, kwargs, stats)
         return stats
 
-    def _replayable(self, held: list | None, kwargs: dict, stats: SyncStats) -> _LastUpdate | None:
+    def _replayable(self, held: list | None, kwargs: dict, stats: SyncStats) -> LastUpdate | None:
         """What the next update of the same chunks may replay: an update of one call whose
         request's handles are the trainer's own CUDA memory (reused while it holds the same
         tensors) and whose layout every engine decoded; no checksums (they change with the
@@ -289,11 +252,11 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
                 or encoded.ids != tuple(map(id, chunk.tensors))):
             return None
         reference = CudaIpcWeightUpdateRequest(names=[], dtypes=[], shapes=[], layout_key=key)
-        return _LastUpdate(held=list(held), chunk=chunk, options=_options(kwargs),
-                           manifest_ids=_ids(kwargs.get("manifest")), start=start,
-                           request=reference.to_dict())
+        return LastUpdate(held=list(held), options=update_options(kwargs),
+                          manifest_ids=manifest_ids(kwargs.get("manifest")), start=start,
+                          request=reference.to_dict(), chunk=chunk)
 
-    async def _replay(self, last: _LastUpdate, chunks: Any, client: Any,
+    async def _replay(self, last: LastUpdate, chunks: Any, client: Any,
                       kwargs: dict) -> SyncStats | None:
         """The last update again, without making it anew: the same chunks (a held stream's,
         whose check that the model still holds them is awaited first: it raises as the
@@ -314,15 +277,8 @@ class CudaIpcTransferSender(EveryRankSender, WeightTransferSender):
                 pass
         stats = SyncStats(update_id=uuid.uuid4().hex)
         t0 = time.perf_counter()
-        version = kwargs.get("version")
-        stamp = {"update_id": stats.update_id, "version": version}
         # the manifest by reference to the update that carried it (each engine keeps it)
-        start = {**last.start, **stamp, "manifest": None,
-                 "manifest_of": last.start["update_id"]} if last.start.get(
-                     "manifest") is not None else {**last.start, **stamp}
-        request = {**last.request, **stamp, "chunk_index": 0, "is_last": True}
-        finish = WeightUpdateFinish(update_id=stats.update_id, version=version,
-                                    num_chunks=1).to_dict()
+        start, request, finish = last.messages(stats.update_id, kwargs.get("version"))
         torch.cuda.synchronize()
         timeout_s = self.cfg.chunk_timeout_s(last.chunk.total_size_bytes)
         trace.mark("ipc.replay.call")
@@ -577,7 +533,7 @@ class CudaIpcTransferReceiver(WeightTransferReceiver):
 
     def _known_valid(self, request: WeightUpdateRequest, loader: WeightLoader) -> bool:
         layout = self.layouts.get(getattr(request, "layout_key", "") or "")
-        return layout is not None and layout.valid_for is _engine_loader(loader)
+        return layout is not None and layout.valid_for is engine_loader(loader)
 
     async def _receive_and_load(
         self, request: WeightUpdateRequest, loader: WeightLoader
@@ -596,7 +552,7 @@ class CudaIpcTransferReceiver(WeightTransferReceiver):
                 layout.views, layout.epoch = tensors, self.buffers.epoch
                 layout.replica = self.last_replica
         if layout is not None:  # the template validated it before calling us
-            layout.valid_for = _engine_loader(loader)
+            layout.valid_for = engine_loader(loader)
         if request.replicas:
             await loader.load_weights(tensors)
         else:  # the sender holds every buffer of the request until the engines answered
@@ -624,12 +580,6 @@ class CudaIpcTransferReceiver(WeightTransferReceiver):
 
 #: layouts a sender refers to (the receivers keep twice as many)
 MAX_KNOWN_LAYOUTS = 8
-
-
-def _engine_loader(loader: Any) -> Any:
-    """The engine's own loader behind the per-update sink the endpoint hands receivers (the
-    sink is new at every update; the loader's verdict on a layout's metadata is not)."""
-    return getattr(loader, "loader", loader)
 
 
 class _Layout:

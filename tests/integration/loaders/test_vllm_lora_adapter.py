@@ -178,8 +178,9 @@ def test_later_versions_are_written_where_vllm_holds_the_adapter_bit_equal_to_it
     names, shapes) are written into the tensors vLLM holds and, where the adapter is active,
     into its slot: the first time vLLM's own set_lora is recorded, then its copies replayed. The result is compared with vLLM building and activating the same tensors
     under another name: the same LoRAModel tensors, the same slot contents, the same tokens
-    (= the merged model in transformers); through cuda_ipc the same, from the views the sender
-    lends for the update's one call. A push of another rank is built by vLLM again."""
+    (= the merged model in transformers); the engine copies from the views its receiver lends
+    for the update's one call (the broadcast's staging, or through cuda_ipc the sender's own
+    memory). A push of another rank is built by vLLM again."""
     llm, path = lm
     model, tok = _policy(path, seed=11)
 
@@ -199,7 +200,9 @@ def test_later_versions_are_written_where_vllm_holds_the_adapter_bit_equal_to_it
 
     hows, got = asyncio.run(run())
     fresh = _push_and_greedy(llm, model, "fresh")  # the same tensors, built and activated by vLLM
-    assert hows == ["built", "rewritten, slot recorded", "rewritten, slot replayed"]
+    # the streamed broadcast lends the update's last chunk (its staging views) too
+    assert hows == ["built", "rewritten from lent views, slot recorded",
+                    "rewritten from lent views, slot replayed"]
     assert _digest(llm, "fast") == _digest(llm, "fresh")  # what vLLM holds, bit for bit
     fast_slot, fresh_slot = _slot(llm, "fast"), _slot(llm, "fresh")
     assert fast_slot["slot"] != fresh_slot["slot"]  # both active, side by side

@@ -436,8 +436,8 @@ def test_the_first_chunk_is_planned_while_the_vote_is_out_and_only_used_when_it_
             stream = ep.receiver.stream
             original = stream.prepare
 
-            def spy(request, sink):
-                prepared = original(request, sink)
+            def spy(request, sink, metas=None):
+                prepared = original(request, sink, metas)
                 planned.append(prepared.first if prepared.chunk is not None else None)
                 return prepared
 
@@ -454,3 +454,151 @@ def test_the_first_chunk_is_planned_while_the_vote_is_out_and_only_used_when_it_
     # wrong for v3 (3 entries came: planned anew), right again for v4
     assert planned == [None, 2, 2, 3]
     assert direct == 2 * 4  # big.weight and head.weight in place every update
+
+
+# -- replays: an update of the very chunks of the last one ----------------------------------------
+
+
+def _bump(model: torch.nn.Module, by: float) -> None:
+    """A training step's effect: every tensor changed in place (the same tensor objects)."""
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.add_(by)
+
+
+def test_an_update_of_the_same_held_chunks_is_replayed_by_reference_and_lands_exact():
+    """The front door holds the model's update (views of its own tensors) from its second push
+    on: the push after that sends a request that refers to the layout the engine keeps (no
+    entries) and a start that refers to the manifest it keeps, and every update lands
+    bit-exact, its large tensors still written in place."""
+    module, ep = _engine()
+    src = Net(1)
+    requests: list[dict] = []
+    starts: list[dict] = []
+
+    async def go():
+        async with ws.connect([ep], STREAM, device="cpu") as sync:
+            receiver = ep.receiver
+            parse, start = receiver.parse_request, ep.start_weight_update
+
+            def parse_spy(d):
+                requests.append(d)
+                return parse(d)
+
+            async def start_spy(d):
+                starts.append(d)
+                return await start(d)
+
+            receiver.parse_request, ep.start_weight_update = parse_spy, start_spy
+            for v in (1, 2, 3, 4):
+                assert (await sync.push(src, version=v)).versions == [v]
+                assert _same(module, src), v
+                _bump(src, 0.5)
+            return sync.sender.replayed, receiver.stream.direct
+
+    replayed, direct = _run(go())
+    assert replayed == 2  # the first push extracts; the second sends the held update in full
+    full, *later = requests[1:]
+    assert full["names"] and full["layout_key"]
+    assert all(r["names"] == r["dtypes"] == r["shapes"] == []
+               and r["layout_key"] == full["layout_key"] for r in later)
+    assert all(s["manifest"] and not s.get("manifest_of") for s in starts[:2])
+    assert all(s["manifest"] is None and s["manifest_of"] == starts[1]["update_id"]
+               for s in starts[2:])
+    assert direct == 2 * 4  # big.weight and head.weight in place every update
+
+
+def test_a_replaced_tensor_or_another_list_is_sent_in_full():
+    """A replay is for the very chunks of the last update: a model whose tensor was replaced
+    (a new object), and chunks of another list, are sent in full; the same list again is
+    replayed, with the values its tensors hold now. Every update lands exact."""
+    module, ep = _engine()
+    src = Net(1)
+
+    async def go():
+        async with ws.connect([ep], STREAM, device="cpu") as sync:
+            await sync.push(src, version=1)
+            with torch.no_grad():
+                src.head.weight = torch.nn.Parameter(src.head.weight + 1)  # a new tensor
+            assert (await sync.push(src, version=2)).versions == [2]
+            assert _same(module, src)
+            after_replace = sync.sender.replayed
+            sd = Net(3).state_dict()
+            chunks = list(make_chunks(list(sd.items()), bucket_size_mb=2.5))
+            metas = [m for c in chunks for m in c.metas()]
+            await sync.push_chunks(chunks, metas, version=3)
+            listed = [ws.WeightChunk(list(c.names), list(c.tensors)) for c in chunks]
+            await sync.push_chunks(listed, metas, version=4)  # equal, not the same chunks
+            assert all(torch.equal(t, sd[n]) for n, t in module.state_dict().items())
+            in_full = sync.sender.replayed
+            for t in sd.values():
+                t.mul_(2)
+            await sync.push_chunks(listed, metas, version=5)  # the same list: replayed
+            assert all(torch.equal(t, sd[n]) for n, t in module.state_dict().items())
+            return after_replace, in_full, sync.sender.replayed
+
+    after_replace, in_full, replayed = _run(go())
+    assert after_replace == 0 and in_full == 0 and replayed == 1
+
+
+def test_a_replay_the_engine_cannot_take_is_refused_before_any_byte_and_the_group_goes_on():
+    """An engine that no longer holds what a replay refers to. Its manifest (an endpoint keeps
+    the last 8; another trainer's updates can push it out): the one engine refuses the start,
+    nothing moves, the sender sends the update in full at once. Its layout (only a receiver
+    re-initialised by another sender loses it, and then it is in another group): the engine
+    votes no, the push fails saying so, the group stays in step and the next push lands.
+    Forgetting is done by clearing the engine's caches: the only way to cause either in one
+    sender's session."""
+    module, ep = _engine()
+    src = Net(1)
+
+    async def go():
+        async with ws.connect([ep], STREAM, device="cpu") as sync:
+            for v in (1, 2):  # the second push sends the held update in full
+                await sync.push(src, version=v)
+            _bump(src, 1.0)
+            ep._manifests.clear()
+            assert (await sync.push(src, version=3)).versions == [3]  # in full, at once
+            assert _same(module, src) and sync.sender.replayed == 1
+            _bump(src, 1.0)
+            assert (await sync.push(src, version=4)).versions == [4]  # replayed again
+            assert _same(module, src) and sync.sender.replayed == 2
+            before = {n: t.clone() for n, t in module.state_dict().items()}
+            _bump(src, 1.0)
+            ep.receiver.layouts.clear()
+            with pytest.raises(ws.WeightSyncError, match="does not hold"):
+                await sync.push(src, version=5)
+            unchanged = all(torch.equal(t, before[n]) for n, t in module.state_dict().items())
+            assert (await sync.push(src, version=6)).versions == [6]  # the same group
+            return unchanged
+
+    unchanged = _run(go())
+    assert unchanged and _same(module, src)
+
+
+def test_two_engines_take_a_replay_with_the_manifest_in_full():
+    """With several engines the start goes out alone first and carries the manifest (an engine
+    that no longer held it would refuse while the others accepted); the request still refers
+    to the layout. Both engines land every update exact."""
+    (m0, e0), m1 = _engine(), Net(5)
+    e1 = ws.WeightUpdateEndpoint(TorchModuleWeightLoader(module=m1), name="eng1")
+    src = Net(1)
+    starts: list[dict] = []
+
+    async def go():
+        async with ws.connect([e0, e1], STREAM, device="cpu") as sync:
+            original = e1.start_weight_update
+
+            async def start_spy(start):
+                starts.append(start)
+                return await original(start)
+
+            e1.start_weight_update = start_spy
+            for v in (1, 2, 3, 4):
+                assert (await sync.push(src, version=v)).versions == [v, v]
+                assert _same(m0, src) and _same(m1, src), v
+                _bump(src, 0.25)
+            return sync.sender.replayed
+
+    assert _run(go()) == 2
+    assert all(s["manifest"] and not s.get("manifest_of") for s in starts)
