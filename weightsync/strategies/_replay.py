@@ -52,7 +52,7 @@ class LastUpdate:
     """The last update a sender sent in full and may replay: the held chunks it was made of
     (held: their ids stay theirs), the start's per-update options and manifest (ids of its
     entries), the start as sent, the request as a reference to its layout (no entries) and,
-    where the sender needs it, the chunk it sent."""
+    where the sender needs it, the chunk it sent and the bytes of the update."""
 
     held: list[WeightChunk]
     options: tuple
@@ -60,6 +60,7 @@ class LastUpdate:
     start: dict
     request: dict
     chunk: WeightChunk | None = None
+    nbytes: int = 0
 
     def fits(self, held: list[WeightChunk], kwargs: dict) -> bool:
         """An update of ``held`` with ``kwargs`` is this one again (its values aside)."""

@@ -529,9 +529,8 @@ def _pack(staging: Staging, buf: torch.Tensor, layout: ChunkLayout, places: list
 
     tensors = chunk.tensors
     for ds, idx in staging.views(("pack", layout.serial), build):
-        dev = ds[0].device
-        torch._foreach_copy_(ds, [tensors[i] if tensors[i].device == dev else tensors[i].to(dev)
-                                  for i in idx])
+        # a source on another device is copied across by the same call (its per-pair path)
+        torch._foreach_copy_(ds, [tensors[i] for i in idx])
 
 
 def _start_header(group: Group, item: FeedItem | StreamAbort | None,

@@ -443,6 +443,7 @@ class BroadcastTransferSender(WeightTransferSender):
         carries_apply = bool(getattr(inference_client, "supports_apply_update", False))
         one_engine = carries_apply and len(getattr(inference_client, "names", None) or ()) == 1
         replay = last is not None and held is not None and last.fits(held, options)
+        total = last.nbytes if replay and last is not None else sum(m.nbytes for m in manifest)
         if replay:
             assert last is not None
             start_d, request_d, finish_d = last.messages(stats.update_id, version,
@@ -474,8 +475,7 @@ class BroadcastTransferSender(WeightTransferSender):
                 last = LastUpdate(held=list(held), options=update_options(options),
                                   manifest_ids=manifest_ids(manifest), start=start_d,
                                   request={**request_d, "names": [], "dtypes": [],
-                                           "shapes": []})
-        total = sum(m.nbytes for m in manifest)
+                                           "shapes": []}, nbytes=total)
         if one_engine:
             # one engine: the whole update is one call (see the class docstring)
             trace.mark("rpc.apply.begin", tensors=len(manifest), bytes=total)
