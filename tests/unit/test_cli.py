@@ -147,3 +147,19 @@ def test_serve_policy_help_lists_model_and_vllm_defaults(capsys):
     assert "--model DIR" in out and "weightsync make-model --kind policy" in out
     assert "--update-timeout-s SECONDS" in out and "(default 600 s)" in out
     assert "default on CPU: float32" in out
+
+
+def test_serve_policy_runs_prompt_logprobs_alone_by_default_only_for_lora_on_cpu():
+    """``--prompt-logprobs-alone``: given, or ``auto`` (LoRA on vLLM's CPU build), as parsed."""
+    from weightsync.servers.policy import _our_parser, prompt_logprobs_alone
+
+    assert _our_parser().parse_args([]).prompt_logprobs_alone is None  # the config's "auto"
+    assert _our_parser().parse_args(["--prompt-logprobs-alone", "on"]).prompt_logprobs_alone == "on"
+    with pytest.raises(SystemExit):
+        _our_parser().parse_args(["--prompt-logprobs-alone", "sometimes"])
+    cases = {("auto", True, True): True, ("auto", True, False): False,
+             ("auto", False, True): False, ("on", False, False): True, ("off", True, True): False}
+    for (mode, lora, cpu), want in cases.items():
+        assert prompt_logprobs_alone(mode, lora=lora, cpu=cpu) is want, (mode, lora, cpu)
+    with pytest.raises(ValueError, match="prompt_logprobs_alone"):
+        prompt_logprobs_alone("yes", lora=True, cpu=True)

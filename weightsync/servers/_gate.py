@@ -20,6 +20,11 @@ the weights). An adapter-only update changes nothing a request of another model 
 and such requests do not wait for each other: a writer of adapter ``a`` waits only for readers
 of ``a`` (and of an unknown model), and holds back only those. An update of the weights waits
 for and holds back every reader, as does a reader of an unknown model every writer.
+
+A reader may ask to run alone (``alone``: a request vLLM cannot run beside others, see
+``weightsync.servers.policy``'s ``prompt_logprobs_alone``): it waits until no other reader runs,
+new readers wait while it waits or runs (no starvation), and it waits for and holds back updates
+as any reader of its model does.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class UpdateGate:
         self._writer: str | None = None  # update id holding the gate
         self._writer_adapter: str | None = None  # the adapter it updates (None: the weights)
         self._waiting: list[str | None] = []  # the adapters of the writers waiting
+        self._alone: set[int] = set()  # the readers that run alone (tokens)
+        self._alone_waiting = 0  # readers waiting to run alone
         self._changed = asyncio.Event()
         self.writer_since = 0.0
 
@@ -52,6 +59,11 @@ class UpdateGate:
     @property
     def readers(self) -> int:
         return len(self._readers)
+
+    @property
+    def alone_busy(self) -> bool:
+        """A reader runs alone or waits to."""
+        return bool(self._alone or self._alone_waiting)
 
     def in_flight(self, limit: int = 5, adapter: str | None = None) -> str:
         """The oldest readers an update of ``adapter`` waits for, e.g. ``"POST /v1/completions
@@ -74,22 +86,35 @@ class UpdateGate:
                 await self._changed.wait()
 
     async def acquire_read(self, timeout_s: float, label: str = "",
-                           model: str | None = None) -> int:
+                           model: str | None = None, *, alone: bool = False) -> int:
         """Wait (at most ``timeout_s``, else ``TimeoutError``) until no update that conflicts
-        with a request for ``model`` holds or waits for the gate; returns the token to hand to
+        with a request for ``model`` holds or waits for the gate, no reader runs alone or waits
+        to and, with ``alone``, no other reader runs; returns the token to hand to
         ``release_read``."""
 
         def free() -> bool:
             if self._writer is not None and conflicts(model, self._writer_adapter):
                 return False
-            return not any(conflicts(model, a) for a in self._waiting)
+            if any(conflicts(model, a) for a in self._waiting) or self._alone:
+                return False
+            return not self._readers if alone else not self._alone_waiting
 
-        await self._wait_until(free, timeout_s)
+        if alone:
+            self._alone_waiting += 1
+        try:
+            await self._wait_until(free, timeout_s)
+        finally:
+            if alone:
+                self._alone_waiting -= 1
+                self._notify()
         self._next_token += 1
         self._readers[self._next_token] = (label, time.monotonic(), model)
+        if alone:
+            self._alone.add(self._next_token)
         return self._next_token
 
     def release_read(self, token: int) -> None:
+        self._alone.discard(token)
         if self._readers.pop(token, None) is not None:
             self._notify()
 

@@ -202,6 +202,9 @@ class UpdateControl:
         #: an adapter-only update then waits only for requests of that adapter (``_gate``),
         #: and requests are salted by version (an adapter-only update resets no prefix cache)
         self.scoped_by_model = False
+        #: a request that asks for prompt logprobs runs alone (``serving(alone=True)``; the
+        #: policy server sets it: ``policy.prompt_logprobs_alone``)
+        self.prompt_logprobs_alone = False
         #: keep the KV of requests in flight at a flip (``in_flight_kv="keep"``): no recompute,
         #: no prefix-cache reset; requests are salted by version instead (``cache_salt_for``)
         self.keep_kv = in_flight_kv == "keep"
@@ -290,18 +293,26 @@ class UpdateControl:
     # -- the read side: requests that run the model ------------------------------------------
     @contextlib.asynccontextmanager
     async def serving(self, what: str = "request", label: str = "",
-                      model: str | None = None) -> AsyncIterator[int]:
+                      model: str | None = None, *, alone: bool = False) -> AsyncIterator[int]:
         """Hold the read side while a request runs the model; yields the version that serves
         it. Raises ``ServiceError(503)`` when an update runs longer than ``wait_timeout_s`` or
         the weights are torn. ``label`` (e.g. ``"POST /v1/completions"``) names the request in
         the error an update gets when it cannot drain. ``model``: the model the request asked
         for, when known: a LoRA adapter-only update of another adapter neither waits for it nor
-        holds it back (``_gate``)."""
+        holds it back (``_gate``). ``alone``: the request runs with no other in flight (it
+        waits for them; new ones wait for it; ``wait_timeout_s`` bounds its wait too)."""
         await self.expire_stale_update()
         try:
-            token = await self.gate.acquire_read(self.wait_timeout_s, label or what, model)
+            token = await self.gate.acquire_read(self.wait_timeout_s, label or what, model,
+                                                 alone=alone)
         except TimeoutError:
             active = self._active
+            if self.gate.writer is None and (alone or self.gate.alone_busy):
+                # no update held it: a request that runs alone waited, or was waited for
+                why = "this request runs alone (it asks for prompt logprobs): " if alone else ""
+                raise ServiceError(
+                    503, f"{why}the requests in flight ({self.gate.in_flight()}) did not finish "
+                         f"within {self.wait_timeout_s:g}s; retry later") from None
             raise ServiceError(
                 503,
                 f"a weight update ({active.update_id if active else 'unknown'}) has been in "

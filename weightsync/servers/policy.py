@@ -75,6 +75,10 @@ class PolicyServerConfig:
     warmup: bool = True  # one logprobs request before serving (_serving.warm_up)
     in_flight_requests: str = "finish"  # at an update: "finish" (drain) or "continue" on it
     in_flight_kv: str = "recompute"  # "continue": the requests' KV recomputed, or "keep" it
+    #: run each request that asks for prompt logprobs alone: "on", "off", or "auto" (on with
+    #: --enable-lora on vLLM's CPU build, whose engine dies computing them beside other
+    #: requests: vLLM issues 16668 and 29955)
+    prompt_logprobs_alone: str = "auto"
 
 
 #: ``--warmup``: what it sends, what it costs at start (measured: docs/reliability.md)
@@ -113,6 +117,13 @@ def _our_parser(*, for_help: bool = False) -> argparse.ArgumentParser:
                            "PipelineRL: no recompute after the flip; each request's prefix "
                            "cache is keyed by the version it started on, so no later request "
                            f"reuses old-weight KV) (default {d.in_flight_kv})")
+    ours.add_argument("--prompt-logprobs-alone", choices=["auto", "on", "off"],
+                      help="run each request that asks for prompt logprobs ('prompt_logprobs', "
+                           "or 'echo' with logprobs) alone: it waits until the requests in "
+                           "flight finished and new ones wait for it. 'auto': on with "
+                           "--enable-lora on vLLM's CPU build, whose engine dies computing a "
+                           "LoRA model's prompt logprobs beside other requests (vLLM issues "
+                           f"16668, 29955) (default {d.prompt_logprobs_alone})")
     if for_help:
         vllm = p.add_argument_group(
             "vLLM's arguments (passed to vLLM's own parser; every other one too: see `vllm "
@@ -232,6 +243,9 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
     # requests of the base model (or of another adapter) neither wait for an adapter-only
     # update nor hold it back
     control.scoped_by_model = bool(getattr(args, "enable_lora", False))
+    control.prompt_logprobs_alone = prompt_logprobs_alone(
+        cfg.prompt_logprobs_alone, lora=control.scoped_by_model,
+        cpu=not torch.cuda.is_available())
     await control.refresh_state()
     await control.world_size()  # asked once here: /get_world_size never waits for workers
     if cfg.warmup:
@@ -253,6 +267,14 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
     # outermost (vLLM's app has built its middleware stack already): a plain ASGI wrapper
     asgi = VersionedResponses(app, control=control, exempt=CONTROL_PATHS)
     return PolicyServer(cfg, engine, app, asgi, control)
+
+
+def prompt_logprobs_alone(mode: str, *, lora: bool, cpu: bool) -> bool:
+    """Whether the server runs each request that asks for prompt logprobs alone
+    (``PolicyServerConfig.prompt_logprobs_alone``; "auto": a LoRA server on vLLM's CPU build)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"prompt_logprobs_alone must be 'auto', 'on' or 'off', got {mode!r}")
+    return mode == "on" or (mode == "auto" and lora and cpu)
 
 
 #: vLLM's admin routes that make sense only with ``--enable-elastic-ep``

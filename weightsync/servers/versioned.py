@@ -79,11 +79,14 @@ class VersionedResponses:
             await self.app(scope, receive, send)
             return
         body = None
-        if scope.get("path") in SALTED and (self.control.keep_kv or self.control.scoped_by_model):
+        control = self.control
+        if scope.get("path") in SALTED and (control.keep_kv or control.scoped_by_model
+                                            or control.prompt_logprobs_alone):
             body = await _Body.read(receive)
-        model = body.model() if body is not None and self.control.scoped_by_model else None
-        serving = self.control.serving(
-            "generate", f"{scope.get('method', '')} {scope.get('path', '')}", model)
+        model = body.model() if body is not None and control.scoped_by_model else None
+        alone = control.prompt_logprobs_alone and body is not None and body.asks_prompt_logprobs()
+        serving = control.serving(
+            "generate", f"{scope.get('method', '')} {scope.get('path', '')}", model, alone=alone)
         try:
             version = await serving.__aenter__()
         except ServiceError as e:
@@ -92,12 +95,12 @@ class VersionedResponses:
         try:
             spans = None
             if body is not None:
-                if self.control.keep_kv or self.control.scoped_by_model:
+                if control.keep_kv or control.scoped_by_model:
                     scope = body.salt(scope, version)
                 receive = body.replay(receive)
-            if self.control.in_flight == "continue":
+            if control.in_flight == "continue":
                 scope, request_id = _with_request_id(scope)
-                since, control = self.control.flip_seq, self.control
+                since = control.flip_seq
                 memo: list = [since, None]  # (flips seen, their spans): per event, no rescan
 
                 def spans() -> dict | None:
@@ -255,6 +258,20 @@ class _Body:
         """The ``"model"`` a JSON object body names (None: none, or not a JSON object)."""
         model = self.data.get("model") if self.data is not None else None
         return model if isinstance(model, str) else None
+
+    def asks_prompt_logprobs(self) -> bool:
+        """Whether a JSON object body asks vLLM for prompt logprobs: ``prompt_logprobs`` (at the
+        top, or in ``sampling_params`` as the token-in/token-out route takes it), or ``echo``
+        with ``logprobs`` (completions) or ``top_logprobs`` (chat), as vLLM reads them."""
+        d = self.data
+        if d is None:
+            return False
+        if d.get("prompt_logprobs") is not None:
+            return True
+        if d.get("echo") and (d.get("logprobs") is not None or d.get("top_logprobs") is not None):
+            return True
+        params = d.get("sampling_params")
+        return isinstance(params, dict) and params.get("prompt_logprobs") is not None
 
     def salt(self, scope: dict, version: int) -> dict:
         """Set ``cache_salt`` in a JSON object body (``UpdateControl.cache_salt_for``: the

@@ -1,18 +1,21 @@
 """What a sender keeps of its last update to send the next one of the very same chunks again
-without making it anew (``CudaIpcTransferSender``, ``BroadcastTransferSender``).
+without making it anew (``CudaIpcTransferSender``, ``BroadcastTransferSender``), and what a
+receiver keeps for the layout references such updates carry (``KeptLayouts``).
 
 A trainer that pushes the same tensors step after step (the front door's held update: views of
 the model's own weights; a caller's list of chunks) sends an update whose entries, options and
 layout are the last one's; only the values changed. Such an update is *replayed*: its start
 refers to the manifest the engines keep from the update that carried it in full
 (``WeightUpdateStart.manifest_of``), its request to the layout they keep decoded (the
-strategy's ``layout_key``), and nothing is planned, validated or serialized again. Runs in the
-trainer process, on the sender's event loop.
+strategy's ``layout_key``), and nothing is planned, validated or serialized again. The sender's
+side runs in the trainer process, on the sender's event loop; ``KeptLayouts`` in each engine
+worker, in its receiver.
 """
 
 from __future__ import annotations
 
 import operator
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,3 +83,25 @@ class LastUpdate:
         request = {**self.request, **stamp, "chunk_index": 0, "is_last": True}
         finish = WeightUpdateFinish(update_id=update_id, version=version, num_chunks=1).to_dict()
         return start, request, finish
+
+
+class KeptLayouts(OrderedDict):
+    """What a receiver decoded from the requests that carried a layout key in full, by key,
+    most recently used last; at most ``limit`` (the oldest go first)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def find(self, key: str) -> Any:
+        """The layout kept for ``key`` (now the most recently used), or None."""
+        found = self.get(key)
+        if found is not None:
+            self.move_to_end(key)
+        return found
+
+    def keep(self, key: str, layout: Any) -> None:
+        self[key] = layout
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)

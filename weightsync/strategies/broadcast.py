@@ -30,7 +30,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -67,6 +66,7 @@ from weightsync.strategies._layout import (
     plan_layout,
 )
 from weightsync.strategies._replay import (
+    KeptLayouts,
     LastUpdate,
     engine_loader,
     held_chunks,
@@ -691,7 +691,7 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
                                      header_timeout_s=float(cfg.idle_timeout_s),
                                      overlap=bool(cfg.overlap_chunks))
         # the entries of streamed requests that carried a layout key, most recent last
-        self.layouts: OrderedDict[str, _Entries] = OrderedDict()
+        self.layouts = KeptLayouts(KEPT_LAYOUTS)
 
     def parse_request(self, request_dict: dict) -> WeightUpdateRequest:
         """As the base class; a layout reference gets the entries the request that carried its
@@ -703,14 +703,11 @@ class BroadcastTransferReceiver(WeightTransferReceiver):
         if not key:
             return req
         if req.is_reference:
-            known = self.layouts.get(key)
+            known = self.layouts.find(key)
             if known is not None:
-                self.layouts.move_to_end(key)
                 req.names, req.dtypes, req.shapes = known.names, known.dtypes, known.shapes
         else:
-            self.layouts[key] = _Entries(req.names, req.dtypes, req.shapes)
-            while len(self.layouts) > KEPT_LAYOUTS:
-                self.layouts.popitem(last=False)
+            self.layouts.keep(key, _Entries(req.names, req.dtypes, req.shapes))
         return req
 
     def _known_valid(self, request: WeightUpdateRequest, loader: WeightLoader) -> bool:

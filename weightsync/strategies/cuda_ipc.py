@@ -56,6 +56,7 @@ from weightsync.strategies._every_rank import (
 from weightsync.strategies._ipc_open import IpcBufferOpener
 from weightsync.strategies._layout import as_bytes, views_into
 from weightsync.strategies._replay import (
+    KeptLayouts,
     LastUpdate,
     engine_loader,
     held_chunks,
@@ -499,7 +500,7 @@ class CudaIpcTransferReceiver(WeightTransferReceiver):
         self.last_replica = 0  # which rank's copy the last chunk was read from (every_rank)
         self.buffers = IpcBufferOpener(AttachedSegments(max_bytes=4 * bucket_bytes(cfg)))
         # layouts decoded from requests that carried a layout key, most recent last
-        self.layouts: OrderedDict[str, _Layout] = OrderedDict()
+        self.layouts = KeptLayouts(MAX_KNOWN_LAYOUTS * 2)
 
     def parse_request(self, request_dict: dict) -> WeightUpdateRequest:
         """As the base class; a layout reference is filled in from the layout the same key
@@ -509,14 +510,13 @@ class CudaIpcTransferReceiver(WeightTransferReceiver):
         if not key:
             return req
         if req.is_reference:
-            layout = self.layouts.get(key)
+            layout = self.layouts.find(key)
             if layout is None:
                 raise WeightSyncError(
                     f"cuda_ipc: the request refers to layout {key[:8]}, which this engine "
                     f"does not hold (its receiver was re-initialised by another sender?); "
                     f"connect again (a new sender sends every layout in full)"
                 )
-            self.layouts.move_to_end(key)
             full = layout.request
             req.names, req.dtypes, req.shapes = full.names, full.dtypes, full.shapes
             req.handles, req.replicas = full.handles, full.replicas
@@ -526,9 +526,7 @@ class CudaIpcTransferReceiver(WeightTransferReceiver):
                     f"{len(req.names)} tensors"
                 )
         else:
-            self.layouts[key] = _Layout(req)
-            while len(self.layouts) > MAX_KNOWN_LAYOUTS * 2:
-                self.layouts.popitem(last=False)
+            self.layouts.keep(key, _Layout(req))
         return req
 
     def _known_valid(self, request: WeightUpdateRequest, loader: WeightLoader) -> bool:

@@ -223,3 +223,42 @@ def test_an_adapter_update_under_a_base_stream_leaves_no_stale_prefix_cache(lora
 
     assert asyncio.run(go()) <= TOL
 
+
+
+def test_a_prompt_logprobs_request_beside_a_stream_runs_alone_and_is_answered_exactly(
+        lora_server):
+    """vLLM's CPU build kills its engine when a LoRA model computes prompt logprobs beside
+    other requests in one batch (vLLM issues 16668, 29955; with the guard off this request
+    gets a 500 and the engine is gone). The server runs such a request alone
+    (``--prompt-logprobs-alone``, on by default with ``--enable-lora`` on CPU): sent while a
+    base-model stream runs, it waits for the stream to end, is answered with the merged
+    model's prompt logprobs and greedy tokens, and the engine keeps serving."""
+    import threading
+    import time
+
+    model, merged, _ = _policy(lora_server.model_dir, seed=10)
+    _push(lora_server, model)
+    first, out = threading.Event(), {}
+
+    def stream():
+        body = {"model": "tiny-policy", "prompt": PROMPTS[0], "max_tokens": 200, "n": 16,
+                "temperature": 1.0, "seed": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", lora_server.url + "/v1/completions", json=body,
+                          timeout=300) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    first.set()
+        out["ended"] = time.monotonic()
+        first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(120) and "ended" not in out  # the stream is in flight
+    _check(lora_server, merged, PROMPTS[1], "policy")  # prompt logprobs, greedy, exact
+    answered = time.monotonic()
+    reader.join(300)
+    assert out["status"] == 200
+    assert answered >= out["ended"], "the prompt-logprobs request ran beside the stream"
+    assert httpx.get(lora_server.url + "/health", timeout=10).status_code == 200
+    _check(lora_server, merged, PROMPTS[0], "policy")  # and it serves on

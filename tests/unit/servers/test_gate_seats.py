@@ -199,3 +199,104 @@ def test_without_scopes_every_request_holds_an_adapter_update_back():
             await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(go())
+
+
+# -- requests that run alone (prompt logprobs on a server that cannot batch them) -----------------
+
+
+async def _asgi_request_with(asgi, body: dict, path: str = "/v1/completions",
+                             sent: list | None = None) -> None:
+    """A request with JSON ``body`` whose app never ends; the messages it was sent go to
+    ``sent`` (a 503 answer, for one)."""
+    left = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive():
+        if left:
+            return left.pop()
+        await asyncio.Event().wait()
+
+    async def send(message):
+        if sent is not None:
+            sent.append(message)
+
+    await asgi({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
+
+
+def test_a_request_that_runs_alone_waits_for_the_others_and_holds_new_ones_back():
+    """A reader that runs alone gets its seat once the readers in flight left; readers that come
+    while it waits or runs wait for it (no starvation under steady load), then get in."""
+
+    async def go():
+        c = UpdateControl(None, wait_timeout_s=5)
+        first = await _requests_in_flight(c, "/v1/completions", 2)
+        solo = asyncio.ensure_future(c.gate.acquire_read(5, "solo", alone=True))
+        await asyncio.sleep(0.05)
+        late = asyncio.ensure_future(c.gate.acquire_read(5, "late"))
+        await asyncio.sleep(0.05)
+        waited = (not solo.done(), not late.done(), c.gate.alone_busy)
+        first[0].cancel()
+        await asyncio.sleep(0.05)
+        still = not solo.done()  # one request is still in flight
+        first[1].cancel()
+        token = await asyncio.wait_for(solo, 1)
+        await asyncio.sleep(0.05)
+        late_held = not late.done()  # the solo request runs: the late one waits
+        c.gate.release_read(token)
+        late_token = await asyncio.wait_for(late, 1)
+        c.gate.release_read(late_token)
+        await asyncio.gather(*first, return_exceptions=True)
+        return waited, still, late_held, c.gate.readers, c.gate.alone_busy
+
+    assert asyncio.run(go()) == ((True, True, True), True, True, 0, False)
+
+
+def test_the_middleware_runs_prompt_logprobs_requests_alone_and_says_so_when_it_cannot():
+    """With ``prompt_logprobs_alone`` (the policy server's guard) a request that asks for prompt
+    logprobs, in any of the ways vLLM reads them, waits for the requests in flight; one that
+    does not gets in beside them; a solo request that cannot get in answers 503 saying why.
+    Without the guard the same request gets in at once."""
+    asks = [{"prompt": "hi", "prompt_logprobs": 0},
+            {"prompt": "hi", "echo": True, "logprobs": 1},
+            {"messages": [], "echo": True, "top_logprobs": 2},
+            {"token_ids": [1], "sampling_params": {"prompt_logprobs": 1}}]
+    plain = [{"prompt": "hi", "logprobs": 1}, {"prompt": "hi", "echo": True},
+             {"prompt": "hi", "prompt_logprobs": None}]
+
+    async def seated(c: UpdateControl, body: dict) -> bool:
+        asgi = VersionedResponses(_hanging_app, control=c)
+        before = c.gate.readers
+        task = asyncio.ensure_future(_asgi_request_with(asgi, body))
+        try:
+            async with asyncio.timeout(0.2):
+                while c.gate.readers == before:
+                    await asyncio.sleep(0.01)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def go():
+        c = UpdateControl(None, wait_timeout_s=0.3)
+        c.prompt_logprobs_alone = True
+        running = [asyncio.ensure_future(_asgi_request_with(
+            VersionedResponses(_hanging_app, control=c), {"prompt": "a long one"}))]
+        while c.gate.readers < 1:
+            await asyncio.sleep(0.01)
+        got = [await seated(c, b) for b in asks + plain]
+        sent: list[dict] = []
+        await _asgi_request_with(VersionedResponses(_hanging_app, control=c), asks[0], sent=sent)
+        c.prompt_logprobs_alone = False
+        unguarded = await seated(c, asks[0])
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        return got, sent, unguarded
+
+    got, sent, unguarded = asyncio.run(go())
+    assert got == [False] * len(asks) + [True] * len(plain)
+    assert sent[0]["status"] == 503
+    detail = json.loads(sent[1]["body"])["detail"]
+    assert "runs alone (it asks for prompt logprobs)" in detail and "POST /v1/completions" in detail
+    assert unguarded
