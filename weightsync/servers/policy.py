@@ -23,7 +23,9 @@ CPU, unless given: ``--dtype float32``, ``--enforce-eager``, ``--kv-cache-memory
 LoRA adapters (``--enable-lora``, ``--max-lora-rank``, ``--max-cpu-loras``): a trainer pushes
 only its adapter (the ``lora_adapter`` extractor, ``weightsync.lora_adapter``); once the update
 landed, requests whose ``"model"`` is the adapter's name are served by its latest version,
-requests naming the base model by the base weights.
+requests naming the base model by the base weights. ``--adapter-slots N`` (N >= 2) keeps N
+versions of each adapter, so an adapter update waits for none of its requests in flight
+(``weightsync.servers._adapter_slots``).
 
 Updates (the pause policy): an update waits until the requests in flight have finished on the
 old weights (drain), new requests wait at the gate until it is done, then run on the new
@@ -75,6 +77,7 @@ class PolicyServerConfig:
     warmup: bool = True  # one logprobs request before serving (_serving.warm_up)
     in_flight_requests: str = "finish"  # at an update: "finish" (drain) or "continue" on it
     in_flight_kv: str = "recompute"  # "continue": the requests' KV recomputed, or "keep" it
+    adapter_slots: int = 1  # versions kept per LoRA adapter (``servers._adapter_slots``)
 
 
 #: ``--warmup``: what it sends, what it costs at start (measured: docs/reliability.md)
@@ -113,6 +116,16 @@ def _our_parser(*, for_help: bool = False) -> argparse.ArgumentParser:
                            "PipelineRL: no recompute after the flip; each request's prefix "
                            "cache is keyed by the version it started on, so no later request "
                            f"reuses old-weight KV) (default {d.in_flight_kv})")
+    ours.add_argument("--adapter-slots", type=int, metavar="N",
+                      help="with --enable-lora: versions kept per adapter. 1: an adapter "
+                           "update rewrites the adapter, so it waits for the adapter's "
+                           "requests in flight and holds new ones back until it landed; N >= 2: "
+                           "each version goes into the next of N slots, requests in flight "
+                           "finish on the version they started with, new ones get the new "
+                           "version at once, and an update waits only for requests still on "
+                           "the slot it reuses. Each slot holds one copy of the adapter "
+                           "(--max-cpu-loras >= N x adapters; --max-loras >= 2 lets two "
+                           f"versions run in one batch) (default {d.adapter_slots})")
     if for_help:
         vllm = p.add_argument_group(
             "vLLM's arguments (passed to vLLM's own parser; every other one too: see `vllm "
@@ -187,6 +200,15 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
     if cfg.in_flight_kv == "keep" and cfg.in_flight_requests != "continue":
         _our_parser().error("--in-flight-kv keep needs --in-flight-requests continue (only "
                             "requests that continue across an update have KV to keep)")
+    if cfg.adapter_slots < 1:
+        _our_parser().error(f"--adapter-slots must be >= 1, got {cfg.adapter_slots}")
+    if cfg.adapter_slots > 1 and not getattr(args, "enable_lora", False):
+        _our_parser().error("--adapter-slots keeps versions of LoRA adapters: it needs "
+                            "--enable-lora")
+    if cfg.adapter_slots > 1 and cfg.in_flight_requests == "continue":
+        _our_parser().error("--adapter-slots keeps each request on the adapter version it "
+                            "started with, --in-flight-requests continue moves it to the new "
+                            "one: choose one")
     if cfg.api_key is None and os.environ.get("WEIGHTSYNC_API_KEY"):
         cfg.api_key = os.environ["WEIGHTSYNC_API_KEY"]
     args.host, args.port, args.api_key = cfg.host, cfg.port, None
@@ -226,7 +248,7 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
         default_training_mode=None, pause_generation=True,
         serve_during_updates=cfg.serve_during_updates,
         allow_version_reset=cfg.allow_version_reset, in_flight=cfg.in_flight_requests,
-        in_flight_kv=cfg.in_flight_kv,
+        in_flight_kv=cfg.in_flight_kv, adapter_slots=cfg.adapter_slots,
     )
     control.adapter_published = _adapter_names_for(app.state)
     # requests of the base model (or of another adapter) neither wait for an adapter-only
@@ -287,16 +309,20 @@ def _drop_routes(app: Any, paths: tuple[str, ...]) -> None:
 
 
 def _adapter_names_for(state: Any) -> Any:
-    """After a LoRA adapter-only update landed: requests whose ``model`` names the adapter are
-    served by it (vLLM's table of adapter names, as its ``/v1/load_lora_adapter`` fills it;
-    the adapter itself is in every worker already, from memory, so vLLM reads no file).
-    ``/v1/models`` lists it."""
-    def publish(name: str) -> None:
+    """After a LoRA adapter-only update landed in slot ``slot``: requests whose ``model`` names
+    the adapter are served by that slot's version (vLLM's table of adapter names, as its
+    ``/v1/load_lora_adapter`` fills it, made a ``_adapter_slots.SlotTable``: a request seated on
+    an older slot keeps it; the adapter itself is in every worker already, from memory, so vLLM
+    reads no file). ``/v1/models`` lists it."""
+    from weightsync.servers._adapter_slots import install
+
+    table = install(getattr(state, "openai_serving_models", None))
+
+    def publish(name: str, slot: int) -> None:
         from weightsync.lora_adapter import lora_request
 
-        models = getattr(state, "openai_serving_models", None)
-        if models is not None and name not in models.lora_requests:
-            models.lora_requests[name] = lora_request(name)
+        if table is not None:
+            table.publish(name, slot, lora_request(name, slot))
 
     return publish
 

@@ -223,3 +223,82 @@ def test_an_adapter_update_under_a_base_stream_leaves_no_stale_prefix_cache(lora
 
     assert asyncio.run(go()) <= TOL
 
+
+@pytest.fixture(scope="module")
+def slotted_server(tiny_policy_model_dir, tmp_path_factory):
+    from conftest import start_policy_server, stop_server
+
+    log_path = str(tmp_path_factory.mktemp("policy-lora-slots") / "server.log")
+    handle = start_policy_server(tiny_policy_model_dir, log_path, extra=[
+        "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "2",
+        "--adapter-slots", "2"])
+    try:
+        yield handle
+    finally:
+        stop_server(handle)
+
+
+def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_serves(
+    slotted_server,
+):
+    """``--adapter-slots 2``: a greedy stream of the adapter runs while its next version is
+    pushed; the push returns before the stream ends (it waits for no request of the adapter),
+    every token of the stream is the old version's (transformers on the merged model: its
+    greedy continuation), and a request sent meanwhile gets the new version. A third version
+    goes into the first slot again once nothing runs on it."""
+    import threading
+    import time
+
+    server = slotted_server
+    models = [_policy(server.model_dir, seed=s) for s in (11, 12, 13)]
+    first, out = threading.Event(), {}
+    new_tokens = 200
+
+    def stream():
+        body = {"model": "policy", "prompt": PROMPTS[1], "max_tokens": new_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}
+        tokens, versions = [], set()
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          timeout=300) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    versions.add(event.get("weight_version"))
+                    tokens += event["choices"][0].get("token_ids") or []
+                    first.set()
+        out.update(tokens=tokens, versions=versions, ended=time.monotonic())
+        first.set()
+
+    async def go():
+        async with ws.connect([server.url], "broadcast", api_key=server.api_key,
+                              extractor={"type": "lora_adapter", "adapter_name": "policy"}) as sync:
+            s1 = await sync.push(models[0][0])
+            reader = threading.Thread(target=stream)
+            reader.start()
+            assert await asyncio.to_thread(first.wait, 120)
+            assert "ended" not in out  # the adapter's stream is in flight
+            s2 = await sync.push(models[1][0])
+            out["pushed"] = time.monotonic()
+            out["meanwhile"] = await asyncio.to_thread(_check, server, models[1][1], PROMPTS[0],
+                                                       "policy")
+            out["meanwhile_at"] = time.monotonic()
+            await asyncio.to_thread(reader.join, 300)
+            s3 = await sync.push(models[2][0])  # slot 0 again: nothing runs on it now
+            return s1, s2, s3
+
+    s1, s2, s3 = asyncio.run(go())
+    (v1,), (v2,), (v3,) = s1.versions, s2.versions, s3.versions
+    print(f"push returned {out['ended'] - out['pushed']:.2f}s before the stream ended; the "
+          f"new version answered {out['ended'] - out['meanwhile_at']:.2f}s before it ended")
+    assert out["status"] == 200 and out["versions"] == {v1}
+    assert out["pushed"] < out["ended"], "the adapter update waited for the adapter's stream"
+    ids = models[0][1].ids(PROMPTS[1])
+    assert out["tokens"] == models[0][1].greedy(ids, new_tokens)  # v1's, to the last token
+    assert out["meanwhile"] == v2
+    assert (v2, v3) == (v1 + 1, v1 + 2)
+    for p in PROMPTS:
+        assert _check(server, models[2][1], p, "policy") == v3
+    base = Reference(server.model_dir)
+    _check(server, base, PROMPTS[0], "tiny-policy")
