@@ -42,6 +42,8 @@ from typing import Any
 MEMORY_PATH_PREFIX = "weightsync-memory://"
 #: PEFT's prefix of a saved adapter's tensor names
 PEFT_PREFIX = "base_model.model."
+#: what separates an adapter's name from its version slot in the name vLLM knows a slot by
+SLOT_NAME_SEP = "@slot"
 #: the adapter name used when none is given
 DEFAULT_ADAPTER_NAME = "policy"
 #: ``LoraConfig`` fields that travel (what vLLM's ``PEFTHelper`` reads)
@@ -139,13 +141,23 @@ class LoRAAdapterSpec:
         return cls(name=name, config=cfg)
 
 
-def lora_request(name: str = DEFAULT_ADAPTER_NAME, slot: int = 0) -> Any:
+def slot_lora_name(name: str, slot: int = 0) -> str:
+    """The name vLLM knows the version in ``slot`` of adapter ``name`` by (``name`` itself for
+    slot 0). vLLM tells ``LoRARequest``s apart by name alone (their hash and equality): two
+    versions of one adapter running in one batch under one name would be one adapter to it."""
+    return name if slot == 0 else f"{name}{SLOT_NAME_SEP}{slot}"
+
+
+def lora_request(name: str = DEFAULT_ADAPTER_NAME, slot: int = 0, *,
+                 listed: bool = False) -> Any:
     """vLLM's ``LoRARequest`` for the latest version of adapter ``name`` pushed into an
     in-process engine: ``llm.generate(prompts, params, lora_request=lora_request("policy"))``;
-    ``slot``: the version held in that slot (``adapter_id``)."""
+    ``slot``: the version held in that slot (``adapter_id``, ``slot_lora_name``); ``listed``:
+    under ``name`` itself whatever the slot (what ``/v1/models`` shows; never run)."""
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest(name, adapter_id(name, slot), MEMORY_PATH_PREFIX + name)
+    return LoRARequest(name if listed else slot_lora_name(name, slot), adapter_id(name, slot),
+                       MEMORY_PATH_PREFIX + name)
 
 
 def module_of(tensor_name: str) -> tuple[str, str] | None:

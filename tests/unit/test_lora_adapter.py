@@ -30,6 +30,18 @@ def test_adapter_ids_are_stable_positive_and_differ_by_name():
     assert "slot" not in LoRAAdapterSpec("policy", CFG).to_dict()  # the wire as before
 
 
+def test_each_slot_is_its_own_adapter_to_vllm():
+    """vLLM hashes and compares ``LoRARequest``s by name: two slots of one adapter under one
+    name were one adapter in a batch's set of requests, and the other was never activated
+    (the engine died: KeyError in vLLM's ``convert_mapping``)."""
+    from weightsync.lora_adapter import lora_request
+
+    slots = [lora_request("policy", k) for k in range(3)]
+    assert len(set(slots)) == 3 and len({r.lora_int_id for r in slots}) == 3
+    assert slots[0].lora_name == "policy"  # slot 0: the name itself, as without slots
+    assert lora_request("policy", 2, listed=True).lora_name == "policy"
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"name": "", "config": CFG}, "lora_adapter.name must be a non-empty string"),
     ({"name": "p", "config": {**CFG, "r": 0}}, "lora_adapter.config.r must be an int > 0"),

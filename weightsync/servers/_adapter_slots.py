@@ -42,6 +42,7 @@ class SlotTable(dict):
     def __init__(self, items: Any = ()) -> None:
         super().__init__(items)
         self.slots: dict[str, dict[int, Any]] = {}
+        self.listed: dict[str, Any] = {}  # name -> its latest LoRARequest under the name itself
 
     def _seated(self, name: Any) -> Any:
         seated = SEATED.get()
@@ -57,19 +58,33 @@ class SlotTable(dict):
         request = self._seated(name)
         return request if request is not None else super().get(name, default)
 
+    def values(self) -> Any:
+        """What vLLM lists (``/v1/models``): each name once, under the name itself (a slot's
+        ``LoRARequest`` carries the slot's own name, ``lora_adapter.slot_lora_name``)."""
+        return [self.listed.get(name, request) for name, request in self.items()]
+
     def __delitem__(self, name: Any) -> None:
         super().__delitem__(name)
         self.slots.pop(name, None)
+        self.listed.pop(name, None)
 
     def pop(self, name: Any, *default: Any) -> Any:
         self.slots.pop(name, None)
+        self.listed.pop(name, None)
         return super().pop(name, *default)
 
-    def publish(self, name: str, slot: int, request: Any) -> None:
+    def __setitem__(self, name: Any, request: Any) -> None:  # vLLM's own load route
+        self.slots.pop(name, None)
+        self.listed.pop(name, None)
+        super().__setitem__(name, request)
+
+    def publish(self, name: str, slot: int, request: Any, listed: Any) -> None:
         """``request`` (the ``LoRARequest`` of ``name``'s slot ``slot``) serves ``name`` from
-        now on; requests seated on another slot keep theirs."""
+        now on; requests seated on another slot keep theirs. ``listed``: the same under
+        ``name`` itself, for ``values()``."""
         self.slots.setdefault(name, {})[slot] = request
         super().__setitem__(name, request)
+        self.listed[name] = listed
 
 
 def install(models: Any) -> SlotTable | None:

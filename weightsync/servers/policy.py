@@ -322,7 +322,8 @@ def _adapter_names_for(state: Any) -> Any:
         from weightsync.lora_adapter import lora_request
 
         if table is not None:
-            table.publish(name, slot, lora_request(name, slot))
+            table.publish(name, slot, lora_request(name, slot),
+                          lora_request(name, slot, listed=True))
 
     return publish
 

@@ -231,7 +231,7 @@ def slotted_server(tiny_policy_model_dir, tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("policy-lora-slots") / "server.log")
     handle = start_policy_server(tiny_policy_model_dir, log_path, extra=[
         "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "2",
-        "--adapter-slots", "2"])
+        "--adapter-slots", "2", "--max-model-len", "512"])
     try:
         yield handle
     finally:
@@ -244,7 +244,8 @@ def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_
     """``--adapter-slots 2``: a greedy stream of the adapter runs while its next version is
     pushed; the push returns before the stream ends (it waits for no request of the adapter),
     every token of the stream is the old version's (transformers on the merged model: its
-    greedy continuation), and a request sent meanwhile gets the new version. A third version
+    greedy continuation), and a request sent meanwhile gets the new version (in the same
+    batches as the stream). A third version
     goes into the first slot again once nothing runs on it."""
     import threading
     import time
@@ -252,7 +253,7 @@ def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_
     server = slotted_server
     models = [_policy(server.model_dir, seed=s) for s in (11, 12, 13)]
     first, out = threading.Event(), {}
-    new_tokens = 200
+    new_tokens = 400
 
     def stream():
         body = {"model": "policy", "prompt": PROMPTS[1], "max_tokens": new_tokens,
@@ -297,6 +298,9 @@ def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_
     ids = models[0][1].ids(PROMPTS[1])
     assert out["tokens"] == models[0][1].greedy(ids, new_tokens)  # v1's, to the last token
     assert out["meanwhile"] == v2
+    # both versions ran in one batch (the case that killed vLLM's engine while both slots had
+    # one name: vLLM tells LoRA requests apart by name)
+    assert out["meanwhile_at"] < out["ended"], "the new version's request did not overlap"
     assert (v2, v3) == (v1 + 1, v1 + 2)
     for p in PROMPTS:
         assert _check(server, models[2][1], p, "policy") == v3

@@ -140,8 +140,8 @@ def test_with_one_slot_the_adapter_is_rewritten_and_its_requests_hold_the_update
 
 def test_the_slot_table_answers_each_request_its_seated_slot():
     table = SlotTable({"file-adapter": "F"})
-    table.publish("policy", 0, "P0")
-    table.publish("policy", 1, "P1")
+    table.publish("policy", 0, "P0", "policy listed (0)")
+    table.publish("policy", 1, "P1", "policy listed (1)")
 
     def lookup(seated):
         token = SEATED.set(seated)
@@ -153,13 +153,60 @@ def test_the_slot_table_answers_each_request_its_seated_slot():
     assert lookup(None) == ("P1", "P1", True)  # the latest
     assert lookup({"policy": 0}) == ("P0", "P0", True)
     assert lookup({"other": 0}) == ("P1", "P1", True)
-    assert sorted(table.values()) == ["F", "P1"]  # /v1/models: each name once
+    # /v1/models: each name once, under the name itself (a slot's request has its own name)
+    assert sorted(table.values()) == ["F", "policy listed (1)"]
+    table["policy"] = "loaded by vLLM's own route"  # a file adapter of the same name
+    assert table.slots == {} and lookup({"policy": 0})[0] == "loaded by vLLM's own route"
+    assert sorted(table.values()) == ["F", "loaded by vLLM's own route"]
     del table["policy"]  # vLLM's unload route
     token = SEATED.set({"policy": 0})
     try:
-        assert table.slots == {} and table.get("policy") is None and "policy" not in table
+        assert table.get("policy") is None and "policy" not in table
     finally:
         SEATED.reset(token)
+
+
+def test_a_slots_request_answers_under_the_adapters_name():
+    """vLLM answers a request of slot 1 under the slot's own name (``policy@slot1``: vLLM tells
+    LoRA requests apart by name); the client sees the adapter's name, in a JSON body and in
+    every event of a stream."""
+
+    async def go():
+        c, _ = _control(slots=2)
+        await _update(c, "v1")
+        await _update(c, "v2")  # slot 1 serves
+
+        async def app(scope, receive, send):
+            stream = scope["path"] == "/v1/completions"
+            ctype = b"text/event-stream" if stream else b"application/json"
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", ctype)]})
+            body = {"model": "policy@slot1", "choices": []}
+            text = (f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n" if stream
+                    else json.dumps(body))
+            await send({"type": "http.response.body", "body": text.encode()})
+
+        asgi = VersionedResponses(app, control=c)
+        got = {}
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            body = json.dumps({"model": "policy", "prompt": "hi"}).encode()
+            sent = [{"type": "http.request", "body": body, "more_body": False}]
+            out: list[dict] = []
+
+            async def receive(sent=sent):
+                return sent.pop()
+
+            async def send(message, out=out):
+                out.append(message)
+
+            await asgi({"type": "http", "method": "POST", "path": path, "headers": []},
+                       receive, send)
+            got[path] = b"".join(m.get("body", b"") for m in out).decode()
+        return got
+
+    got = asyncio.run(go())
+    assert '"model":"policy"' in got["/v1/completions"] and "@slot" not in str(got), got
+    assert json.loads(got["/v1/chat/completions"])["model"] == "policy"
 
 
 def test_slots_and_continuing_requests_are_refused_together():
