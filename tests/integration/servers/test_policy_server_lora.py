@@ -61,12 +61,25 @@ def _push(server, model, name: str = "policy"):
 
 
 def _check(server, ref: Reference, prompt: str, model: str) -> int:
-    body, r = served(server, prompt, model=model)
+    """The served prompt logprobs, greedy tokens and their logprobs equal ``ref``'s; returns
+    the version the response reports."""
+    return _verify(ref, *served(server, prompt, model=model))
+
+
+def _verify(ref: Reference, body: dict, r: httpx.Response) -> int:
+    """``body`` (a completion with ``return_token_ids``) equals ``ref``: the greedy tokens and
+    their logprobs, and the prompt's logprobs when it asked for them. vLLM 0.26's CPU build
+    kills its engine when a LoRA server computes prompt logprobs for a request batched with
+    others (its LoRA logits use the batch's sampling mapping, one row per request, on the
+    prompt's rows: vLLM issues 16668 and 29955), so a request sent while another runs asks for
+    none."""
     ids = body["choices"][0]["prompt_token_ids"]
-    assert max_diff(prompt_lps(body), ref.logprobs(ids)) <= TOL
+    if body["choices"][0].get("prompt_logprobs"):
+        assert max_diff(prompt_lps(body), ref.logprobs(ids)) <= TOL
     gen = body["choices"][0]["token_ids"]
     assert gen == ref.greedy(ids)
-    assert max_diff(completion_lps(body), ref.logprobs(ids + gen)[len(ids) - 1:]) <= TOL
+    if body["choices"][0].get("logprobs"):
+        assert max_diff(completion_lps(body), ref.logprobs(ids + gen)[len(ids) - 1:]) <= TOL
     return int(r.headers["x-weight-version"])
 
 
@@ -252,10 +265,9 @@ def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_
 
     server = slotted_server
     models = [_policy(server.model_dir, seed=s) for s in (11, 12, 13)]
-    first, out = threading.Event(), {}
     new_tokens = 400
 
-    def stream():
+    def stream(out: dict, first: threading.Event):
         body = {"model": "policy", "prompt": PROMPTS[1], "max_tokens": new_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True,
                 "return_token_ids": True}
@@ -272,24 +284,36 @@ def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_
         out.update(tokens=tokens, versions=versions, ended=time.monotonic())
         first.set()
 
+    async def under_a_stream(sync, model) -> tuple[dict, object]:
+        """Push ``model`` while a stream of the adapter runs, then send a request of the
+        adapter (greedy, no logprobs: ``_verify``) while the stream still runs."""
+        out, first = {}, threading.Event()
+        reader = threading.Thread(target=stream, args=(out, first))
+        reader.start()
+        assert await asyncio.to_thread(first.wait, 120)
+        assert "ended" not in out  # the adapter's stream is in flight
+        stats = await sync.push(model)
+        out["pushed"] = time.monotonic()
+        out["meanwhile"] = await asyncio.to_thread(
+            served, server, PROMPTS[0], model="policy", prompt_logprobs=None, logprobs=None)
+        out["meanwhile_at"] = time.monotonic()
+        await asyncio.to_thread(reader.join, 300)
+        return out, stats
+
     async def go():
         async with ws.connect([server.url], "broadcast", api_key=server.api_key,
                               extractor={"type": "lora_adapter", "adapter_name": "policy"}) as sync:
+            # a warm-up round (both slots used once, two adapters in one batch once): the first
+            # such round on vLLM's CPU build has been seen to hold every HTTP answer back for
+            # up to 2 s, which would end the stream before the measured round's request came
+            await sync.push(models[2][0])
+            await under_a_stream(sync, models[2][0])
             s1 = await sync.push(models[0][0])
-            reader = threading.Thread(target=stream)
-            reader.start()
-            assert await asyncio.to_thread(first.wait, 120)
-            assert "ended" not in out  # the adapter's stream is in flight
-            s2 = await sync.push(models[1][0])
-            out["pushed"] = time.monotonic()
-            out["meanwhile"] = await asyncio.to_thread(_check, server, models[1][1], PROMPTS[0],
-                                                       "policy")
-            out["meanwhile_at"] = time.monotonic()
-            await asyncio.to_thread(reader.join, 300)
-            s3 = await sync.push(models[2][0])  # slot 0 again: nothing runs on it now
-            return s1, s2, s3
+            out, s2 = await under_a_stream(sync, models[1][0])
+            s3 = await sync.push(models[2][0])  # the slot of s1 again: nothing runs on it now
+            return out, s1, s2, s3
 
-    s1, s2, s3 = asyncio.run(go())
+    out, s1, s2, s3 = asyncio.run(go())
     (v1,), (v2,), (v3,) = s1.versions, s2.versions, s3.versions
     print(f"push returned {out['ended'] - out['pushed']:.2f}s before the stream ended; the "
           f"new version answered {out['ended'] - out['meanwhile_at']:.2f}s before it ended")
@@ -297,7 +321,7 @@ def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_
     assert out["pushed"] < out["ended"], "the adapter update waited for the adapter's stream"
     ids = models[0][1].ids(PROMPTS[1])
     assert out["tokens"] == models[0][1].greedy(ids, new_tokens)  # v1's, to the last token
-    assert out["meanwhile"] == v2
+    assert _verify(models[1][1], *out["meanwhile"]) == v2
     # both versions ran in one batch (the case that killed vLLM's engine while both slots had
     # one name: vLLM tells LoRA requests apart by name)
     assert out["meanwhile_at"] < out["ended"], "the new version's request did not overlap"
@@ -306,3 +330,4 @@ def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_
         assert _check(server, models[2][1], p, "policy") == v3
     base = Reference(server.model_dir)
     _check(server, base, PROMPTS[0], "tiny-policy")
+
