@@ -43,6 +43,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from weightsync._runtime.cpu_binding import engine_core_follows_workers
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
 from weightsync.servers._serving import (
     WARMUP_HELP,
@@ -160,6 +161,12 @@ def _given(argv: list[str], *flags: str) -> bool:
     return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def parse_args(argv: list[str] | None = None, *, device: str | None = None
                ) -> tuple[PolicyServerConfig, argparse.Namespace]:
     """argv -> (our config, vLLM's parsed serve arguments with our defaults applied).
@@ -180,10 +187,7 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
         args.model = args.model_tag
     if not _given(rest, "--model") and not getattr(args, "model_tag", None):
         vparser.error("--model is required (a directory or hub id of a causal LM)")
-    if device is None:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or _default_device()
     if device == "cpu":
         if not _given(rest, "--dtype"):
             args.dtype = "float32"
@@ -386,6 +390,8 @@ def _ready_line(cfg: PolicyServerConfig, engine: Any, version: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
+    if _default_device() == "cpu":  # vLLM's engine core on its workers' cores
+        engine_core_follows_workers()
     run_main(lambda stop: serve(cfg, args, stop=stop), what="policy server",
              log_level=cfg.log_level, log=log)
 

@@ -258,8 +258,16 @@ def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_
     pushed; the push returns before the stream ends (it waits for no request of the adapter),
     every token of the stream is the old version's (transformers on the merged model: its
     greedy continuation), and a request sent meanwhile gets the new version (in the same
-    batches as the stream). A third version
-    goes into the first slot again once nothing runs on it."""
+    batches as the stream). A third version goes into the first slot again once nothing runs
+    on it.
+
+    The times are this process's: when the push returned, when the new version's answer came
+    and when the stream's last event came. They order the server's events only while this
+    process gets the CPU when its sockets wake it. On a 2-core box that once failed 2 runs of
+    3: vLLM's engine core, free to run on the core the worker does not use, busy-waits there
+    for its worker's results and this process was left runnable but unscheduled for up to
+    0.7 s, so the request sent "meanwhile" left only as the stream ended. The servers now bind
+    the engine core to its workers' cores (``weightsync/_runtime/cpu_binding.py``)."""
     import threading
     import time
 
@@ -303,9 +311,8 @@ def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_
     async def go():
         async with ws.connect([server.url], "broadcast", api_key=server.api_key,
                               extractor={"type": "lora_adapter", "adapter_name": "policy"}) as sync:
-            # a warm-up round (both slots used once, two adapters in one batch once): the first
-            # such round on vLLM's CPU build has been seen to hold every HTTP answer back for
-            # up to 2 s, which would end the stream before the measured round's request came
+            # a warm-up round (both slots used once, two adapters in one batch once), so the
+            # measured round runs on a warm engine
             await sync.push(models[2][0])
             await under_a_stream(sync, models[2][0])
             s1 = await sync.push(models[0][0])
