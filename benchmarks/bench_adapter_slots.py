@@ -45,12 +45,14 @@ SLOTS = (1, 2)
 def start(model_dir: str, scratch: str, slots: int) -> Any:
     import torch
 
-    from weightsync.testing.servers import RewardServerProcess
+    from weightsync.testing.servers import PolicyServerProcess, cpu_core_slots
 
-    # on a GPU both servers share it: each takes a small share (its KV cache is 64 MiB anyway)
+    # on a GPU both servers share it: each takes a small share (its KV cache is 64 MiB anyway);
+    # on CPU each gets cores of its own (vLLM would bind both workers to the same ones)
     gpu = ["--gpu-memory-utilization", "0.15"] if torch.cuda.is_available() else []
-    server = RewardServerProcess(
-        model_dir, scratch_dir=scratch, module="weightsync.servers.policy", extra_args=[
+    cores = None if gpu else cpu_core_slots(len(SLOTS))[SLOTS.index(slots)]
+    server = PolicyServerProcess(
+        model_dir, scratch_dir=scratch, cpu_cores=cores, extra_args=[
             "--api-key", API_KEY, "--max-model-len", "512", "--log-level", "warning",
             "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "base",
             "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "2",
