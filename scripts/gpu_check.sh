@@ -41,6 +41,10 @@
 #   bash scripts/gpu_check.sh lora         LoRA adapter-only pushes (qwen2-0.5b, qwen2-7b, rank 16) vs a
 #                                          full push vs vLLM's file-based adapter load, greedy tokens
 #                                          checked each step (benchmarks/bench_lora_adapter.py)
+#   bash scripts/gpu_check.sh adapter-slots serve-policy --enable-lora with one adapter version slot
+#                                          vs two (--adapter-slots 2): an adapter push while a stream
+#                                          of the adapter runs, both servers on GPU 0, tiny model
+#                                          (benchmarks/bench_adapter_slots.py)
 #   bash scripts/gpu_check.sh continue     serve-policy --in-flight-requests continue on GPU 1 (qwen2-7b
 #                                          shape): how long generation stands still while a 7B update
 #                                          lands under 4 streams (tests/gpu/test_continue_gpu.py)
@@ -292,6 +296,13 @@ case "$stage" in
         --last $((steps + 3)) --limit 70 > "$OUT/lora_ipc_timeline.txt" 2>&1
     summary
     ;;
+  adapter-slots)
+    need_vllm
+    timeout -s ABRT 400 python3 benchmarks/bench_adapter_slots.py --rounds 5 \
+        --json "$OUT/adapter_slots.json" > "$OUT/adapter_slots.txt" 2> "$OUT/adapter_slots.log"
+    echo "bench adapter_slots rc=$?"
+    summary
+    ;;
   continue)
     need_vllm; need_gpus 2
     pytest_stage continue 560 -s tests/gpu/test_continue_gpu.py
@@ -337,7 +348,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {perf|ab|layouts|trace|tests|tests-vllm|tests-servers|sleep|lora|lora-ipc|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {perf|ab|layouts|trace|tests|tests-vllm|tests-servers|sleep|lora|lora-ipc|adapter-slots|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac

@@ -594,9 +594,10 @@ class WeightUpdateEndpoint:
     def _adapter_accepted_before(self, msg: WeightUpdateStart) -> bool:
         """This very manifest (the same list object) was accepted for an adapter of the same
         name and config: the adapter loader's answer would be the same (it depends on those
-        and the served model only)."""
+        and the served model only, not on the version slot the server picked)."""
         last = self._accepted_adapter
-        return last is not None and last[0] is msg.manifest and last[1] == msg.lora_adapter
+        return last is not None and last[0] is msg.manifest and _without_slot(
+            last[1]) == _without_slot(msg.lora_adapter)
 
     def _loader_for(self, msg: WeightUpdateStart) -> WeightLoader:
         """The engine's loader, or for a LoRA adapter-only update (``lora_adapter`` in the
@@ -756,3 +757,8 @@ class ChunkTurnstile:
                 elif self._update == update_id:
                     self._next = max(self._next, index + 1)
                 self._cond.notify_all()
+
+
+def _without_slot(adapter: dict | None) -> dict | None:
+    """A start's ``lora_adapter`` without the server's choice of version slot."""
+    return None if adapter is None else {k: v for k, v in adapter.items() if k != "slot"}

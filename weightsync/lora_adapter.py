@@ -25,7 +25,9 @@ Wire format (JSON, in the start): ``{"name": str, "config": {"r": int, "lora_alp
 "target_modules": [str] | str, ...}}``; ``config`` holds PEFT ``LoraConfig`` fields (the ones
 vLLM's ``PEFTHelper`` reads: ``use_rslora``, ``rank_pattern``, ``alpha_pattern``, ``bias``,
 ``use_dora`` ...). Tensor names are PEFT's saved names: ``base_model.model.<module>.lora_A.weight``
-(``[r, in_features]``) and ``...lora_B.weight`` (``[out_features, r]``).
+(``[r, in_features]``) and ``...lora_B.weight`` (``[out_features, r]``). The server adds
+``"slot": int`` (``LoRAAdapterSpec.slot``) when it keeps several versions of an adapter; a
+trainer never sends it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from typing import Any
 MEMORY_PATH_PREFIX = "weightsync-memory://"
 #: PEFT's prefix of a saved adapter's tensor names
 PEFT_PREFIX = "base_model.model."
+#: what separates an adapter's name from its version slot in the name vLLM knows a slot by
+SLOT_NAME_SEP = "@slot"
 #: the adapter name used when none is given
 DEFAULT_ADAPTER_NAME = "policy"
 #: ``LoraConfig`` fields that travel (what vLLM's ``PEFTHelper`` reads)
@@ -48,10 +52,13 @@ _CONFIG_KEYS = ("r", "lora_alpha", "target_modules", "bias", "modules_to_save", 
                 "layer_replication")
 
 
-def adapter_id(name: str) -> int:
+def adapter_id(name: str, slot: int = 0) -> int:
     """The adapter's integer id in vLLM (``LoRARequest.lora_int_id``): the same for a name in
-    every process, trainer and engine alike, so neither side keeps a table (1 .. 2**31 - 1)."""
-    return zlib.crc32(name.encode()) % (2**31 - 1) + 1
+    every process, trainer and engine alike, so neither side keeps a table (1 .. 2**31 - 1).
+    ``slot``: which of the adapter's version slots (a policy server with ``--adapter-slots N``
+    keeps N versions of an adapter, each under its own id; slot 0 is the name's own id)."""
+    key = name if slot == 0 else f"{name}\x00{slot}"
+    return zlib.crc32(key.encode()) % (2**31 - 1) + 1
 
 
 @dataclass
@@ -60,10 +67,15 @@ class LoRAAdapterSpec:
 
     name: str = DEFAULT_ADAPTER_NAME
     config: dict[str, Any] = field(default_factory=dict)
+    #: the version slot the engine installs this update in (``adapter_id``); set by the server
+    #: that owns the slots (``--adapter-slots``), 0 otherwise
+    slot: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(f"lora_adapter.name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.slot, int) or isinstance(self.slot, bool) or self.slot < 0:
+            raise ValueError(f"lora_adapter.slot must be an int >= 0, got {self.slot!r}")
         if not isinstance(self.config, Mapping):
             raise ValueError(f"lora_adapter.config must be a mapping, got "
                              f"{type(self.config).__name__}")
@@ -83,7 +95,7 @@ class LoRAAdapterSpec:
 
     @property
     def adapter_id(self) -> int:
-        return adapter_id(self.name)
+        return adapter_id(self.name, self.slot)
 
     @property
     def rank(self) -> int:
@@ -97,18 +109,22 @@ class LoRAAdapterSpec:
         return self.rank
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "config": dict(self.config)}
+        out: dict[str, Any] = {"name": self.name, "config": dict(self.config)}
+        if self.slot:
+            out["slot"] = self.slot
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LoRAAdapterSpec:
         if not isinstance(d, Mapping):
             raise ValueError(f"lora_adapter must be a mapping with name and config, got "
                              f"{type(d).__name__}")
-        unknown = set(d) - {"name", "config"}
+        unknown = set(d) - {"name", "config", "slot"}
         if unknown:
             raise ValueError(f"lora_adapter: unknown field(s) {sorted(unknown)} (expected name, "
-                             f"config)")
-        return cls(name=d.get("name", DEFAULT_ADAPTER_NAME), config=dict(d.get("config") or {}))
+                             f"config, slot)")
+        return cls(name=d.get("name", DEFAULT_ADAPTER_NAME), config=dict(d.get("config") or {}),
+                   slot=d.get("slot", 0))
 
     @classmethod
     def from_peft(cls, model: Any, *, name: str = DEFAULT_ADAPTER_NAME,
@@ -125,12 +141,23 @@ class LoRAAdapterSpec:
         return cls(name=name, config=cfg)
 
 
-def lora_request(name: str = DEFAULT_ADAPTER_NAME) -> Any:
+def slot_lora_name(name: str, slot: int = 0) -> str:
+    """The name vLLM knows the version in ``slot`` of adapter ``name`` by (``name`` itself for
+    slot 0). vLLM tells ``LoRARequest``s apart by name alone (their hash and equality): two
+    versions of one adapter running in one batch under one name would be one adapter to it."""
+    return name if slot == 0 else f"{name}{SLOT_NAME_SEP}{slot}"
+
+
+def lora_request(name: str = DEFAULT_ADAPTER_NAME, slot: int = 0, *,
+                 listed: bool = False) -> Any:
     """vLLM's ``LoRARequest`` for the latest version of adapter ``name`` pushed into an
-    in-process engine: ``llm.generate(prompts, params, lora_request=lora_request("policy"))``."""
+    in-process engine: ``llm.generate(prompts, params, lora_request=lora_request("policy"))``;
+    ``slot``: the version held in that slot (``adapter_id``, ``slot_lora_name``); ``listed``:
+    under ``name`` itself whatever the slot (what ``/v1/models`` shows; never run)."""
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest(name, adapter_id(name), MEMORY_PATH_PREFIX + name)
+    return LoRARequest(name if listed else slot_lora_name(name, slot), adapter_id(name, slot),
+                       MEMORY_PATH_PREFIX + name)
 
 
 def module_of(tensor_name: str) -> tuple[str, str] | None:

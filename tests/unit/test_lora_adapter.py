@@ -21,6 +21,25 @@ def test_adapter_ids_are_stable_positive_and_differ_by_name():
     assert adapter_id("policy") != adapter_id("policy2")
     assert all(1 <= adapter_id(n) < 2**31 for n in ("", "a", "policy", "x" * 300))
     assert ws.LoRAAdapterSpec("policy", CFG).adapter_id == adapter_id("policy")
+    # version slots (serve-policy --adapter-slots): slot 0 is the name's own id
+    assert adapter_id("policy", 0) == adapter_id("policy")
+    assert len({adapter_id("policy", k) for k in range(4)}) == 4
+    spec = LoRAAdapterSpec.from_dict({"name": "policy", "config": CFG, "slot": 1})
+    assert spec.adapter_id == adapter_id("policy", 1) != adapter_id("policy")
+    assert LoRAAdapterSpec.from_dict(spec.to_dict()) == spec
+    assert "slot" not in LoRAAdapterSpec("policy", CFG).to_dict()  # the wire as before
+
+
+def test_each_slot_is_its_own_adapter_to_vllm():
+    """vLLM hashes and compares ``LoRARequest``s by name: two slots of one adapter under one
+    name were one adapter in a batch's set of requests, and the other was never activated
+    (the engine died: KeyError in vLLM's ``convert_mapping``)."""
+    from weightsync.lora_adapter import lora_request
+
+    slots = [lora_request("policy", k) for k in range(3)]
+    assert len(set(slots)) == 3 and len({r.lora_int_id for r in slots}) == 3
+    assert slots[0].lora_name == "policy"  # slot 0: the name itself, as without slots
+    assert lora_request("policy", 2, listed=True).lora_name == "policy"
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -30,6 +49,7 @@ def test_adapter_ids_are_stable_positive_and_differ_by_name():
     ({"name": "p", "config": {**CFG, "lora_alpha": "8"}}, "lora_alpha must be a number"),
     ({"name": "p", "config": {**CFG, "target_modules": []}}, "target_modules must name modules"),
     ({"name": "p", "config": CFG, "rank": 4}, r"unknown field\(s\) \['rank'\]"),
+    ({"name": "p", "config": CFG, "slot": -1}, "lora_adapter.slot must be an int >= 0"),
     ("policy", "must be a mapping with name and config"),
 ])
 def test_bad_specs_are_refused_naming_the_field(bad, message):

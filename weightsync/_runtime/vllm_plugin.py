@@ -5,7 +5,10 @@ visits only the blocks holding a hash.
 vLLM loads it in each of its processes, the engine core and the workers included (the
 ``vllm.general_plugins`` entry point ``weightsync``; installing weightsync registers it).
 
-``register()`` first registers the ``weightsync`` backend with vLLM's weight-transfer factories
+``register()`` first binds the engine core of a CPU engine that ``serve-policy`` or
+``serve-reward`` started to its workers' cores (``weightsync._runtime.cpu_binding``: vLLM's
+engine core busy-waits on its workers and otherwise takes a core its API server and clients
+need). Then it registers the ``weightsync`` backend with vLLM's weight-transfer factories
 (``vllm_compat.register_transfer_backend``), so an engine started with
 ``weight_transfer_config={"backend": "weightsync"}`` builds its workers' transfer engines from
 ``weightsync.loaders.vllm_transfer_engine``. Then it gives vLLM's engine core the utility that
@@ -39,8 +42,10 @@ ENV = "WEIGHTSYNC_FAST_PREFIX_RESET"
 def register() -> None:
     """The entry point vLLM calls (at most once per process, idempotent here too)."""
     from weightsync._runtime import vllm_flip
+    from weightsync._runtime.cpu_binding import bind_engine_core
     from weightsync._runtime.vllm_compat import register_transfer_backend
 
+    bind_engine_core()  # CPU engines of our servers: the engine core on its workers' cores
     register_transfer_backend()
     vllm_flip.register()
     if os.environ.get(ENV, "1") == "0":

@@ -198,7 +198,8 @@ class VLLMLoRAAdapterLoader(WeightLoader):
         if self.spec.adapter_id not in pinned and len(pinned) >= adapters.capacity:
             raise UpdateRefusedError(
                 f"{self.target}: the engine holds {len(pinned)} adapters pushed from memory, as "
-                f"many as it keeps (max_cpu_loras={adapters.capacity}); start it with a larger "
+                f"many as it keeps (max_cpu_loras={adapters.capacity}; each version slot of "
+                f"a policy server's --adapter-slots counts as one); start it with a larger "
                 f"max_cpu_loras (--max-cpu-loras) or push to an adapter name it holds")
         if start.manifest is not None:
             missing = self._missing(m.name for m in start.manifest)

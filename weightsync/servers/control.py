@@ -90,6 +90,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.errors import http_status
+from weightsync.servers._adapter_slots import SEATED
 from weightsync.servers._gate import UpdateGate
 from weightsync.servers._workers import ENGINE_CALL_TIMEOUT_S, WorkerCalls
 from weightsync.types import TrainingMode, request_nbytes
@@ -152,6 +153,8 @@ class _ActiveUpdate:
     holds_gate: bool = True  # False: staged while requests are served (serve_during_updates)
     watchdog: asyncio.Task | None = None
     adapter: str | None = None  # a LoRA adapter-only update: the adapter's name
+    slot: int = 0  # ... the version slot it is installed in (``adapter_slots``)
+    scope: str | None = None  # the gate's scope it writes (``_gate``): None, the weights
     split_ms: dict[str, float] = field(default_factory=dict)  # the finish's phases (continue)
 
 
@@ -182,7 +185,13 @@ class UpdateControl:
         allow_version_reset: bool = False,
         in_flight: str = "finish",
         in_flight_kv: str = "recompute",
+        adapter_slots: int = 1,
     ) -> None:
+        if not isinstance(adapter_slots, int) or adapter_slots < 1:
+            raise ValueError(f"adapter_slots must be an int >= 1, got {adapter_slots!r}")
+        if adapter_slots > 1 and in_flight == "continue":
+            raise ValueError("adapter_slots > 1 keeps each request on the adapter version it "
+                             "started with; in_flight='continue' moves it to the new one")
         if in_flight not in IN_FLIGHT_MODES:
             raise ValueError(f"in_flight must be one of {list(IN_FLIGHT_MODES)}, got "
                              f"{in_flight!r}")
@@ -205,6 +214,11 @@ class UpdateControl:
         #: a request that asks for prompt logprobs runs alone (``serving(alone=True)``; the
         #: policy server sets it: ``policy.prompt_logprobs_alone``)
         self.prompt_logprobs_alone = False
+        #: version slots per LoRA adapter (``weightsync.servers._adapter_slots``): with 2 or
+        #: more an adapter-only update goes into another slot than the one serving and waits
+        #: only for requests on the slot it reuses; 1: the slot is rewritten
+        self.adapter_slots = adapter_slots
+        self._adapter_slot: dict[str, int] = {}  # each adapter's published slot
         #: keep the KV of requests in flight at a flip (``in_flight_kv="keep"``): no recompute,
         #: no prefix-cache reset; requests are salted by version instead (``cache_salt_for``)
         self.keep_kv = in_flight_kv == "keep"
@@ -231,9 +245,9 @@ class UpdateControl:
         self._communicator_epoch = 0
         self._dropped_why = ""
         self._background: set[asyncio.Task] = set()
-        #: called with an adapter's name once a LoRA adapter-only update of it landed (the
-        #: policy server lets requests name it from then on)
-        self.adapter_published: Callable[[str], None] | None = None
+        #: called with ``(adapter, slot)`` once a LoRA adapter-only update of it landed in that
+        #: slot (the policy server lets requests name it from then on)
+        self.adapter_published: Callable[[str, int], None] | None = None
 
     # -- worker calls ------------------------------------------------------------------------
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
@@ -303,8 +317,7 @@ class UpdateControl:
         waits for them; new ones wait for it; ``wait_timeout_s`` bounds its wait too)."""
         await self.expire_stale_update()
         try:
-            token = await self.gate.acquire_read(self.wait_timeout_s, label or what, model,
-                                                 alone=alone)
+            token, slot = await self._seat(label or what, model, alone)
         except TimeoutError:
             active = self._active
             if self.gate.writer is None and (alone or self.gate.alone_busy):
@@ -326,9 +339,37 @@ class UpdateControl:
                     f"weights are incomplete after a failed update ({reason}); refusing to "
                     f"{what} until a complete update lands (last complete version {self.version})",
                 )
-            yield self.version
+            seated = SEATED.set({model: slot}) if slot is not None and model else None
+            try:
+                yield self.version
+            finally:
+                if seated is not None:
+                    with contextlib.suppress(ValueError):  # closed from another context
+                        SEATED.reset(seated)
         finally:
             self.gate.release_read(token)
+
+    async def _seat(self, label: str, model: str | None,
+                    alone: bool = False) -> tuple[int, int | None]:
+        """A seat at the gate for a request of ``model`` (``alone``: see ``serving``): -> (its
+        token, the adapter slot it keeps; None without slots): the slot published for ``model``
+        when the seat is taken, 0 for a name nothing was published for yet (its first version
+        goes there). A base-model
+        request's slot names no adapter and keeps nothing. (Updates run one at a time and an
+        adapter update cannot land while a request waits, which only an update of the weights
+        makes it do; the loop keeps the seat and the slot one even so.)"""
+        while True:
+            slot = self._published_slot(model)
+            scope = model if slot is None else _slot_scope(model, slot)
+            token = await self.gate.acquire_read(self.wait_timeout_s, label, scope, alone=alone)
+            if slot == self._published_slot(model):
+                return token, slot
+            self.gate.release_read(token)
+
+    def _published_slot(self, model: str | None) -> int | None:
+        if not model or self.adapter_slots == 1:
+            return None
+        return self._adapter_slot.get(model, 0)
 
     # -- communicator ------------------------------------------------------------------------
     async def init_communicator(self, strategy: dict, sync_info: dict, rank_offset: int) -> int:
@@ -465,25 +506,34 @@ class UpdateControl:
         await self.expire_stale_update()
         t0 = time.monotonic()
         adapter = _adapter_name(start)
+        slot, scope = 0, None
+        if adapter is not None:
+            slot = self._next_slot(adapter)
+            start.lora_adapter = {k: v for k, v in start.lora_adapter.items() if k != "slot"}
+            if self.adapter_slots > 1:
+                start.lora_adapter["slot"] = slot
+                scope = _slot_scope(adapter, slot)
+            else:
+                scope = adapter
         if self._active is not None:
             if self._active.update_id == start.update_id:
                 raise ServiceError(409, f"update {start.update_id} was already started")
             # the held gate passes on to an update of the same scope only (the weights, or the
-            # same adapter): another waits for the requests its scope conflicts with
-            held = self._active.holds_gate and self._active.adapter == adapter
+            # same adapter slot): another waits for the requests its scope conflicts with
+            held = self._active.holds_gate and self._active.scope == scope
             await self._abort_active(f"superseded by update {start.update_id}",
                                      keep_gate=held and holds_gate)
             if held and holds_gate:
                 self.gate.transfer_write(start.update_id)
             elif holds_gate:
-                await self._acquire_write(start.update_id, adapter)
+                await self._acquire_write(start.update_id, scope)
         elif holds_gate:
-            await self._acquire_write(start.update_id, adapter)
+            await self._acquire_write(start.update_id, scope)
         drained = time.monotonic() - t0
         idle = self.update_timeout_s if start.idle_timeout_s is None else min(
             float(start.idle_timeout_s), self.update_timeout_s)
         active = _ActiveUpdate(start.update_id, mode, idle_timeout_s=idle, holds_gate=holds_gate,
-                               adapter=adapter)
+                               adapter=adapter, slot=slot, scope=scope)
         try:
             async with self._guard(f"the start of update {start.update_id}"):
                 await self.call_workers("start_weight_update", {"start": start.to_dict()})
@@ -505,10 +555,17 @@ class UpdateControl:
                  _mode_name(mode), ", staged" if start.staged else "", drained)
         return {"ok": True, "update_id": start.update_id, "version": self.version}
 
+    def _next_slot(self, adapter: str) -> int:
+        """The slot adapter ``adapter``'s next version goes into: the one after its published
+        slot, in turn (0 for its first version, and always 0 with one slot)."""
+        if self.adapter_slots == 1 or adapter not in self._adapter_slot:
+            return 0
+        return (self._adapter_slot[adapter] + 1) % self.adapter_slots
+
     async def _acquire_write(self, owner: str, adapter: str | None = None) -> None:
-        """The gate's write side for update ``owner`` (of LoRA adapter ``adapter``, or of the
-        weights: ``_gate``'s scopes); ``ServiceError(503)`` when the requests it waits for do
-        not drain in time."""
+        """The gate's write side for update ``owner`` (of the gate scope ``adapter``: a LoRA
+        adapter or one of its slots; None: the weights; ``_gate``'s scopes);
+        ``ServiceError(503)`` when the requests it waits for do not drain in time."""
         try:
             await self.gate.acquire_write(owner, self.wait_timeout_s, adapter)
         except TimeoutError:
@@ -589,7 +646,7 @@ class UpdateControl:
             return await self._finish_continuing(active, finish)
         if not active.holds_gate:  # staged while serving: drain the requests, then flip
             try:
-                await self._acquire_write(finish.update_id, active.adapter)
+                await self._acquire_write(finish.update_id, active.scope)
             except ServiceError as e:
                 await self._abort_active(f"finish: {e.message}")
                 raise
@@ -665,8 +722,10 @@ class UpdateControl:
                 if not self.keep_kv and not (active.adapter and self.scoped_by_model):
                     await self.reset_prefix_cache()
                 lap("prefix_reset")
-                if active.adapter and self.adapter_published is not None:
-                    self.adapter_published(active.adapter)
+                if active.adapter:
+                    self._adapter_slot[active.adapter] = active.slot
+                    if self.adapter_published is not None:
+                        self.adapter_published(active.adapter, active.slot)
         except BaseException as e:
             log.warning("%s: update %s did not land: %s", self.name, finish.update_id, _why(e))
             raise
@@ -840,6 +899,12 @@ class UpdateControl:
 
     def _guard(self, what: str) -> _ControlGuard:
         return _ControlGuard(self, what)
+
+
+def _slot_scope(adapter: str, slot: int) -> str:
+    """The gate's scope of one version slot of an adapter (``_gate``: scopes are compared as
+    equal or not)."""
+    return f"{adapter}\x00{slot}"
 
 
 def _adapter_name(start: Any) -> str | None:

@@ -23,7 +23,9 @@ CPU, unless given: ``--dtype float32``, ``--enforce-eager``, ``--kv-cache-memory
 LoRA adapters (``--enable-lora``, ``--max-lora-rank``, ``--max-cpu-loras``): a trainer pushes
 only its adapter (the ``lora_adapter`` extractor, ``weightsync.lora_adapter``); once the update
 landed, requests whose ``"model"`` is the adapter's name are served by its latest version,
-requests naming the base model by the base weights.
+requests naming the base model by the base weights. ``--adapter-slots N`` (N >= 2) keeps N
+versions of each adapter, so an adapter update waits for none of its requests in flight
+(``weightsync.servers._adapter_slots``).
 
 Updates (the pause policy): an update waits until the requests in flight have finished on the
 old weights (drain), new requests wait at the gate until it is done, then run on the new
@@ -41,6 +43,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from weightsync._runtime.cpu_binding import engine_core_follows_workers
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
 from weightsync.servers._serving import (
     WARMUP_HELP,
@@ -79,6 +82,7 @@ class PolicyServerConfig:
     #: --enable-lora on vLLM's CPU build, whose engine dies computing them beside other
     #: requests: vLLM issues 16668 and 29955)
     prompt_logprobs_alone: str = "auto"
+    adapter_slots: int = 1  # versions kept per LoRA adapter (``servers._adapter_slots``)
 
 
 #: ``--warmup``: what it sends, what it costs at start (measured: docs/reliability.md)
@@ -124,6 +128,16 @@ def _our_parser(*, for_help: bool = False) -> argparse.ArgumentParser:
                            "--enable-lora on vLLM's CPU build, whose engine dies computing a "
                            "LoRA model's prompt logprobs beside other requests (vLLM issues "
                            f"16668, 29955) (default {d.prompt_logprobs_alone})")
+    ours.add_argument("--adapter-slots", type=int, metavar="N",
+                      help="with --enable-lora: versions kept per adapter. 1: an adapter "
+                           "update rewrites the adapter, so it waits for the adapter's "
+                           "requests in flight and holds new ones back until it landed; N >= 2: "
+                           "each version goes into the next of N slots, requests in flight "
+                           "finish on the version they started with, new ones get the new "
+                           "version at once, and an update waits only for requests still on "
+                           "the slot it reuses. Each slot holds one copy of the adapter "
+                           "(--max-cpu-loras >= N x adapters; --max-loras >= 2 lets two "
+                           f"versions run in one batch) (default {d.adapter_slots})")
     if for_help:
         vllm = p.add_argument_group(
             "vLLM's arguments (passed to vLLM's own parser; every other one too: see `vllm "
@@ -158,6 +172,12 @@ def _given(argv: list[str], *flags: str) -> bool:
     return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def parse_args(argv: list[str] | None = None, *, device: str | None = None
                ) -> tuple[PolicyServerConfig, argparse.Namespace]:
     """argv -> (our config, vLLM's parsed serve arguments with our defaults applied).
@@ -178,10 +198,7 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
         args.model = args.model_tag
     if not _given(rest, "--model") and not getattr(args, "model_tag", None):
         vparser.error("--model is required (a directory or hub id of a causal LM)")
-    if device is None:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or _default_device()
     if device == "cpu":
         if not _given(rest, "--dtype"):
             args.dtype = "float32"
@@ -198,6 +215,15 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
     if cfg.in_flight_kv == "keep" and cfg.in_flight_requests != "continue":
         _our_parser().error("--in-flight-kv keep needs --in-flight-requests continue (only "
                             "requests that continue across an update have KV to keep)")
+    if cfg.adapter_slots < 1:
+        _our_parser().error(f"--adapter-slots must be >= 1, got {cfg.adapter_slots}")
+    if cfg.adapter_slots > 1 and not getattr(args, "enable_lora", False):
+        _our_parser().error("--adapter-slots keeps versions of LoRA adapters: it needs "
+                            "--enable-lora")
+    if cfg.adapter_slots > 1 and cfg.in_flight_requests == "continue":
+        _our_parser().error("--adapter-slots keeps each request on the adapter version it "
+                            "started with, --in-flight-requests continue moves it to the new "
+                            "one: choose one")
     if cfg.api_key is None and os.environ.get("WEIGHTSYNC_API_KEY"):
         cfg.api_key = os.environ["WEIGHTSYNC_API_KEY"]
     args.host, args.port, args.api_key = cfg.host, cfg.port, None
@@ -237,7 +263,7 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
         default_training_mode=None, pause_generation=True,
         serve_during_updates=cfg.serve_during_updates,
         allow_version_reset=cfg.allow_version_reset, in_flight=cfg.in_flight_requests,
-        in_flight_kv=cfg.in_flight_kv,
+        in_flight_kv=cfg.in_flight_kv, adapter_slots=cfg.adapter_slots,
     )
     control.adapter_published = _adapter_names_for(app.state)
     # requests of the base model (or of another adapter) neither wait for an adapter-only
@@ -309,16 +335,21 @@ def _drop_routes(app: Any, paths: tuple[str, ...]) -> None:
 
 
 def _adapter_names_for(state: Any) -> Any:
-    """After a LoRA adapter-only update landed: requests whose ``model`` names the adapter are
-    served by it (vLLM's table of adapter names, as its ``/v1/load_lora_adapter`` fills it;
-    the adapter itself is in every worker already, from memory, so vLLM reads no file).
-    ``/v1/models`` lists it."""
-    def publish(name: str) -> None:
+    """After a LoRA adapter-only update landed in slot ``slot``: requests whose ``model`` names
+    the adapter are served by that slot's version (vLLM's table of adapter names, as its
+    ``/v1/load_lora_adapter`` fills it, made a ``_adapter_slots.SlotTable``: a request seated on
+    an older slot keeps it; the adapter itself is in every worker already, from memory, so vLLM
+    reads no file). ``/v1/models`` lists it."""
+    from weightsync.servers._adapter_slots import install
+
+    table = install(getattr(state, "openai_serving_models", None))
+
+    def publish(name: str, slot: int) -> None:
         from weightsync.lora_adapter import lora_request
 
-        models = getattr(state, "openai_serving_models", None)
-        if models is not None and name not in models.lora_requests:
-            models.lora_requests[name] = lora_request(name)
+        if table is not None:
+            table.publish(name, slot, lora_request(name, slot),
+                          lora_request(name, slot, listed=True))
 
     return publish
 
@@ -381,6 +412,8 @@ def _ready_line(cfg: PolicyServerConfig, engine: Any, version: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
+    if _default_device() == "cpu":  # vLLM's engine core on its workers' cores
+        engine_core_follows_workers()
     run_main(lambda stop: serve(cfg, args, stop=stop), what="policy server",
              log_level=cfg.log_level, log=log)
 

@@ -39,6 +39,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync._runtime.cpu_binding import engine_core_follows_workers
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
 from weightsync.servers._serving import (
     WARMUP_HELP,
@@ -411,6 +412,8 @@ def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if cfg.resolved_device() == "cpu":  # vLLM's engine core on its workers' cores
+        engine_core_follows_workers()
     run_main(lambda stop: serve(cfg, stop=stop), what="reward server", log_level=cfg.log_level,
              log=log)
 

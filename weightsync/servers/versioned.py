@@ -41,6 +41,8 @@ import json
 import uuid
 from typing import Any
 
+from weightsync.lora_adapter import slot_lora_name
+from weightsync.servers._adapter_slots import SEATED
 from weightsync.servers.control import ServiceError, UpdateControl
 
 VERSION_HEADER = "x-weight-version"
@@ -108,7 +110,7 @@ class VersionedResponses:
                         memo[:] = [control.flip_seq,
                                    control.spans_for(request_id, since, version)]
                     return memo[1]
-            tagger = _Tagger(send, version, spans)
+            tagger = _Tagger(send, version, spans, _slot_renamed(model))
             await self.app(scope, receive, tagger.send)
             await tagger.flush()
         finally:
@@ -120,10 +122,14 @@ class _Tagger:
     (buffered, ``content-length`` fixed) and into each SSE ``data:`` event (passed on event by
     event as they complete)."""
 
-    def __init__(self, send: Any, version: int, spans: Any = None) -> None:
+    def __init__(self, send: Any, version: int, spans: Any = None,
+                 renamed: tuple[str, str] | None = None) -> None:
         self._send = send
         self.version = version
         self.spans = spans  # () -> weight_version_spans of this request, or None
+        #: (the name vLLM knows an adapter's version slot by, the adapter's name): a body's
+        #: ``"model"`` says the latter (``_adapter_slots``)
+        self.renamed = renamed
         self._mode = "pass"  # "json" (buffer whole body), "sse" (per event), "pass"
         self._start: dict | None = None
         self._body = bytearray()
@@ -160,7 +166,8 @@ class _Tagger:
         events = text.split("\n\n")
         self._pending = events.pop() if more else ""
         spans = self.spans() if self.spans is not None else None
-        out = "".join(_tag_event(e, self.version, spans) + "\n\n" for e in events if e)
+        out = "".join(_tag_event(e, self.version, spans, self.renamed) + "\n\n"
+                      for e in events if e)
         if out or not more:
             await self._send({**message, "body": out.encode("utf-8", "surrogateescape")})
 
@@ -172,6 +179,7 @@ class _Tagger:
             obj = None
         if isinstance(obj, dict):
             obj[VERSION_FIELD] = self.version
+            _rename(obj, self.renamed)
             spans = self.spans() if self.spans is not None else None
             if spans:
                 obj[SPANS_FIELD] = spans
@@ -190,14 +198,16 @@ class _Tagger:
             rest, self._pending = self._pending, ""
             spans = self.spans() if self.spans is not None else None
             await self._send({"type": "http.response.body",
-                              "body": _tag_event(rest, self.version, spans).encode(
+                              "body": _tag_event(rest, self.version, spans, self.renamed).encode(
                                   "utf-8", "surrogateescape"),
                               "more_body": False})
 
 
-def _tag_event(event: str, version: int, spans: dict | None = None) -> str:
+def _tag_event(event: str, version: int, spans: dict | None = None,
+               renamed: tuple[str, str] | None = None) -> str:
     """One SSE event: ``data: {json}`` lines get the version field (and the spans, once a flip
-    happened under the request); anything else is kept."""
+    happened under the request; and the adapter's name for its slot's, ``renamed``); anything
+    else is kept."""
     lines = []
     for line in event.split("\n"):
         if line.startswith("data:"):
@@ -208,11 +218,24 @@ def _tag_event(event: str, version: int, spans: dict | None = None) -> str:
                 obj = None
             if isinstance(obj, dict):
                 obj[VERSION_FIELD] = version
+                _rename(obj, renamed)
                 if spans:
                     obj[SPANS_FIELD] = spans
                 line = "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
         lines.append(line)
     return "\n".join(lines)
+
+
+def _slot_renamed(model: str | None) -> tuple[str, str] | None:
+    """For a request seated on a version slot of adapter ``model`` other than 0: (the name vLLM
+    answers it under, ``model``); else None (``_adapter_slots.SEATED``)."""
+    slot = (SEATED.get() or {}).get(model) if model else None
+    return (slot_lora_name(model, slot), model) if slot else None
+
+
+def _rename(obj: dict, renamed: tuple[str, str] | None) -> None:
+    if renamed is not None and obj.get("model") == renamed[0]:
+        obj["model"] = renamed[1]
 
 
 def _with_request_id(scope: dict) -> tuple[dict, str]:

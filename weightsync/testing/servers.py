@@ -88,7 +88,8 @@ def cpu_core_slots(n: int, cores: Sequence[int] | None = None) -> list[str | Non
     starves the other's gloo threads: a 0.1 MB weight chunk into the reward server took 15-25 s
     while the policy server generated (measured here, issue 12's load test). The slots split
     the cores this process may use into ``n`` contiguous runs; one core is left to the front
-    ends (API servers, engine cores, the trainer) when there are at least ``2n + 1``.
+    ends (API servers, the trainer) when there are at least ``2n + 1``. The servers bind each
+    vLLM engine core to its workers' slot too (``weightsync._runtime.cpu_binding``).
     ``cores``: default the cores this process may run on.
     """
     cores = sorted(os.sched_getaffinity(0) if cores is None else cores)

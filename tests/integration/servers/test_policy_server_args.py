@@ -41,6 +41,9 @@ def test_vllm_arguments_pass_through_and_win_over_defaults(monkeypatch):
     kept, _ = parse(["--model", "m", "--in-flight-requests", "continue", "--in-flight-kv", "keep"])
     assert (kept.in_flight_requests, kept.in_flight_kv) == ("continue", "keep")
     assert cfg.in_flight_kv == "recompute"
+    assert cfg.adapter_slots == 1
+    slotted, _ = parse(["--model", "m", "--enable-lora", "--adapter-slots", "2"])
+    assert slotted.adapter_slots == 2
     _, gpu = parse(["--model", "m"], device="cuda")
     assert gpu.dtype == "auto" and gpu.kv_cache_memory_bytes is None
 
@@ -52,6 +55,11 @@ def test_vllm_arguments_pass_through_and_win_over_defaults(monkeypatch):
     (["--model", "m", "--in-flight-kv", "keep"], "--in-flight-kv keep needs --in-flight-requests "
                                                  "continue"),
     (["--model", "m", "--in-flight-kv", "drop"], "--in-flight-kv"),
+    (["--model", "m", "--adapter-slots", "2"], "--adapter-slots keeps versions of LoRA adapters: "
+                                                "it needs --enable-lora"),
+    (["--model", "m", "--enable-lora", "--adapter-slots", "0"], "--adapter-slots must be >= 1"),
+    (["--model", "m", "--enable-lora", "--adapter-slots", "2", "--in-flight-requests",
+      "continue"], "--adapter-slots keeps each request on the adapter version it started with"),
 ])
 def test_bad_arguments_exit_2_naming_them(capsys, argv, needle):
     with pytest.raises(SystemExit) as ei:
