@@ -98,20 +98,32 @@ def test_a_waiting_update_holds_new_requests_back_and_the_first_waiter_wins():
 # -- scopes: a LoRA adapter-only update and the requests of other models ----------------------
 
 
-async def _asgi_request_for(asgi, model: str | None, path: str = "/v1/completions") -> None:
-    """A never-ending request whose JSON body names ``model`` (None: a body that is not JSON)."""
-    body = b"not json" if model is None else json.dumps({"model": model, "prompt": "hi"}).encode()
-    sent = [{"type": "http.request", "body": body, "more_body": False}]
+async def _asgi_request_with(asgi, body: dict | bytes, path: str = "/v1/completions",
+                             sent: list | None = None) -> None:
+    """A request with ``body`` (a dict: as JSON) whose app never ends; the messages it was sent
+    go to ``sent`` (a 503 answer, for one)."""
+    raw = json.dumps(body).encode() if isinstance(body, dict) else body
+    left = [{"type": "http.request", "body": raw, "more_body": False}]
 
     async def receive():
-        if sent:
-            return sent.pop()
+        if left:
+            return left.pop()
         await asyncio.Event().wait()
 
     async def send(message):
-        pass
+        if sent is not None:
+            sent.append(message)
 
     await asgi({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
+
+
+def _body_for(model: str | None) -> dict | bytes:
+    """A request body that names ``model`` (None: a body that is not JSON)."""
+    return b"not json" if model is None else {"model": model, "prompt": "hi"}
+
+
+async def _asgi_request_for(asgi, model: str | None) -> None:
+    await _asgi_request_with(asgi, _body_for(model))
 
 
 async def _scoped_requests(c: UpdateControl, *models: str | None) -> list[asyncio.Future]:
@@ -123,11 +135,11 @@ async def _scoped_requests(c: UpdateControl, *models: str | None) -> list[asynci
     return tasks
 
 
-async def _seated_within(c: UpdateControl, model: str | None, seconds: float) -> bool:
-    """Whether a new request for ``model`` gets its seat within ``seconds`` (then it ends)."""
+async def _seated_within(c: UpdateControl, body: dict | bytes, seconds: float) -> bool:
+    """Whether a new request with ``body`` gets its seat within ``seconds`` (then it ends)."""
     before = c.gate.readers
-    task = asyncio.ensure_future(_asgi_request_for(VersionedResponses(_hanging_app, control=c),
-                                                   model))
+    task = asyncio.ensure_future(_asgi_request_with(VersionedResponses(_hanging_app, control=c),
+                                                    body))
     try:
         async with asyncio.timeout(seconds):
             while c.gate.readers == before:
@@ -151,7 +163,8 @@ def test_an_adapter_update_neither_waits_for_nor_holds_back_other_models_request
         c.scoped_by_model = True
         base = await _scoped_requests(c, "tiny-policy")
         await c.gate.acquire_write("adapter-1", 0.5, adapter="policy")  # TimeoutError if it waited
-        got = {m: await _seated_within(c, m, 0.3) for m in ("tiny-policy", "other", "policy", None)}
+        got = {m: await _seated_within(c, _body_for(m), 0.3)
+               for m in ("tiny-policy", "other", "policy", None)}
         c.gate.release_write("adapter-1")
         with pytest.raises(TimeoutError):
             await c.gate.acquire_write("weights-1", 0.3)  # the base request is still in flight
@@ -204,24 +217,6 @@ def test_without_scopes_every_request_holds_an_adapter_update_back():
 # -- requests that run alone (prompt logprobs on a server that cannot batch them) -----------------
 
 
-async def _asgi_request_with(asgi, body: dict, path: str = "/v1/completions",
-                             sent: list | None = None) -> None:
-    """A request with JSON ``body`` whose app never ends; the messages it was sent go to
-    ``sent`` (a 503 answer, for one)."""
-    left = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
-
-    async def receive():
-        if left:
-            return left.pop()
-        await asyncio.Event().wait()
-
-    async def send(message):
-        if sent is not None:
-            sent.append(message)
-
-    await asgi({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
-
-
 def test_a_request_that_runs_alone_waits_for_the_others_and_holds_new_ones_back():
     """A reader that runs alone gets its seat once the readers in flight left; readers that come
     while it waits or runs wait for it (no starvation under steady load), then get in."""
@@ -262,21 +257,6 @@ def test_the_middleware_runs_prompt_logprobs_requests_alone_and_says_so_when_it_
     plain = [{"prompt": "hi", "logprobs": 1}, {"prompt": "hi", "echo": True},
              {"prompt": "hi", "prompt_logprobs": None}]
 
-    async def seated(c: UpdateControl, body: dict) -> bool:
-        asgi = VersionedResponses(_hanging_app, control=c)
-        before = c.gate.readers
-        task = asyncio.ensure_future(_asgi_request_with(asgi, body))
-        try:
-            async with asyncio.timeout(0.2):
-                while c.gate.readers == before:
-                    await asyncio.sleep(0.01)
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
     async def go():
         c = UpdateControl(None, wait_timeout_s=0.3)
         c.prompt_logprobs_alone = True
@@ -284,11 +264,11 @@ def test_the_middleware_runs_prompt_logprobs_requests_alone_and_says_so_when_it_
             VersionedResponses(_hanging_app, control=c), {"prompt": "a long one"}))]
         while c.gate.readers < 1:
             await asyncio.sleep(0.01)
-        got = [await seated(c, b) for b in asks + plain]
+        got = [await _seated_within(c, b, 0.2) for b in asks + plain]
         sent: list[dict] = []
         await _asgi_request_with(VersionedResponses(_hanging_app, control=c), asks[0], sent=sent)
         c.prompt_logprobs_alone = False
-        unguarded = await seated(c, asks[0])
+        unguarded = await _seated_within(c, asks[0], 0.2)
         for t in running:
             t.cancel()
         await asyncio.gather(*running, return_exceptions=True)
