@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -83,6 +85,37 @@ def _verify(ref: Reference, body: dict, r: httpx.Response) -> int:
     return int(r.headers["x-weight-version"])
 
 
+#: a long sampled base-model stream (``_stream``'s body; ``n`` added by each test)
+BASE_STREAM = {"model": "tiny-policy", "prompt": PROMPTS[0], "max_tokens": 200,
+               "temperature": 1.0, "seed": 0, "ignore_eos": True}
+
+
+def _stream(url: str, body: dict, out: dict, first: threading.Event) -> None:
+    """Stream ``body`` from ``/v1/completions`` (run it on a thread): ``out`` gets the status,
+    the weight versions and token ids of the events and, once the last came, ``ended`` (this
+    process's monotonic clock); ``first`` is set at the first event (and at the end)."""
+    tokens, versions = [], set()
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=300) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                versions.add(event.get("weight_version"))
+                tokens += event["choices"][0].get("token_ids") or []
+                first.set()
+    out.update(tokens=tokens, versions=versions, ended=time.monotonic())
+    first.set()
+
+
+def _reading(url: str, body: dict) -> tuple[threading.Thread, dict, threading.Event]:
+    """``_stream`` started on a thread: -> (the thread, its ``out``, its ``first``)."""
+    out, first = {}, threading.Event()
+    reader = threading.Thread(target=_stream, args=(url, body, out, first))
+    reader.start()
+    return reader, out, first
+
+
 def test_requests_naming_the_adapter_get_its_latest_version(lora_server):
     model, merged, base = _policy(lora_server.model_dir, seed=1)
     stats = _push(lora_server, model)
@@ -142,42 +175,23 @@ def test_an_adapter_update_lands_while_a_base_model_stream_runs(lora_server):
     stream is still running, the stream keeps its one version, and the adapter serves its new
     version at once. (The session connects and pushes once before the stream starts, so the
     timed push is the update alone.)"""
-    import threading
-    import time
-
     model, _, _ = _policy(lora_server.model_dir, seed=6)
     model2, merged2, _ = _policy(lora_server.model_dir, seed=7)
-    first, out = threading.Event(), {}
-
-    def stream():
-        body = {"model": "tiny-policy", "prompt": PROMPTS[0], "max_tokens": 200, "n": 64,
-                "temperature": 1.0, "seed": 0, "ignore_eos": True, "stream": True}
-        versions = set()
-        with httpx.stream("POST", lora_server.url + "/v1/completions", json=body,
-                          timeout=300) as r:
-            out["status"] = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    versions.add(json.loads(line[6:]).get("weight_version"))
-                    first.set()
-        out["versions"], out["ended"] = versions, time.monotonic()
-        first.set()
 
     async def go():
         async with ws.connect([lora_server.url], "broadcast", api_key=lora_server.api_key,
                               extractor={"type": "lora_adapter", "adapter_name": "policy"}) as sync:
             await sync.push(model)
-            reader = threading.Thread(target=stream)
-            reader.start()
+            reader, out, first = _reading(lora_server.url, {**BASE_STREAM, "n": 64})
             assert await asyncio.to_thread(first.wait, 120)
             assert "ended" not in out  # the base-model request is in flight
             t0 = time.monotonic()
             stats = await sync.push(model2)
             out["pushed"], out["push_s"] = time.monotonic(), time.monotonic() - t0
             await asyncio.to_thread(reader.join, 300)
-            return stats
+            return stats, out
 
-    stats = asyncio.run(go())
+    stats, out = asyncio.run(go())
     print(f"adapter push {out['push_s']:.2f}s, returned {out['ended'] - out['pushed']:.2f}s "
           f"before the base stream ended")
     assert out["status"] == 200 and len(out["versions"]) == 1
@@ -195,23 +209,9 @@ def test_an_adapter_update_under_a_base_stream_leaves_no_stale_prefix_cache(lora
     new version (greedy tokens and their logprobs equal transformers on the merged model), not
     from cached blocks of the old one. (No prompt logprobs asked: vLLM reads no cached prefix
     for a request that asks for them.)"""
-    import threading
-
     model_a, merged_a, _ = _policy(lora_server.model_dir, seed=8)
     model_b, merged_b, _ = _policy(lora_server.model_dir, seed=9)
     prompt = " ".join(["weights move from the trainer into the running engine"] * 10)
-    first, out = threading.Event(), {}
-
-    def stream():
-        body = {"model": "tiny-policy", "prompt": PROMPTS[0], "max_tokens": 200, "n": 64,
-                "temperature": 1.0, "seed": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", lora_server.url + "/v1/completions", json=body,
-                          timeout=300) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    first.set()
-        out["ended"] = True
-        first.set()
 
     def adapter_answer(ref: Reference) -> float:
         body, _ = served(lora_server, prompt, model="policy", prompt_logprobs=None)
@@ -225,8 +225,7 @@ def test_an_adapter_update_under_a_base_stream_leaves_no_stale_prefix_cache(lora
                               extractor={"type": "lora_adapter", "adapter_name": "policy"}) as sync:
             await sync.push(model_a)
             assert await asyncio.to_thread(adapter_answer, merged_a) <= TOL  # now cached
-            reader = threading.Thread(target=stream)
-            reader.start()
+            reader, out, first = _reading(lora_server.url, {**BASE_STREAM, "n": 64})
             assert await asyncio.to_thread(first.wait, 120)
             assert "ended" not in out  # the base-model request holds KV blocks
             await sync.push(model_b)
@@ -268,36 +267,17 @@ def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_
     for its worker's results and this process was left runnable but unscheduled for up to
     0.7 s, so the request sent "meanwhile" left only as the stream ended. The servers now bind
     the engine core to its workers' cores (``weightsync/_runtime/cpu_binding.py``)."""
-    import threading
-    import time
 
     server = slotted_server
     models = [_policy(server.model_dir, seed=s) for s in (11, 12, 13)]
     new_tokens = 400
 
-    def stream(out: dict, first: threading.Event):
-        body = {"model": "policy", "prompt": PROMPTS[1], "max_tokens": new_tokens,
-                "temperature": 0, "ignore_eos": True, "stream": True,
-                "return_token_ids": True}
-        tokens, versions = [], set()
-        with httpx.stream("POST", server.url + "/v1/completions", json=body,
-                          timeout=300) as r:
-            out["status"] = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    event = json.loads(line[6:])
-                    versions.add(event.get("weight_version"))
-                    tokens += event["choices"][0].get("token_ids") or []
-                    first.set()
-        out.update(tokens=tokens, versions=versions, ended=time.monotonic())
-        first.set()
-
     async def under_a_stream(sync, model) -> tuple[dict, object]:
         """Push ``model`` while a stream of the adapter runs, then send a request of the
         adapter (greedy, no logprobs: ``_verify``) while the stream still runs."""
-        out, first = {}, threading.Event()
-        reader = threading.Thread(target=stream, args=(out, first))
-        reader.start()
+        reader, out, first = _reading(server.url, {
+            "model": "policy", "prompt": PROMPTS[1], "max_tokens": new_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
         assert await asyncio.to_thread(first.wait, 120)
         assert "ended" not in out  # the adapter's stream is in flight
         stats = await sync.push(model)
@@ -347,27 +327,9 @@ def test_a_prompt_logprobs_request_beside_a_stream_runs_alone_and_is_answered_ex
     (``--prompt-logprobs-alone``, on by default with ``--enable-lora`` on CPU): sent while a
     base-model stream runs, it waits for the stream to end, is answered with the merged
     model's prompt logprobs and greedy tokens, and the engine keeps serving."""
-    import threading
-    import time
-
     model, merged, _ = _policy(lora_server.model_dir, seed=10)
     _push(lora_server, model)
-    first, out = threading.Event(), {}
-
-    def stream():
-        body = {"model": "tiny-policy", "prompt": PROMPTS[0], "max_tokens": 200, "n": 16,
-                "temperature": 1.0, "seed": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", lora_server.url + "/v1/completions", json=body,
-                          timeout=300) as r:
-            out["status"] = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    first.set()
-        out["ended"] = time.monotonic()
-        first.set()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
+    reader, out, first = _reading(lora_server.url, {**BASE_STREAM, "n": 16})
     assert first.wait(120) and "ended" not in out  # the stream is in flight
     _check(lora_server, merged, PROMPTS[1], "policy")  # prompt logprobs, greedy, exact
     answered = time.monotonic()
