@@ -156,6 +156,39 @@ def test_push_changes_outputs_version_and_header(restored, ref):
     assert check_against(restored, ref, PROMPTS[0]) == v0 + 10
 
 
+def test_a_trainer_pushing_its_model_step_after_step_is_replayed_and_served_exactly(restored,
+                                                                                   ref):
+    """One session pushes the same model after each of four in-place steps: from its third
+    push on, the update is replayed (the request refers to the layout the server's worker
+    keeps, the start to the manifest it keeps), and every version serves the model's own prompt
+    logprobs and greedy tokens (transformers, fp32)."""
+    import copy
+
+    import weightsync as ws
+
+    model = copy.deepcopy(ref.model)
+    now = Reference(restored.model_dir)
+    now.model = model
+    g = torch.Generator().manual_seed(7)
+
+    async def go():
+        versions = []
+        async with ws.connect([restored.url], "broadcast", api_key=restored.api_key) as sync:
+            for _ in range(4):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=g) * 1e-2)
+                stats = await sync.push(model)
+                versions.append(stats.versions[0])
+                served_version = await asyncio.to_thread(check_against, restored, now, PROMPTS[0])
+                assert served_version == versions[-1]
+            return versions, sync.sender.replayed
+
+    versions, replayed = asyncio.run(go())
+    assert replayed == 2 and versions == list(range(versions[0], versions[0] + 4))
+    restored.restore()  # the base weights again, for the module's later tests
+
+
 BAD_PUSHES = [
     ({"model.norm.weight": torch.zeros(65)}, "model.norm.weight", "shape [65] but target has [64]"),
     ({"model.layers.0.mlp.down_projj.weight": torch.zeros(64, 128)}, "down_projj",
