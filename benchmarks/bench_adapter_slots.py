@@ -45,14 +45,18 @@ SLOTS = (1, 2)
 def start(model_dir: str, scratch: str, slots: int) -> Any:
     import torch
 
+    from weightsync._runtime.cpu_binding import ENGINE_CORE_CPUS_ENV, FOLLOW_WORKERS
     from weightsync.testing.servers import PolicyServerProcess, cpu_core_slots
 
     # on a GPU both servers share it: each takes a small share (its KV cache is 64 MiB anyway);
     # on CPU each gets cores of its own (vLLM would bind both workers to the same ones)
     gpu = ["--gpu-memory-utilization", "0.15"] if torch.cuda.is_available() else []
     cores = None if gpu else cpu_core_slots(len(SLOTS))[SLOTS.index(slots)]
+    # on CPU its engine core on its worker's cores: left free it busy-waits on the core this
+    # process needs (weightsync/_runtime/cpu_binding.py)
+    env = None if gpu else {ENGINE_CORE_CPUS_ENV: FOLLOW_WORKERS}
     server = PolicyServerProcess(
-        model_dir, scratch_dir=scratch, cpu_cores=cores, extra_args=[
+        model_dir, scratch_dir=scratch, cpu_cores=cores, env=env, extra_args=[
             "--api-key", API_KEY, "--max-model-len", "512", "--log-level", "warning",
             "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "base",
             "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "2",

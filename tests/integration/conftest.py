@@ -99,12 +99,13 @@ POLICY_CORES, REWARD_CORES = cpu_core_slots(2)
 
 def start_server(server_cls: type[ServerProcess], model_dir: str, log_path: str, *,
                  api_key: str | None, args: list[str], timeout_s: float = 180.0,
-                 cpu_cores: str | None = None) -> ServerProcess:
-    """Start ``server_cls`` on ``model_dir`` (its output to ``log_path``) and wait until /health
-    answers 200 (or fail with its log)."""
+                 cpu_cores: str | None = None, env: dict[str, str] | None = None
+                 ) -> ServerProcess:
+    """Start ``server_cls`` on ``model_dir`` (its output to ``log_path``; ``env`` added to its
+    environment) and wait until /health answers 200 (or fail with its log)."""
     token = ["--api-key", api_key] if api_key else []
     return server_cls(model_dir, log_path=log_path, extra_args=[*args, *token],
-                      cpu_cores=cpu_cores).start_healthy(timeout_s=timeout_s)
+                      cpu_cores=cpu_cores, env=env).start_healthy(timeout_s=timeout_s)
 
 
 def start_reward_server(
@@ -209,14 +210,15 @@ async def push_over_http(url: str, api_key: str, weights: Any, *, version: int |
 
 
 def start_policy_server(model_dir: str, log_path: str, *, api_key: str | None = API_KEY,
-                        extra: list[str] | None = None) -> PolicyServerHandle:
+                        extra: list[str] | None = None,
+                        env: dict[str, str] | None = None) -> PolicyServerHandle:
     """The server warms itself up before it answers /health (``--warmup``, on by default: vLLM
     compiles its logprobs kernel then, which has taken minutes on a loaded 2-core box), so no
     test's first request or push waits for that compile; hence the long start limit."""
     server = start_server(
         PolicyServerProcess, model_dir, log_path, api_key=api_key, timeout_s=600.0,
         args=[*SMALL_SERVER, "--seed", "0", "--served-model-name", "tiny-policy", *(extra or [])],
-        cpu_cores=POLICY_CORES,
+        cpu_cores=POLICY_CORES, env=env,
     )
     return PolicyServerHandle(server.url, server.port, api_key or "", model_dir, server)
 

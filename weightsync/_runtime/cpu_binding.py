@@ -14,13 +14,18 @@ with its worker (it schedules while the worker waits, spins while the worker com
 other cores stay free: the longest gap in such a stream fell from 0.4-0.8 s to 8-73 ms, at about
 10 % more time per token.
 
+It is asked for, not done by default: ``WEIGHTSYNC_ENGINE_CORE_CPUS`` names the cores
+(``"0-3"``), or ``workers`` for the cores of ``VLLM_CPU_OMP_THREADS_BIND`` (``"0"``, ``"4-7"``,
+``"0-3|4-7"`` for two workers). Bound, the engine core shares its worker's cores, which is
+right for one server on cores of its own, and wrong where several engines' workers share cores:
+each engine core then spins beside them, and in a test session whose two reward servers had
+their workers on one core of a 2-core box, one server's worker went 60 s without reading its
+engine core's messages and its weight-sync group never formed (the CI run of 2026-11-27).
 ``engine_core_follows_workers()`` is called by ``serve-policy`` and ``serve-reward`` on CPU
-before they start vLLM: it sets ``WEIGHTSYNC_ENGINE_CORE_CPUS`` to the cores of
-``VLLM_CPU_OMP_THREADS_BIND`` when that names cores (``"0"``, ``"4-7"``, ``"0-3|4-7"`` for two
-workers), and leaves a value you set alone (``any``: the engine core is not bound). weightsync's
-vLLM plugin calls ``bind_engine_core()`` in every vLLM process; in the engine core (and only
-there: the plugin is loaded in the API server and the workers too) it binds every thread of the
-process to those cores. Nothing happens in engines weightsync's servers did not start.
+before they start vLLM: it turns ``workers`` into those cores (or drops it when they are not
+cores). weightsync's vLLM plugin calls ``bind_engine_core()`` in every vLLM process; in the
+engine core (and only there: the plugin is loaded in the API server and the workers too) it
+binds every thread of the process to the cores named. Nothing happens otherwise.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from __future__ import annotations
 import os
 import re
 
-#: the cores vLLM's engine core is bound to (set by the servers; "any" or unset: not bound)
+#: the cores vLLM's engine core is bound to ("workers": its workers' cores; unset: not bound)
 ENGINE_CORE_CPUS_ENV = "WEIGHTSYNC_ENGINE_CORE_CPUS"
+#: ``WEIGHTSYNC_ENGINE_CORE_CPUS`` value: the cores the engine's workers are bound to
+FOLLOW_WORKERS = "workers"
 #: vLLM's CPU binding of its workers' OpenMP threads (per worker, separated by "|")
 WORKER_CPUS_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -54,13 +61,16 @@ def parse_cpus(spec: str) -> set[int] | None:
 
 
 def engine_core_follows_workers(environ: dict[str, str] | None = None) -> str | None:
-    """In a server process on CPU, before vLLM starts: set ``WEIGHTSYNC_ENGINE_CORE_CPUS`` to
-    the cores the workers are bound to, unless it is set already; -> the value in effect."""
+    """In a server process on CPU, before vLLM starts: ``WEIGHTSYNC_ENGINE_CORE_CPUS=workers``
+    becomes the cores the workers are bound to (dropped when they name no cores); any other
+    value stays as set; -> the value in effect (None: the engine core is not bound)."""
     env = os.environ if environ is None else environ
-    if ENGINE_CORE_CPUS_ENV in env:
-        return env[ENGINE_CORE_CPUS_ENV]
+    given = env.get(ENGINE_CORE_CPUS_ENV)
+    if given != FOLLOW_WORKERS:
+        return given
     cpus = parse_cpus(env.get(WORKER_CPUS_ENV, ""))
     if cpus is None:
+        del env[ENGINE_CORE_CPUS_ENV]
         return None
     env[ENGINE_CORE_CPUS_ENV] = ",".join(str(c) for c in sorted(cpus))
     return env[ENGINE_CORE_CPUS_ENV]

@@ -412,7 +412,7 @@ def _ready_line(cfg: PolicyServerConfig, engine: Any, version: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
-    if _default_device() == "cpu":  # vLLM's engine core on its workers' cores
+    if _default_device() == "cpu":  # vLLM's engine core on its workers' cores, if asked
         engine_core_follows_workers()
     run_main(lambda stop: serve(cfg, args, stop=stop), what="policy server",
              log_level=cfg.log_level, log=log)

@@ -412,7 +412,7 @@ def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    if cfg.resolved_device() == "cpu":  # vLLM's engine core on its workers' cores
+    if cfg.resolved_device() == "cpu":  # vLLM's engine core on its workers' cores, if asked
         engine_core_follows_workers()
     run_main(lambda stop: serve(cfg, stop=stop), what="reward server", log_level=cfg.log_level,
              log=log)

@@ -19,6 +19,7 @@ import torch
 from _policy_ref import PROMPTS, TOL, Reference, completion_lps, max_diff, prompt_lps, served
 
 import weightsync as ws
+from weightsync._runtime.cpu_binding import ENGINE_CORE_CPUS_ENV, FOLLOW_WORKERS
 from weightsync.errors import UpdateRefusedError
 
 pytestmark = pytest.mark.slow
@@ -243,7 +244,8 @@ def slotted_server(tiny_policy_model_dir, tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("policy-lora-slots") / "server.log")
     handle = start_policy_server(tiny_policy_model_dir, log_path, extra=[
         "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "2",
-        "--adapter-slots", "2", "--max-model-len", "512"])
+        "--adapter-slots", "2", "--max-model-len", "512"],
+        env={ENGINE_CORE_CPUS_ENV: FOLLOW_WORKERS})  # see the slots test's docstring
     try:
         yield handle
     finally:
@@ -265,8 +267,9 @@ def test_with_adapter_slots_a_stream_finishes_on_its_version_while_the_next_one_
     process gets the CPU when its sockets wake it. On a 2-core box that once failed 2 runs of
     3: vLLM's engine core, free to run on the core the worker does not use, busy-waits there
     for its worker's results and this process was left runnable but unscheduled for up to
-    0.7 s, so the request sent "meanwhile" left only as the stream ended. The servers now bind
-    the engine core to its workers' cores (``weightsync/_runtime/cpu_binding.py``)."""
+    0.7 s, so the request sent "meanwhile" left only as the stream ended. This test's server
+    binds its engine core to its workers' cores (``WEIGHTSYNC_ENGINE_CORE_CPUS=workers``,
+    ``weightsync/_runtime/cpu_binding.py``)."""
 
     server = slotted_server
     models = [_policy(server.model_dir, seed=s) for s in (11, 12, 13)]

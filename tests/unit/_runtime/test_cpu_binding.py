@@ -1,5 +1,5 @@
 """vLLM's engine core on its workers' cores (``weightsync/_runtime/cpu_binding.py``): which
-cores a binding names, what the servers set, and a real process named as vLLM names its engine
+cores a binding names, what the servers set when asked, and a real process named as vLLM names its engine
 core binding every one of its threads (and one named otherwise binding none)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 
 from weightsync._runtime.cpu_binding import (
     ENGINE_CORE_CPUS_ENV,
+    FOLLOW_WORKERS,
     WORKER_CPUS_ENV,
     bind_engine_core,
     engine_core_follows_workers,
@@ -28,13 +29,16 @@ def test_only_core_lists_name_cores():
         assert parse_cpus(spec) is None, spec
 
 
-def test_the_servers_set_the_workers_cores_unless_told_otherwise():
-    env = {WORKER_CPUS_ENV: "2-3|0"}
+def test_the_servers_bind_the_engine_core_only_when_asked():
+    """``workers`` becomes the workers' cores; cores given stay; nothing asked, nothing bound
+    (the default: engines whose workers share cores would spin beside them)."""
+    env = {WORKER_CPUS_ENV: "2-3|0", ENGINE_CORE_CPUS_ENV: FOLLOW_WORKERS}
     assert engine_core_follows_workers(env) == "0,2,3" == env[ENGINE_CORE_CPUS_ENV]
-    mine = {WORKER_CPUS_ENV: "0", ENGINE_CORE_CPUS_ENV: "any"}
-    assert engine_core_follows_workers(mine) == "any" and mine[ENGINE_CORE_CPUS_ENV] == "any"
-    for unbound in ({}, {WORKER_CPUS_ENV: "auto"}):
-        assert engine_core_follows_workers(unbound) is None and unbound == dict(unbound)
+    mine = {WORKER_CPUS_ENV: "0", ENGINE_CORE_CPUS_ENV: "1"}
+    assert engine_core_follows_workers(mine) == "1" and mine[ENGINE_CORE_CPUS_ENV] == "1"
+    for unbound in ({WORKER_CPUS_ENV: "0"}, {ENGINE_CORE_CPUS_ENV: FOLLOW_WORKERS},
+                    {WORKER_CPUS_ENV: "auto", ENGINE_CORE_CPUS_ENV: FOLLOW_WORKERS}):
+        assert engine_core_follows_workers(unbound) is None
         assert ENGINE_CORE_CPUS_ENV not in unbound
 
 
