@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks in stages; each stage fits one 10-minute device call and ends with a short table.
 #
+#   bash scripts/gpu_check.sh first-hour [quickstart|demo]   a GPU user's first hour from a clean
+#                                          environment holding only the gpu extra's wheels:
+#                                          docs/quickstart.md's GPU section (servers side by side,
+#                                          the demo), then the demo with cuda_ipc and with a CPU
+#                                          trainer (scripts/gpu_first_hour.sh)
 #   bash scripts/gpu_check.sh tests        gpu-marked transport / extractor tests + vLLM pooling
 #                                          (tests/gpu/test_gpu_*.py, tests/integration/loaders/test_vllm_gpu.py)
 #   bash scripts/gpu_check.sh tests-vllm   vLLM 0.26 generative engine: colocated cuda_ipc and
@@ -144,6 +149,10 @@ summary() {  # print every bench table written in this stage
 }
 
 case "$stage" in
+  first-hour)
+    need_vllm
+    bash scripts/gpu_first_hour.sh "${2:-all}"
+    ;;
   tests)
     vllm_tests=""
     python3 -c "import vllm" 2>/dev/null && vllm_tests="tests/integration/loaders/test_vllm_gpu.py"
@@ -348,7 +357,7 @@ case "$stage" in
     summary
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh {perf|ab|layouts|trace|tests|tests-vllm|tests-servers|sleep|lora|lora-ipc|adapter-slots|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
+    echo "usage: bash scripts/gpu_check.sh {first-hour|perf|ab|layouts|trace|tests|tests-vllm|tests-servers|sleep|lora|lora-ipc|adapter-slots|continue|fp8|extras|bench-small|bench-7b|bench-graphs|bench-p2p|bench-integrity|hybrid|four-gpu}"
     exit 2
     ;;
 esac

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="weightsync demo",
         description=(
-            "RLHF on CPU with tiny models: train a reward model, push it to a vLLM reward "
+            "RLHF with tiny models, on CPU or GPU: train a reward model, push it to a vLLM reward "
             "server, then sample from a vLLM policy server, score, assign GRPO credit, update "
             "the policy and push it back, step after step (--mode rlhf, the default). "
             "--mode head_only | full: one train -> sync -> score cycle of the reward model."
@@ -81,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-eval", type=int,
                    help=f"head_only / full: held-out preference pairs (default {d.data.num_eval})")
     p.add_argument("--device", choices=("cpu", "cuda"),
-                   help=f"trainer device (default {d.train.device})")
+                   help="trainer device; the servers run on a GPU whenever one is visible "
+                        "(with cuda and no --strategy: cuda_ipc into servers on the trainer's "
+                        "GPU, or broadcast over NCCL into servers on GPU 1 when two are "
+                        f"visible) (default {d.train.device})")
     p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
                    help=f"folder for the PNG ({PLOT_NAME}) and the JSON record ({RECORD_NAME}), "
                         f"created if missing (default ./{DEFAULT_OUT}, which git ignores)")
@@ -127,7 +130,10 @@ def apply_overrides(cfg: DemoConfig, args: argparse.Namespace) -> DemoConfig:
     if args.device:
         cfg.train.device = args.device
         if args.device == "cuda" and not args.strategy and cfg.strategy == STRATEGY_PRESETS["broadcast"]:
-            cfg.strategy = dict(STRATEGY_PRESETS["broadcast_nccl"])  # gloo is the CPU default
+            # gloo is the CPU default: CUDA IPC on one GPU, NCCL into a second one
+            from weightsync.demo.placement import default_gpu_strategy, visible_gpus
+
+            cfg.strategy = default_gpu_strategy(visible_gpus())
     cfg.validate()
     return cfg
 

@@ -269,6 +269,7 @@ class RLHFRun:
         return rm_dir, policy_dir
 
     def start_servers(self, rm_dir: str, policy_dir: str, wd: str) -> None:
+        from weightsync.demo.placement import plan_placement
         from weightsync.testing.servers import (
             PolicyServerProcess,
             RewardServerProcess,
@@ -276,19 +277,28 @@ class RLHFRun:
         )
 
         s = self.cfg.server
-        common = ["--max-model-len", str(s.max_model_len), "--log-level", "warning"]
-        policy_cores, reward_cores = cpu_core_slots(2)  # not both engines on one core
+        place = plan_placement(self.cfg.train.device, self.cfg.strategy)
+        self.progress(f"placement: {place.describe}")
+        common = ["--max-model-len", str(s.max_model_len), "--log-level", "warning",
+                  *place.server_args]
+        policy_cores, reward_cores = cpu_core_slots(2) if not place.servers_on_gpu else (None,
+                                                                                       None)
         self.reward_server = RewardServerProcess(
             rm_dir, scratch_dir=wd, host=s.host, extra_args=[*common, *s.extra_args],
-            cpu_cores=reward_cores).start()
+            cpu_cores=reward_cores, env=place.server_env)
         self.policy_server = PolicyServerProcess(
-            policy_dir, scratch_dir=wd, host=s.host, cpu_cores=policy_cores,
+            policy_dir, scratch_dir=wd, host=s.host, cpu_cores=policy_cores, env=place.server_env,
             extra_args=[*common, "--served-model-name", POLICY_NAME, "--seed",
-                        str(self.cfg.rlhf.seed), *s.policy_extra_args]).start()
+                        str(self.cfg.rlhf.seed), *s.policy_extra_args])
         for server in (self.reward_server, self.policy_server):
+            server.start()
             cores = f", worker cores {server.cpu_cores}" if server.cpu_cores else ""
             self.progress(f"{server.label} starting (pid {server.pid}, {server.url}, "
                           f"log {server.log_path}{cores})")
+            if place.start_one_by_one and server is self.reward_server:
+                waited = server.wait_healthy(timeout_s=s.startup_timeout_s, progress=self.progress)
+                self.progress(f"{server.label} healthy after {waited:.1f}s; the next server "
+                              "starts now (each measures the GPU's free memory as it starts)")
 
     def wait_for_servers(self) -> None:
         for server in (self.reward_server, self.policy_server):

@@ -183,12 +183,15 @@ class DemoRun:
         )
 
     def start_server(self, model_dir: str, wd: str) -> None:
+        from weightsync.demo.placement import plan_placement
         from weightsync.testing.servers import RewardServerProcess
 
         s = self.cfg.server
+        place = plan_placement(self.cfg.train.device, self.cfg.strategy)
         self.server = RewardServerProcess(
-            model_dir, scratch_dir=wd, host=s.host,
-            extra_args=["--max-model-len", str(s.max_model_len), *s.extra_args],
+            model_dir, scratch_dir=wd, host=s.host, env=place.server_env,
+            extra_args=["--max-model-len", str(s.max_model_len), *place.server_args,
+                        *s.extra_args],
         ).start()
         self.progress(
             f"reward server starting (pid {self.server.pid}, {self.server.url}, "

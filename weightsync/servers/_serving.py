@@ -108,15 +108,18 @@ def ready_line(
     update_timeout_s: float,
     wait_timeout_s: float,
     serves: str,
+    dtype: str = "",
 ) -> str:
     """The one line a server prints when it accepts connections: ``what`` (e.g. ``policy
-    server``) at ``url`` serving ``model`` at weight ``version``, what else it serves
-    (``serves``), the control plane and whether it needs a token, and the update timeouts (an
-    update silent for ``update_timeout_s`` is aborted; a request waits ``wait_timeout_s`` for an
-    update and an update as long for the requests in flight)."""
+    server``) at ``url`` serving ``model`` at weight ``version`` in ``dtype`` (the dtype served
+    and why: ``_gpu.served_dtype_note``), what else it serves (``serves``), the control plane
+    and whether it needs a token, and the update timeouts (an update silent for
+    ``update_timeout_s`` is aborted; a request waits ``wait_timeout_s`` for an update and an
+    update as long for the requests in flight)."""
     token = "token required (--api-key)" if api_key else "no token required (no --api-key)"
-    return (f"weightsync {what} ready on {url}: model {model} (weight version {version}); "
-            f"{serves}; control plane {CONTROL_SUMMARY}, {token}; update timeout "
+    served = f"; {dtype}" if dtype else ""
+    return (f"weightsync {what} ready on {url}: model {model} (weight version {version})"
+            f"{served}; {serves}; control plane {CONTROL_SUMMARY}, {token}; update timeout "
             f"{update_timeout_s:g} s, request/update wait {wait_timeout_s:g} s")
 
 

@@ -18,7 +18,10 @@ Arguments: ours are ``--host`` (127.0.0.1), ``--port`` (8000), ``--api-key`` (de
 ``--update-timeout-s``, ``--request-wait-timeout-s``, ``--group-timeout-s``,
 ``--max-body-bytes``, ``--log-level``; everything else goes to vLLM's own parser unchanged. On
 CPU, unless given: ``--dtype float32``, ``--enforce-eager``, ``--kv-cache-memory-bytes``
-256 MiB (vLLM CPU otherwise asks for most of a NUMA node).
+256 MiB (vLLM CPU otherwise asks for most of a NUMA node). On GPU, unless given:
+``--gpu-memory-utilization`` 0.6, lowered to the card's free memory, so a reward server (0.3)
+fits beside it (``weightsync.servers._gpu``), and vLLM's engine core started with ``spawn`` as
+``vllm serve`` starts it. The ready line names the dtype served and why.
 
 LoRA adapters (``--enable-lora``, ``--max-lora-rank``, ``--max-cpu-loras``): a trainer pushes
 only its adapter (the ``lora_adapter`` extractor, ``weightsync.lora_adapter``); once the update
@@ -45,6 +48,12 @@ from typing import Any
 
 from weightsync._runtime.cpu_binding import engine_core_follows_workers
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
+from weightsync.servers._gpu import (
+    POLICY_GPU_SHARE,
+    REWARD_GPU_SHARE,
+    served_dtype_note,
+    start_engine_core_with_spawn,
+)
 from weightsync.servers._serving import (
     WARMUP_HELP,
     add_server_arguments,
@@ -83,6 +92,8 @@ class PolicyServerConfig:
     #: requests: vLLM issues 16668 and 29955)
     prompt_logprobs_alone: str = "auto"
     adapter_slots: int = 1  # versions kept per LoRA adapter (``servers._adapter_slots``)
+    device: str = "auto"  # filled by parse_args: "cpu" or "cuda", the device the engine runs on
+    dtype_asked: str | None = None  # filled by parse_args: the --dtype the user gave, if any
 
 
 #: ``--warmup``: what it sends, what it costs at start (measured: docs/reliability.md)
@@ -156,6 +167,12 @@ def _our_parser(*, for_help: bool = False) -> argparse.ArgumentParser:
                           help=f"KV cache size (default on CPU: {CPU_KV_CACHE_BYTES} bytes = "
                                f"{CPU_KV_CACHE_BYTES >> 20} MiB; on GPU: vLLM's, from "
                                f"--gpu-memory-utilization)")
+        vllm.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
+                          help=f"GPU only: share of the card's memory the engine may take, 0-1 "
+                               f"(default {POLICY_GPU_SHARE:g}, lowered to the card's free "
+                               f"memory; serve-reward takes {REWARD_GPU_SHARE:g}, so both fit on "
+                               "one GPU; vLLM's own default, 0.92, leaves no room for another "
+                               "server)")
         vllm.add_argument("--enforce-eager", action="store_true",
                           help="no CUDA graphs / torch.compile (default on CPU: on)")
         vllm.add_argument("--chat-template", metavar="FILE",
@@ -173,9 +190,10 @@ def _given(argv: list[str], *flags: str) -> bool:
 
 
 def _default_device() -> str:
-    import torch
+    """cuda when a GPU is visible, found without initialising CUDA (vLLM forks from here)."""
+    from weightsync.servers._gpu import resolve_device
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device("auto")
 
 
 def parse_args(argv: list[str] | None = None, *, device: str | None = None
@@ -199,6 +217,7 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
     if not _given(rest, "--model") and not getattr(args, "model_tag", None):
         vparser.error("--model is required (a directory or hub id of a causal LM)")
     device = device or _default_device()
+    dtype_asked = args.dtype if _given(rest, "--dtype") else None
     if device == "cpu":
         if not _given(rest, "--dtype"):
             args.dtype = "float32"
@@ -206,12 +225,20 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
             args.enforce_eager = True
         if not _given(rest, "--kv-cache-memory-bytes"):
             args.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
+    elif not _given(rest, "--kv-cache-memory-bytes"):
+        try:
+            args.gpu_memory_utilization = _gpu_share(
+                args, asked=args.gpu_memory_utilization
+                if _given(rest, "--gpu-memory-utilization") else None)
+        except ValueError as e:
+            vparser.error(str(e))
     given_ext = getattr(args, "worker_extension_cls", "") or ""
     if given_ext and given_ext != WORKER_EXTENSION:
         vparser.error(f"--worker-extension-cls: the policy server needs {WORKER_EXTENSION} "
                       f"(weight updates run there), got {given_ext}")
     args.worker_extension_cls = WORKER_EXTENSION
-    cfg = PolicyServerConfig(**{k: v for k, v in vars(ns).items() if v is not None})
+    cfg = PolicyServerConfig(**{k: v for k, v in vars(ns).items() if v is not None},
+                             device=device, dtype_asked=dtype_asked)
     if cfg.in_flight_kv == "keep" and cfg.in_flight_requests != "continue":
         _our_parser().error("--in-flight-kv keep needs --in-flight-requests continue (only "
                             "requests that continue across an update have KV to keep)")
@@ -231,6 +258,21 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
     return cfg, args
 
 
+def _gpu_share(args: argparse.Namespace, *, asked: float | None) -> float:
+    """The share of the GPU the engine takes: ``asked`` (``--gpu-memory-utilization``), or
+    ``POLICY_GPU_SHARE`` lowered to the card's free memory (``_gpu.fit_gpu_share``: a share
+    that does not fit is an error naming the flag, before the engine starts)."""
+    from weightsync._runtime.gpu import gpu_memory
+    from weightsync.servers._gpu import POLICY_GPU_SHARE, fit_gpu_share, model_bytes
+
+    dtype = None if args.dtype in (None, "auto") else str(args.dtype)
+    share, why = fit_gpu_share(
+        asked, default=POLICY_GPU_SHARE, flag="--gpu-memory-utilization", memory=gpu_memory(),
+        weights_bytes=model_bytes(str(args.model), dtype), what="policy server")
+    log.info("GPU memory: %.2f of the card (%s)", share, why)
+    return share
+
+
 @dataclass
 class PolicyServer:
     """The running parts (one asyncio loop): engine, vLLM's app, our control plane."""
@@ -245,8 +287,6 @@ class PolicyServer:
 async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine: Any
                        ) -> PolicyServer:
     """vLLM's app and state for ``engine``, with our routes and middleware added."""
-    import torch
-
     from weightsync._runtime.vllm_compat import openai_server_parts
     from weightsync.servers.control import UpdateControl
     from weightsync.servers.control_routes import CONTROL_PATHS, control_router, mount
@@ -271,7 +311,7 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
     control.scoped_by_model = bool(getattr(args, "enable_lora", False))
     control.prompt_logprobs_alone = prompt_logprobs_alone(
         cfg.prompt_logprobs_alone, lora=control.scoped_by_model,
-        cpu=not torch.cuda.is_available())
+        cpu=cfg.device == "cpu")
     await control.refresh_state()
     await control.world_size()  # asked once here: /get_world_size never waits for workers
     if cfg.warmup:
@@ -280,7 +320,7 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
         params = SamplingParams(max_tokens=2, temperature=0, logprobs=1, prompt_logprobs=1)
         await warm_up("one request with logprobs", lambda rid: engine.generate(
             "Hello", params, rid), log)
-    ludic = LudicDialect(control, backend="nccl" if torch.cuda.is_available() else "gloo",
+    ludic = LudicDialect(control, backend="gloo" if cfg.device == "cpu" else "nccl",
                          group_timeout_s=cfg.group_timeout_s)
     if not getattr(args, "enable_elastic_ep", False):
         # vLLM mounts its elastic-EP admin routes on every server; without elastic EP they can
@@ -407,13 +447,17 @@ def _ready_line(cfg: PolicyServerConfig, engine: Any, version: int) -> str:
         api_key=cfg.api_key, update_timeout_s=cfg.update_timeout_s,
         wait_timeout_s=cfg.request_wait_timeout_s,
         serves="OpenAI API /v1/completions, /v1/chat/completions, /v1/models",
+        dtype=served_dtype_note(engine.model_config, asked=cfg.dtype_asked, device=cfg.device,
+                                server_default="float32" if cfg.device == "cpu" else None),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
-    if _default_device() == "cpu":  # vLLM's engine core on its workers' cores, if asked
+    if cfg.device == "cpu":  # vLLM's engine core on its workers' cores, if asked
         engine_core_follows_workers()
+    else:
+        start_engine_core_with_spawn(log)
     run_main(lambda stop: serve(cfg, args, stop=stop), what="policy server",
              log_level=cfg.log_level, log=log)
 

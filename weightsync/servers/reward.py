@@ -23,8 +23,9 @@ through ``--hf-overrides`` (e.g. ``classifier_from_token`` / ``method``).
 
 Defaults by device: on CPU ``dtype=float32``, eager mode, and a small fixed KV cache
 (``kv_cache_memory_bytes``; without it vLLM CPU asks for most of a NUMA node); on GPU the
-model's dtype and ``gpu_memory_utilization`` (default 0.3) so that a policy server and a reward
-server can share one GPU. Side by side: give each server its own ``--port`` and let each
+model's dtype and ``gpu_memory_utilization`` 0.3 (lowered to the card's free memory; the policy
+server takes 0.6 by default, so the two share one GPU: ``weightsync.servers._gpu``), and vLLM's
+engine core started with ``spawn`` as ``vllm serve`` starts it. Side by side: give each server its own ``--port`` and let each
 client use its own ``group_port`` (e.g. policy 8000 / 51216, reward 8001 / 51217).
 Binds 127.0.0.1 unless ``--host`` says otherwise.
 """
@@ -41,6 +42,7 @@ from typing import Any
 
 from weightsync._runtime.cpu_binding import engine_core_follows_workers
 from weightsync.loaders.vllm_worker import WORKER_EXTENSION
+from weightsync.servers._gpu import POLICY_GPU_SHARE, REWARD_GPU_SHARE, start_engine_core_with_spawn
 from weightsync.servers._serving import (
     WARMUP_HELP,
     add_server_arguments,
@@ -72,7 +74,7 @@ class RewardServerConfig:
     max_model_len: int | None = None  # default: the model's (mind the KV cache size on CPU)
     max_num_seqs: int | None = None
     kv_cache_memory_bytes: int | None = None  # default on CPU: 256 MiB
-    gpu_memory_utilization: float = 0.3
+    gpu_memory_utilization: float | None = None  # GPU share; None: REWARD_GPU_SHARE, fitted
     tensor_parallel_size: int = 1
     enforce_eager: bool | None = None  # default: True on CPU (fast start), False on GPU
     pooling_type: str | None = None  # LAST / MEAN / CLS; default: the model's
@@ -97,11 +99,11 @@ class RewardServerConfig:
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
+        """``cpu`` or ``cuda`` (``auto``: cuda when a GPU is visible), found without
+        initialising CUDA in this process (vLLM forks its engine core from it)."""
+        from weightsync.servers._gpu import resolve_device
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return resolve_device(self.device)
 
 
 def engine_args(cfg: RewardServerConfig) -> Any:
@@ -139,7 +141,7 @@ def engine_args(cfg: RewardServerConfig) -> Any:
     if cpu:
         kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes or (256 << 20)
     else:
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kwargs["gpu_memory_utilization"] = _gpu_share(cfg)
         if cfg.kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
     pooler = _pooler_config(cfg)
@@ -147,6 +149,21 @@ def engine_args(cfg: RewardServerConfig) -> Any:
         kwargs["pooler_config"] = pooler
     kwargs.update(cfg.extra_engine_args)
     return AsyncEngineArgs(**kwargs)
+
+
+def _gpu_share(cfg: RewardServerConfig) -> float:
+    """The share of the GPU the engine takes: ``gpu_memory_utilization``, or the default fitted
+    to the card's free memory (``_gpu.fit_gpu_share``; a share that does not fit is an error
+    naming the flag, before the engine starts)."""
+    from weightsync._runtime.gpu import gpu_memory
+    from weightsync.servers._gpu import REWARD_GPU_SHARE, fit_gpu_share, model_bytes
+
+    dtype = None if cfg.dtype == "auto" else cfg.dtype
+    share, why = fit_gpu_share(
+        cfg.gpu_memory_utilization, default=REWARD_GPU_SHARE, flag="--gpu-memory-utilization",
+        memory=gpu_memory(), weights_bytes=model_bytes(cfg.model, dtype), what="reward server")
+    log.info("GPU memory: %.2f of the card (%s)", share, why)
+    return share
 
 
 def _pooler_config(cfg: RewardServerConfig) -> Any:
@@ -283,7 +300,7 @@ async def serve(
             "reward server", url=f"http://{cfg.host}:{cfg.port}",
             model=str(server.scorer.model_name), version=server.control.version,
             api_key=cfg.api_key, update_timeout_s=cfg.update_timeout_s,
-            wait_timeout_s=cfg.score_wait_timeout_s,
+            wait_timeout_s=cfg.score_wait_timeout_s, dtype=_dtype_note(cfg, server.engine),
             serves=f"POST /score and /get_reward ({server.scorer.num_labels} label(s)), "
                    "vLLM's /classify, /pooling, /v1/score, /v1/models",
         )
@@ -293,6 +310,14 @@ async def serve(
     finally:
         await server.control.shutdown()
         await stop_engine(server.engine)
+
+
+def _dtype_note(cfg: RewardServerConfig, engine: Any) -> str:
+    from weightsync.servers._gpu import served_dtype_note
+
+    device = cfg.resolved_device()
+    return served_dtype_note(engine.model_config, asked=cfg.dtype, device=device,
+                             server_default="float32" if device == "cpu" else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,8 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache size (default on CPU: 268435456 bytes = 256 MiB; on GPU: "
                         "from --gpu-memory-utilization)")
     p.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
-                   help=f"GPU only: share of GPU memory the engine may take, 0-1 (default "
-                        f"{d.gpu_memory_utilization:g}, leaving room for a policy server)")
+                   help=f"GPU only: share of the card's memory the engine may take, 0-1 "
+                        f"(default {REWARD_GPU_SHARE:g}, lowered to the card's free memory; "
+                        f"serve-policy takes {POLICY_GPU_SHARE:g}, so both fit on one GPU)")
     p.add_argument("--tensor-parallel-size", type=int, metavar="N",
                    help=f"GPUs per engine (default {d.tensor_parallel_size})")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
@@ -414,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     if cfg.resolved_device() == "cpu":  # vLLM's engine core on its workers' cores, if asked
         engine_core_follows_workers()
+    else:
+        start_engine_core_with_spawn(log)
     run_main(lambda stop: serve(cfg, stop=stop), what="reward server", log_level=cfg.log_level,
              log=log)
 

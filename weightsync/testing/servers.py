@@ -1,8 +1,11 @@
 """Run a reward or policy server as a real subprocess and always take it down again.
 
 Used by ``weightsync demo``, the integration and GPU tests' server fixtures, the benchmarks and
-the examples, in the trainer's process. ``ServerProcess`` starts ``python -m MODULE --model DIR
---host H --port P ...`` in its own session (so vLLM's engine-core children go down with it),
+the examples, in the trainer's process. ``ServerProcess`` starts the server the way a user does,
+through the command line (``weightsync serve-reward|serve-policy --model DIR --host H --port P
+...``, as ``python -m weightsync.cli``; or ``python -m MODULE ...`` for another module), with
+the caller's environment less what only the caller's own process needs
+(``CALLER_ONLY_ENV``), in its own session (so vLLM's engine-core children go down with it),
 sends its output to a log file, waits for ``GET /health`` while reporting progress, and stops
 the whole process group on ``stop()``, on leaving a ``with`` block, and at interpreter exit
 (atexit), whichever comes first. A server that dies during start-up raises ``RuntimeError``
@@ -62,9 +65,15 @@ def signals_raise_system_exit() -> Iterator[None]:
             signal.signal(s, h)
 
 
+#: variables a test or trainer process sets for its own in-process engines that a user starting
+#: a server does not set: a server never inherits them (``env=`` passes one on on purpose)
+CALLER_ONLY_ENV = ("VLLM_WORKER_MULTIPROC_METHOD",)
+
+
 def vllm_scratch_env(scratch_dir: str) -> dict[str, str]:
-    """Environment that keeps vLLM's cache and IPC sockets inside ``scratch_dir``."""
-    env = dict(os.environ)
+    """Environment that keeps vLLM's cache and IPC sockets inside ``scratch_dir``: this
+    process's, less ``CALLER_ONLY_ENV``."""
+    env = {k: v for k, v in os.environ.items() if k not in CALLER_ONLY_ENV}
     env.setdefault("VLLM_CACHE_ROOT", os.path.join(scratch_dir, "vllm-cache"))
     env.setdefault("VLLM_RPC_BASE_PATH", os.path.join(scratch_dir, "vllm-rpc"))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -114,6 +123,7 @@ class ServerProcess:
     (``VLLM_CPU_OMP_THREADS_BIND``; one of ``cpu_core_slots``), default vLLM's choice."""
 
     module = ""
+    subcommand = ""  # the ``weightsync`` subcommand that starts this server, if any
     label = "server"
 
     def __init__(
@@ -129,9 +139,13 @@ class ServerProcess:
         env: Mapping[str, str] | None = None,
         cpu_cores: str | None = None,
     ) -> None:
-        module = module or self.module
-        if not module:
-            raise ValueError("ServerProcess: give module= (e.g. 'weightsync.servers.reward')")
+        if module is None and self.subcommand:
+            launch = ["weightsync.cli", self.subcommand]
+        else:
+            module = module or self.module
+            if not module:
+                raise ValueError("ServerProcess: give module= (e.g. 'weightsync.servers.reward')")
+            launch = [module]
         self.model_dir = model_dir
         self._remove_scratch: Callable[[], Any] | None = None
         if scratch_dir is None:  # short: vLLM's IPC socket paths must stay under ~107 bytes
@@ -142,7 +156,7 @@ class ServerProcess:
         slug = self.label.replace(" ", "-")
         self.log_path = log_path or os.path.join(scratch_dir, f"{slug}-{self.port}.log")
         self.cmd = [
-            sys.executable, "-m", module, "--model", model_dir,
+            sys.executable, "-m", *launch, "--model", model_dir,
             "--host", host, "--port", str(self.port), *extra_args,
         ]
         self._env = {**vllm_scratch_env(scratch_dir), **(env or {})}
@@ -303,6 +317,7 @@ class RewardServerProcess(ServerProcess):
     """The reward server (``weightsync serve-reward``) as a subprocess."""
 
     module = "weightsync.servers.reward"
+    subcommand = "serve-reward"
     label = "reward server"
 
 
@@ -310,6 +325,7 @@ class PolicyServerProcess(ServerProcess):
     """The policy server (``weightsync serve-policy``) as a subprocess."""
 
     module = "weightsync.servers.policy"
+    subcommand = "serve-policy"
     label = "policy server"
 
 

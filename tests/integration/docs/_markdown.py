@@ -9,7 +9,8 @@ output has the shape a page shows.
   continuation lines joined, trailing ``# comments`` dropped. Inline code in prose is not a
   command line.
 - ``same_shape(expected, actual)``: an output line as a page shows it vs one printed: equal once
-  numbers and quoted strings are wildcards and runs of spaces are one space.
+  numbers and quoted strings are wildcards and runs of spaces are one space; ``assert_shape``
+  for a whole output, ``with_ports`` for a page's ports replaced by free ones.
 """
 
 from __future__ import annotations
@@ -106,3 +107,25 @@ def _shape(line: str) -> str:
 
 def same_shape(expected: str, actual: str) -> bool:
     return _shape(expected) == _shape(actual)
+
+
+def with_ports(text: str, ports: dict[str, str]) -> str:
+    for doc_port, port in ports.items():
+        text = text.replace(f":{doc_port}", f":{port}").replace(f"--port {doc_port}",
+                                                                f"--port {port}")
+    return text
+
+
+def assert_shape(expected: str, output: str) -> None:
+    """Each line the page shows has a line of that shape in ``output``, in order (a bench's
+    ``verdict:`` line only by its start: the winner varies from run to run)."""
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    at = 0
+    for want in (ln for ln in expected.splitlines() if ln.strip()):
+        if want.startswith("verdict: "):  # the winner varies from run to run
+            hit = next((i for i in range(at, len(lines)) if lines[i].startswith("verdict: ")),
+                       None)
+        else:
+            hit = next((i for i in range(at, len(lines)) if same_shape(want, lines[i])), None)
+        assert hit is not None, f"expected a line like\n  {want}\nin:\n{output[-4000:]}"
+        at = hit + 1

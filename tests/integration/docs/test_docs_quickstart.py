@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _markdown import blocks, same_shape
+from _markdown import assert_shape, blocks, with_ports
 
 from weightsync.testing.servers import free_port
 
@@ -37,33 +37,12 @@ def _steps(text: str, ports: dict[str, str]) -> list[tuple[str, str | None, str 
     out = []
     found = blocks(text)
     for i, b in enumerate(found):
-        if b.lang != "bash":
-            continue
+        if b.lang != "bash" or (b.marker or "").startswith("gpu"):
+            continue  # the GPU section: tests/gpu/test_docs_quickstart_gpu.py
         after = found[i + 1] if i + 1 < len(found) and found[i + 1].lang == "text" else None
-        out.append((_ports(b.body, ports), _ports(after.body, ports) if after else None,
+        out.append((with_ports(b.body, ports), with_ports(after.body, ports) if after else None,
                     b.marker))
     return out
-
-
-def _ports(text: str, ports: dict[str, str]) -> str:
-    for doc_port, port in ports.items():
-        text = text.replace(f":{doc_port}", f":{port}").replace(f"--port {doc_port}",
-                                                                f"--port {port}")
-    return text
-
-
-def _assert_shape(expected: str, output: str) -> None:
-    """Each line the page shows has a line of that shape in the output, in order."""
-    lines = [ln for ln in output.splitlines() if ln.strip()]
-    at = 0
-    for want in (ln for ln in expected.splitlines() if ln.strip()):
-        if want.startswith("verdict: "):  # the winner varies from run to run
-            hit = next((i for i in range(at, len(lines)) if lines[i].startswith("verdict: ")),
-                       None)
-        else:
-            hit = next((i for i in range(at, len(lines)) if same_shape(want, lines[i])), None)
-        assert hit is not None, f"expected a line like\n  {want}\nin:\n{output[-4000:]}"
-        at = hit + 1
 
 
 def _exports(block: str) -> list[str]:
@@ -92,7 +71,7 @@ def quickstart(tmp_path_factory):
                 ready = _wait_for_line(work / "server.log", "weightsync policy server ready",
                                        server, timeout_s=300)
                 if expected:
-                    _assert_shape(expected, ready)
+                    assert_shape(expected, ready)
                 continue
             script = "\n".join([*exports, block])
             out = subprocess.run(["bash", "-c", script], cwd=work, env=env, text=True,
@@ -100,7 +79,7 @@ def quickstart(tmp_path_factory):
             text = out.stdout + out.stderr
             assert out.returncode == 0, f"{block}\n{text[-3000:]}"
             if expected:
-                _assert_shape(expected, text)
+                assert_shape(expected, text)
             outputs.append((block, text))
             exports += _exports(block)
         yield {"work": work, "env": env, "outputs": outputs, "ports": ports, "url": f"http://127.0.0.1:"
@@ -162,7 +141,7 @@ def test_a_bf16_push_is_refused_in_the_line_the_page_shows(quickstart):
             sync.push(bf16, version=7)
         shown = next(b for b in PAGE.read_text().split("\n\n")
                      if b.lstrip().startswith("WeightMismatchError:"))
-        want = [ln.strip() for ln in _ports(shown, quickstart["ports"]).splitlines()]
+        want = [ln.strip() for ln in with_ports(shown, quickstart["ports"]).splitlines()]
         got = [ln.strip() for ln in f"WeightMismatchError: {ei.value}".splitlines()]
         assert got == want
         assert httpx.get(quickstart["url"] + "/runtime_version").json()["version"] == 6

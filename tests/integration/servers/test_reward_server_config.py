@@ -16,7 +16,7 @@ def test_presets_load_and_flags_win(monkeypatch):
     assert cfg.host == "127.0.0.1"  # loopback unless --host says otherwise
     assert cfg.kv_cache_memory_bytes == 256 << 20 and cfg.api_key is None
     gpu = parse_args(["--config", preset_path("reward_server_gpu"), "--model", "m"])
-    assert gpu.device == "cuda" and gpu.gpu_memory_utilization == 0.3 and gpu.enforce_eager is False
+    assert gpu.device == "cuda" and gpu.gpu_memory_utilization is None and gpu.enforce_eager is False
     assert gpu.host == parse_args(["--model", "m"]).host == "127.0.0.1"
 
 
