@@ -22,9 +22,12 @@ ls .stage/ws/weightsync-*.whl >/dev/null 2>&1 || { echo "no weightsync wheel in 
 [ -d "$SITE/vllm" ] || { echo "no vLLM in $SITE: run .stage/t/device_install.sh first"; exit 2; }
 
 if [ ! -x "$VENV/bin/weightsync" ]; then
-  "$py" -m venv --system-site-packages "$VENV" || exit 2
+  "$py" -m venv "$VENV" || exit 2
   pyver=$("$VENV/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-  echo "$SITE" > "$VENV/lib/python$pyver/site-packages/staged-wheels.pth"
+  # the staged wheels, then the image's packages (its python3 is itself a virtual environment,
+  # whose packages a --system-site-packages environment would not see)
+  { echo "$SITE"; (cd /tmp && "$py" -c 'import site; print("\n".join(site.getsitepackages()))'); } \
+      > "$VENV/lib/python$pyver/site-packages/staged-wheels.pth"
   "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile .stage/ws/weightsync-*.whl \
       || exit 2
 fi
@@ -34,7 +37,7 @@ clean=(env -i "PATH=$VENV/bin:/usr/local/bin:/usr/bin:/bin" "HOME=$HOME" "LANG=C
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
        VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1)
 
-"${clean[@]}" python - <<'PY' | tee "$OUT/extra_check.txt"
+(cd /tmp && "${clean[@]}" python -) <<'PY' | tee "$OUT/extra_check.txt"
 # every requirement of the gpu extra (and the base ones) is met in this environment
 from importlib.metadata import PackageNotFoundError, distribution, requires, version
 from packaging.requirements import Requirement
