@@ -64,9 +64,9 @@ stage=${1:-all}
 free_mib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1; }
 echo "GPU memory used before: $(free_mib) MiB"
 if [ "$stage" = all ] || [ "$stage" = quickstart ]; then
-  # the test's own helpers (tests/integration/_markdown.py) on its path; the test leaves that
+  # the test's own helpers (tests/integration/docs/_markdown.py) on its path; the test leaves that
   # variable out of the commands it runs
-  (cd /tmp && "${clean[@]}" PYTHONPATH="$repo/tests/integration" timeout -s ABRT 560 python -m pytest -q -p no:cacheprovider \
+  (cd /tmp && "${clean[@]}" PYTHONPATH="$repo/tests/integration/docs" timeout -s ABRT 560 python -m pytest -q -p no:cacheprovider \
       -o addopts="" --rootdir "$repo" -c "$repo/pyproject.toml" -m gpu -rs \
       "$repo/tests/gpu/test_docs_quickstart_gpu.py" > "$OUT/quickstart_gpu.log" 2>&1)
   echo "quickstart GPU section: rc=$?"; tail -5 "$OUT/quickstart_gpu.log"
