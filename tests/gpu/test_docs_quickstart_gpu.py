@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-from _markdown import assert_shape, blocks, with_ports
 
 from weightsync.testing.servers import CALLER_ONLY_ENV, free_port
 
@@ -28,6 +27,8 @@ PAGE = ROOT / "docs" / "quickstart.md"
 
 
 def _gpu_steps() -> list[tuple[str, str | None, str]]:
+    from _markdown import blocks  # tests/integration/docs: on the path the stage gives
+
     found = blocks(PAGE.read_text())
     steps = []
     for i, b in enumerate(found):
@@ -58,6 +59,7 @@ def _wait_for_line(path: Path, needle: str, proc: subprocess.Popen, timeout_s: f
 
 def test_quickstart_gpu_section(tmp_path):
     import httpx
+    from _markdown import assert_shape, blocks, with_ports
 
     from weightsync._runtime.gpu import cuda_device_count
 
