@@ -76,6 +76,8 @@ class RLHFResult:
     strategy: str
     strategy_config: dict[str, Any]
     mode: str = "rlhf"
+    servers_device: str = "cpu"  # where vLLM's servers ran: cpu or cuda
+    placement: str = ""
     steps: list[StepRecord] = field(default_factory=list)
     num_steps: int = 0
     group_size: int = 0
@@ -144,13 +146,14 @@ def check(cfg: DemoConfig, r: RLHFResult) -> None:
     if sampled and sampled != [r.policy_version_before, *got[:-1]]:
         r.failures.append(f"completions sampled by policy versions {sampled}, expected "
                           f"{[r.policy_version_before, *got[:-1]]}")
-    if not r.rm_max_abs_err_vs_hf <= c.max_abs_err:
+    max_abs_err, max_gap = c.tolerances(r.servers_device)
+    if not r.rm_max_abs_err_vs_hf <= max_abs_err:
         r.failures.append(f"served reward scores differ from transformers by "
-                          f"{r.rm_max_abs_err_vs_hf:.3e} > {c.max_abs_err:g}")
+                          f"{r.rm_max_abs_err_vs_hf:.3e} > {max_abs_err:g}")
     gaps = [s.logprob_gap for s in r.steps]
-    if any(not g <= c.max_logprob_gap for g in gaps):
+    if any(not g <= max_gap for g in gaps):
         r.failures.append(f"policy server and trainer log-probabilities differ by up to "
-                          f"{max(gaps):.3e} > {c.max_logprob_gap:g} (the server does not sample "
+                          f"{max(gaps):.3e} > {max_gap:g} (the server does not sample "
                           f"with the pushed weights)")
     if any(s.rm_version != r.rm_version_after for s in r.steps):
         r.failures.append(f"steps scored by reward-model versions {[s.rm_version for s in r.steps]}"
@@ -279,6 +282,8 @@ class RLHFRun:
         s = self.cfg.server
         place = plan_placement(self.cfg.train.device, self.cfg.strategy)
         self.progress(f"placement: {place.describe}")
+        self.result.placement = place.describe
+        self.result.servers_device = "cuda" if place.servers_on_gpu else "cpu"
         common = ["--max-model-len", str(s.max_model_len), "--log-level", "warning",
                   *place.server_args]
         policy_cores, reward_cores = cpu_core_slots(2) if not place.servers_on_gpu else (None,

@@ -36,6 +36,7 @@ class DemoResult:
     strategy: str
     strategy_config: dict[str, Any]
     mode: str
+    servers_device: str = "cpu"  # where vLLM's server ran: cpu or cuda
     sync_seconds: float = float("nan")
     bytes_synced: int = 0
     expected_bytes: int = 0
@@ -82,7 +83,7 @@ def strategy_label(strategy_cfg: dict[str, Any]) -> str:
 
 def check(cfg: DemoConfig, r: DemoResult) -> None:
     """Append to ``r.failures`` every acceptance condition that does not hold."""
-    tol = cfg.check.max_abs_err
+    tol, _ = cfg.check.tolerances(r.servers_device)
     if not r.accuracy_after > r.accuracy_before + cfg.check.min_accuracy_gain:
         r.failures.append(
             f"pairwise accuracy did not rise: {r.accuracy_before:.3f} -> {r.accuracy_after:.3f}"
@@ -188,6 +189,7 @@ class DemoRun:
 
         s = self.cfg.server
         place = plan_placement(self.cfg.train.device, self.cfg.strategy)
+        self.result.servers_device = "cuda" if place.servers_on_gpu else "cpu"
         self.server = RewardServerProcess(
             model_dir, scratch_dir=wd, host=s.host, env=place.server_env,
             extra_args=["--max-model-len", str(s.max_model_len), *place.server_args,
