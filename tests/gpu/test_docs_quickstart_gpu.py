@@ -98,7 +98,7 @@ def test_quickstart_gpu_section(tmp_path):
             assert expected
             assert_shape(with_ports(expected, ports), ready)
         reward, policy = (f"http://127.0.0.1:{ports[p]}" for p in ("8001", "8000"))
-        scored = httpx.post(reward + "/score", json={"texts": ["a tiny test"]}, timeout=60)
+        scored = httpx.post(reward + "/score", json={"input": ["a tiny test"]}, timeout=60)
         assert scored.status_code == 200, scored.text
         assert scored.headers["x-weight-version"] == "0"
         done = httpx.post(policy + "/v1/completions", timeout=60, json={
