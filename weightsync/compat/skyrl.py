@@ -19,6 +19,7 @@ layer differs from SkyRL's release.
 from __future__ import annotations
 
 import dataclasses
+import math
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -161,8 +162,12 @@ class BroadcastTransferStrategy(WeightTransferStrategy):
         Returns:
             ``BroadcastInitInfo``: this node's address, a free port, one rank per engine
             worker plus the sender.
+
+        Raises:
+            ValueError: ``generator.model_dtype`` is no dtype, or the backend is neither
+                ``nccl`` nor ``gloo``.
         """
-        g = cfg.generator
+        g = _checked_generator(cfg, "broadcast")
         workers = (g.num_inference_engines * g.inference_engine_tensor_parallel_size
                    * g.inference_engine_pipeline_parallel_size
                    * g.inference_engine_data_parallel_size)
@@ -178,8 +183,18 @@ class BroadcastTransferStrategy(WeightTransferStrategy):
     @staticmethod
     def create_sender(init_info: BroadcastInitInfo,
                       inference_client: Any) -> BroadcastWeightTransferSender:
-        """Every training rank; rank 0 joins the group (blocks until the engines join: run it
-        beside ``init_weight_update_communicator``, as SkyRL's trainer does)."""
+        """The sender of a training rank; on rank 0 it joins the group, which blocks until the
+        engines join: run it beside ``init_weight_update_communicator``, as SkyRL's trainer
+        does.
+
+        Args:
+            init_info: ``create_init_info``'s.
+            inference_client: SkyRL's engine client (its ``update_named_weights`` is called
+                with each chunk's request).
+
+        Returns:
+            A ``BroadcastWeightTransferSender``.
+        """
         ours = None
         if this_rank() == 0:
             strategy = init_info.strategy()
@@ -197,7 +212,14 @@ class BroadcastTransferStrategy(WeightTransferStrategy):
 
     @staticmethod
     def create_receiver(init_info: BroadcastInitInfo) -> BroadcastWeightTransferReceiver:
-        """An engine worker joins the group at ``rank_offset`` + its rank in the engine."""
+        """An engine worker joins the group at ``rank_offset`` + its rank in the engine.
+
+        Args:
+            init_info: the engine's (``init_info.for_engine(...)``).
+
+        Returns:
+            A ``BroadcastWeightTransferReceiver``.
+        """
         strategy = init_info.strategy()
         ours = LOOP.run(strategy.create_receiver(None, init_info.sync_info(),
                                                  this_rank() + init_info.rank_offset))
@@ -288,14 +310,19 @@ class CudaIpcTransferStrategy(WeightTransferStrategy):
 
     @staticmethod
     def create_init_info(cfg: Any) -> CudaIpcInitInfo:
-        """Args:
+        """The model's dtype and whether to replace an engine's receiver, from a SkyRL config.
+
+        Args:
             cfg: a SkyRL config (``generator.model_dtype``,
                 ``generator.override_existing_update_group``).
 
         Returns:
             ``CudaIpcInitInfo``.
+
+        Raises:
+            ValueError: ``generator.model_dtype`` is no dtype.
         """
-        g = cfg.generator
+        g = _checked_generator(cfg, "cuda_ipc")
         return CudaIpcInitInfo(
             model_dtype_str=g.model_dtype,
             override_existing_receiver=g.override_existing_update_group == "enable")
@@ -303,7 +330,16 @@ class CudaIpcTransferStrategy(WeightTransferStrategy):
     @staticmethod
     def create_sender(init_info: CudaIpcInitInfo,
                       inference_client: Any) -> CudaIpcWeightTransferSender:
-        """Every training rank (with several, they share their copies in lockstep)."""
+        """The sender of a training rank; with several ranks every one calls it and they share
+        their copies of each chunk in lockstep.
+
+        Args:
+            init_info: ``create_init_info``'s.
+            inference_client: SkyRL's engine client (used on rank 0).
+
+        Returns:
+            A ``CudaIpcWeightTransferSender``.
+        """
         every_rank = world_size() > 1
         client = inference_client if this_rank() == 0 else None
         ours = LOOP.run(init_info.strategy(every_rank).create_sender(
@@ -316,23 +352,37 @@ class CudaIpcTransferStrategy(WeightTransferStrategy):
             return CudaIpcWeightUpdateRequest(
                 names=list(req["names"]), dtypes=[init_info.model_dtype_str] * n,
                 shapes=[list(s) for s in req["shapes"]],
-                sizes=[_numel(s) for s in req["shapes"]],
+                sizes=[math.prod(s) for s in req["shapes"]],
                 ipc_handles={f"rank{i}": hs for i, hs in enumerate(copies)}, transfer=req)
 
         return CudaIpcWeightTransferSender(ours, client, init_info.model_dtype_str, wrap)
 
     @staticmethod
     def create_receiver(init_info: CudaIpcInitInfo) -> CudaIpcWeightTransferReceiver:
-        """An engine worker; it reads the copy of the training rank beside it."""
-        ours = LOOP.run(init_info.strategy(False).create_receiver(None, EmptyWeightSyncInfo(), this_rank() + 1))
+        """An engine worker's receiver; it reads the copy of the training rank beside it.
+
+        Args:
+            init_info: ``create_init_info``'s.
+
+        Returns:
+            A ``CudaIpcWeightTransferReceiver``.
+        """
+        ours = LOOP.run(init_info.strategy(False).create_receiver(
+            None, EmptyWeightSyncInfo(), this_rank() + 1))
         return CudaIpcWeightTransferReceiver(str_to_dtype(init_info.model_dtype_str), ours)
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+def _checked_generator(cfg: Any, strategy: str) -> Any:
+    """``cfg.generator`` once the fields this strategy reads hold usable values."""
+    g = cfg.generator
+    try:
+        str_to_dtype(g.model_dtype)
+    except ValueError as e:
+        raise ValueError(f"generator.model_dtype: {e}") from None
+    if strategy == "broadcast" and g.weight_sync_backend not in ("nccl", "gloo"):
+        raise ValueError(f"generator.weight_sync_backend must be 'nccl' or 'gloo', got "
+                         f"{g.weight_sync_backend!r}")
+    return g
 
 
 # --------------------------------------------------------------------------------------------

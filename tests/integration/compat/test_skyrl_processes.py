@@ -9,13 +9,16 @@ engines are plain processes (one worker each) holding what they received.
 - broadcast over gloo into 2 engines: every tensor arrives exact, in the model's dtype;
 - an engine told another dtype refuses with SkyRL's text and votes no: the sender and the other
   engine get errors at once, nobody waits for the group's timeout;
-- IPC through shared memory into an engine process, twice (the buffers are reused).
+- IPC through shared memory into an engine process, twice (the buffers are reused);
+- IPC from 2 gloo training ranks (each with its own copy, as colocated FSDP ranks): both share
+  every chunk, rank 0 sends the request, the engine worker reads rank 0's copy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import multiprocessing
 import pickle
 import time
@@ -23,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from _sharded_sync import spawn_gloo_ranks
 
 import weightsync.compat.skyrl as sk
 
@@ -138,16 +142,17 @@ def _config(backend: str, engines: int, colocate: bool) -> Any:
     return cfg
 
 
-async def _connect(cfg: Any, engines: EngineProcesses) -> Any:
-    """SkyRL's ``Worker.init_weight_sync_state`` on a single training rank."""
+async def _connect(cfg: Any, engines: EngineProcesses | None) -> Any:
+    """SkyRL's ``Worker.init_weight_sync_state`` on one training rank (``engines`` None: a
+    rank other than 0, which leaves the engines to rank 0)."""
     strategy = sk.get_transfer_strategy_cls(cfg)
     info = strategy.create_init_info(cfg)
     if isinstance(info, sk.BroadcastInitInfo):  # Ray's node address may not be routable here
         info = dataclasses.replace(info, master_addr="127.0.0.1")
-    sender, _ = await asyncio.gather(
-        asyncio.to_thread(strategy.create_sender, init_info=info, inference_client=engines),
-        engines.init_weight_update_communicator(info))
-    return sender
+    tasks = [asyncio.to_thread(strategy.create_sender, init_info=info, inference_client=engines)]
+    if engines is not None:
+        tasks.append(engines.init_weight_update_communicator(info))
+    return (await asyncio.gather(*tasks))[0]
 
 
 def test_broadcast_over_gloo_into_two_engines_is_exact() -> None:
@@ -208,3 +213,34 @@ def test_ipc_through_shared_memory_into_an_engine_process() -> None:
         sender.teardown()
     finally:
         engines.stop()
+
+
+async def _ipc_rank(rank: int, world: int, out: str) -> None:
+    engines = EngineProcesses(1) if rank == 0 else None
+    report: dict[str, Any] = {"rank": rank}
+    try:
+        sender = await _connect(_config("nccl", engines=1, colocate=True), engines)
+        params = {n: t + 10 * rank for n, t in _params(1).items()}  # each rank's copy differs
+        await sender.send_chunks(_chunks(params))
+        if engines is not None:
+            report["reads_rank"] = [
+                r for r in range(world)
+                if all(torch.equal(engines.loaded[0][n], (t + 10 * (r - rank)).to(torch.bfloat16))
+                       for n, t in params.items())]
+            report["copies"] = sorted(engines.requests[-1].ipc_handles)
+            report["requests"] = len(engines.requests)
+        sender.teardown()
+    finally:
+        if engines is not None:
+            engines.stop()
+        with open(f"{out}.rank{rank}.json", "w") as f:
+            json.dump(report, f)
+
+
+def test_ipc_from_two_training_ranks_each_sharing_its_copy(tmp_path) -> None:
+    out = str(tmp_path / "ipc")
+    spawn_gloo_ranks(_ipc_rank, out)
+    r0, r1 = (json.loads((tmp_path / f"ipc.rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["reads_rank"] == [0]  # worker 0 of the engine reads training rank 0's copy
+    assert r0["copies"] == ["rank0", "rank1"] and r0["requests"] == 3
+    assert r1 == {"rank": 1}  # rank 1 shared every chunk and left with rank 0

@@ -100,6 +100,12 @@ def test_broadcast_init_info_counts_every_engine_worker_and_offsets_engines() ->
     ipc = sk.CudaIpcTransferStrategy.create_init_info(cfg)
     assert (ipc.model_dtype_str, ipc.override_existing_receiver) == ("bfloat16", True)
     assert ipc.for_engine(1, 2, 2) is ipc
+    g.model_dtype = "bf16"
+    with pytest.raises(ValueError, match="generator.model_dtype: unknown dtype 'bf16'"):
+        sk.CudaIpcTransferStrategy.create_init_info(cfg)
+    g.model_dtype, g.weight_sync_backend = "bfloat16", "mpi"
+    with pytest.raises(ValueError, match="generator.weight_sync_backend must be 'nccl' or "):
+        sk.BroadcastTransferStrategy.create_init_info(cfg)
 
 
 def test_ipc_request_serializes_as_data_and_refuses_bad_bytes() -> None:
