@@ -113,15 +113,16 @@ def test_ipc_request_serializes_as_data_and_refuses_bad_bytes() -> None:
         names=["a", "b"], dtypes=["bfloat16"] * 2, shapes=[[2, 3], [5]], sizes=[6, 5],
         ipc_handles={"rank0": [{"kind": "shm", "nbytes": 32}]}, transfer={"type": "x"})
     data = req.serialize()
-    assert len(data) % 4 == 0
+    marker = b"__END_OF_REQUEST__"  # SkyRL's
+    assert len(data) % 4 == 0 and data.rstrip(b"\x00").endswith(marker)
     assert sk.CudaIpcWeightUpdateRequest.deserialize(data) == req
     with pytest.raises(ValueError, match="End marker not found"):
-        sk.CudaIpcWeightUpdateRequest.deserialize(data.replace(sk._IPC_REQUEST_END_MARKER, b""))
+        sk.CudaIpcWeightUpdateRequest.deserialize(data.replace(marker, b""))
     with pytest.raises(ValueError, match="Failed to deserialize"):
         sk.CudaIpcWeightUpdateRequest.deserialize(b"Zm9v!" + data)  # not base64 any more
     evil = pickle.dumps(req)  # a pickle is never loaded
     with pytest.raises(ValueError, match="Failed to deserialize"):
-        sk.CudaIpcWeightUpdateRequest.deserialize(evil + sk._IPC_REQUEST_END_MARKER)
+        sk.CudaIpcWeightUpdateRequest.deserialize(evil + marker)
 
 
 def test_module_chunks_group_by_module_batch_by_threshold_and_gather_lazily() -> None:
