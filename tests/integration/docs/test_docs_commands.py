@@ -37,6 +37,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "test_demo.py::test_demo_rlhf_reward_rises_and_both_versions_advance, as "
                    "written, in a clean clone"),
     "bash scripts/run_tests.sh": TESTS,
+    "bash scripts/skyrl_weight_sync_tests.sh": (
+        "not in CI", "fetches SkyRL's own tests from GitHub (skyrl-train's PyPI packages do not "
+                     "ship them) and pytest-asyncio from PyPI; the layer they test runs in "
+                     "tests/unit/compat/test_skyrl.py and tests/integration/compat/"
+                     "test_skyrl_processes.py"),
     "weightsync demo": (
         "covered", "tests/integration/demo/test_demo.py::"
                    "test_demo_rlhf_reward_rises_and_both_versions_advance, as written"),
