@@ -145,7 +145,7 @@ def test_a_trainer_pushes_step_after_step_and_the_version_moves_only_at_finish(s
         trainer.shutdown()
 
 
-def _stream(server, out: dict, started: threading.Event) -> None:
+def _stream(server, out: dict, started: threading.Event, spans: bool = False) -> None:
     body = {"model": "tiny-policy", "prompt": PROMPTS[1], "max_tokens": N_STREAM,
             "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True,
             "logprobs": 0}
@@ -155,7 +155,10 @@ def _stream(server, out: dict, started: threading.Event) -> None:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[6:])["choices"][0]
+            event = json.loads(line[6:])
+            if spans and "weight_version_spans" in event:
+                out["spans"] = event["weight_version_spans"]
+            choice = event["choices"][0]
             out.setdefault("prompt_ids", choice.get("prompt_token_ids"))
             tokens += choice.get("token_ids") or []
             lps += (choice.get("logprobs") or {}).get("token_logprobs") or []
@@ -240,5 +243,51 @@ def test_a_failed_update_leaves_the_last_version_or_torn_weights(server):
         trainer.send_weights(version=v + 3)  # a complete update heals the weights
         assert _state(server)["state"] == "ready"
         assert check_against(server, ref, PROMPTS[2]) == v + 3
+    finally:
+        trainer.shutdown()
+
+
+@pytest.fixture(scope="module")
+def continue_server(tiny_policy_model_dir, tmp_path_factory):
+    from conftest import start_policy_server, stop_server
+
+    log = str(tmp_path_factory.mktemp("vllm-routes-continue") / "server.log")
+    handle = start_policy_server(
+        tiny_policy_model_dir, log, extra=["--weight-transfer-config", '{"backend": "weightsync"}',
+                                           "--in-flight-requests", "continue"])
+    try:
+        yield handle
+    finally:
+        stop_server(handle)
+
+
+def test_with_continue_a_request_in_flight_goes_on_with_the_new_weights(continue_server):
+    """``--in-flight-requests continue``: the stream is not drained; it stands still while the
+    bytes land and goes on with the new weights after the finish, and says where."""
+    server = continue_server
+    old, new = Reference(server.model_dir), Reference(server.model_dir)
+    trainer = _trainer(_client(server), new.model)
+    try:
+        v = _state(server)["version"]
+        trainer.send_weights(version=v + 1)
+        new.perturb(seed=70)
+        out: dict = {}
+        started = threading.Event()
+        reader = threading.Thread(target=_stream, args=(server, out, started, True))
+        reader.start()
+        assert started.wait(120)
+        trainer.send_weights(version=v + 2)
+        reader.join(300)
+        assert out["version"] == v + 1 and len(out["tokens"]) == N_STREAM
+        (spans,) = out["spans"].values()
+        assert spans[0] == [v + 1, 0] and spans[1][0] == v + 2
+        k = spans[1][1]
+        assert 0 < k < N_STREAM  # the update landed under the stream, which went on
+        n = len(out["prompt_ids"])
+        ids = out["prompt_ids"] + out["tokens"]
+        got = out["lps"]
+        want = old.logprobs(ids)[n - 1:n - 1 + k] + new.logprobs(ids)[n - 1 + k:]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL
+        assert check_against(server, new, PROMPTS[0]) == v + 2
     finally:
         trainer.shutdown()
