@@ -120,7 +120,10 @@ class VLLMTransfer:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         async with self._lock:
-            busy = self._open.update_id if self._open else self.control.active_update
+            if self._open is not None and not await self._ended(self._open):
+                raise ServiceError(409, f"update {self._open.update_id} is open: POST "
+                                        f"/finish_weight_update first")
+            busy = self.control.active_update
             if busy is not None:
                 raise ServiceError(409, f"update {busy} is in progress; initialise the weight "
                                         f"transfer before /start_weight_update or after its finish")
@@ -137,8 +140,10 @@ class VLLMTransfer:
             except Exception as e:  # noqa: BLE001 - answered with the workers' reason
                 raise service_error(e, what) from None
 
-    async def start(self) -> dict:
-        """Open an update: our start (drain or freeze, pause), then vLLM's."""
+    async def start(self, is_checkpoint_format: bool | None = None) -> dict:
+        """Open an update: our start (drain or freeze, pause), then vLLM's
+        (``is_checkpoint_format``: for a vLLM whose start takes it; its route's default, True,
+        when not given)."""
         from weightsync.types import WeightUpdateStart
 
         c = self.control
@@ -159,7 +164,8 @@ class VLLMTransfer:
                     opened.kept = True
                     await self.engine.pause_generation(mode="keep", clear_cache=False)
                 async with c._guard("vLLM's start_weight_update"):
-                    await self.engine.start_weight_update()
+                    await self.engine.start_weight_update(
+                        **start_kwargs(self.engine.start_weight_update, is_checkpoint_format))
             except BaseException as e:
                 err = service_error(e, "vLLM's start_weight_update")
                 await self._close(opened, err.message, torn=False)
@@ -198,7 +204,7 @@ class VLLMTransfer:
             opened.closing = True
             try:
                 async with self.control._guard("vLLM's finish_weight_update"):
-                    await self.engine.finish_weight_update(None)
+                    await self.engine.finish_weight_update()
             except BaseException as e:
                 err = service_error(e, "vLLM's finish_weight_update")
                 await self._close(opened, err.message, torn=opened.accepted > 0)
@@ -262,7 +268,7 @@ class VLLMTransfer:
         weights marked torn when they may hold part of it, the scheduler resumed."""
         opened.closing = True
         with contextlib.suppress(Exception):  # vLLM resets its state itself after a failed call
-            await self.engine.finish_weight_update(None)
+            await self.engine.finish_weight_update()
         await self.control.abort(opened.update_id, why)
         if torn:  # before anything awaits: no request is seated on the weights unmarked
             mark_torn(self.control, f"vLLM's weight update {opened.update_id} did not land "
@@ -299,6 +305,21 @@ def mark_torn(control: UpdateControl, why: str) -> None:
     so the workers do not know; the next update's start mirrors their state again)."""
     states = control.worker_states or [{"version": control.version}]
     control.worker_states = [{**s, "state": "torn", "last_error": why} for s in states]
+
+
+def start_kwargs(start: Any, is_checkpoint_format: bool | None) -> dict:
+    """The arguments of vLLM's ``start_weight_update``: ``is_checkpoint_format`` only for a
+    vLLM whose start takes it (older ones; their route's default: True)."""
+    import inspect
+
+    try:
+        takes = "is_checkpoint_format" in inspect.signature(start).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        return {}
+    return {"is_checkpoint_format": True if is_checkpoint_format is None
+            else is_checkpoint_format}
 
 
 def published_version(weight_version: Any, control: UpdateControl) -> int | None:
@@ -347,11 +368,13 @@ def router(transfer: VLLMTransfer, *, api_key: str | None, max_body_bytes: int) 
     @r.get("/server_info")
     async def server_info(request: Request) -> Any:
         check_key(request)
-        from vllm.entrypoints.serve.dev.server_info.api_router import show_server_info
-
         fmt = request.query_params.get("config_format", "text")
         if fmt not in ("text", "json"):
             raise ServiceError(400, f"config_format: 'text' or 'json', got {fmt!r}")
+        try:
+            from vllm.entrypoints.serve.dev.server_info.api_router import show_server_info
+        except ImportError:  # a vLLM that keeps it elsewhere: its config, as text
+            return {"vllm_config": str(transfer.engine.vllm_config)}
         return await show_server_info(request, fmt)
 
     @r.post("/init_weight_transfer_engine")
@@ -362,8 +385,8 @@ def router(transfer: VLLMTransfer, *, api_key: str | None, max_body_bytes: int) 
 
     @r.post("/start_weight_update")
     async def start_weight_update(request: Request) -> dict:
-        await body_of(request, set())
-        return await transfer.start()
+        body = await body_of(request, {"is_checkpoint_format"})
+        return await transfer.start(field(body, "is_checkpoint_format", bool, required=False))
 
     @r.post("/update_weights")
     async def update_weights(request: Request) -> dict:

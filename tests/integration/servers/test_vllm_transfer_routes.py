@@ -31,6 +31,7 @@ STRATEGY = {"type": "broadcast", "backend": "gloo", "timeout_s": 60}
 ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
           "/finish_weight_update", "/shutdown_weight_transfer_engine")
 N_STREAM = 200  # a stream long enough to be in flight when the update starts
+N_LONG = 600  # the same on the continue server's larger model
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +146,9 @@ def test_a_trainer_pushes_step_after_step_and_the_version_moves_only_at_finish(s
         trainer.shutdown()
 
 
-def _stream(server, out: dict, started: threading.Event, spans: bool = False) -> None:
-    body = {"model": "tiny-policy", "prompt": PROMPTS[1], "max_tokens": N_STREAM,
+def _stream(server, out: dict, started: threading.Event, spans: bool = False,
+            n: int = N_STREAM) -> None:
+    body = {"model": "tiny-policy", "prompt": PROMPTS[1], "max_tokens": n,
             "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True,
             "logprobs": 0}
     tokens, lps = [], []
@@ -248,13 +250,21 @@ def test_a_failed_update_leaves_the_last_version_or_torn_weights(server):
 
 
 @pytest.fixture(scope="module")
-def continue_server(tiny_policy_model_dir, tmp_path_factory):
+def continue_server(tmp_path_factory):
+    """A model of hidden size 512 (4 layers): its stream lasts long enough to be in flight
+    when the update starts."""
     from conftest import start_policy_server, stop_server
 
-    log = str(tmp_path_factory.mktemp("vllm-routes-continue") / "server.log")
+    from weightsync.testing.tiny_models import build_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("vllm-routes-continue")
+    model_dir = build_tiny_causal_lm(root / "model", family="llama", hidden_size=512,
+                                     num_layers=4, num_heads=4, num_kv_heads=2,
+                                     max_position_embeddings=1024, tie_word_embeddings=True)
     handle = start_policy_server(
-        tiny_policy_model_dir, log, extra=["--weight-transfer-config", '{"backend": "weightsync"}',
-                                           "--in-flight-requests", "continue"])
+        model_dir, str(root / "server.log"), extra=[
+            "--max-model-len", "1024", "--weight-transfer-config", '{"backend": "weightsync"}',
+            "--in-flight-requests", "continue"])
     try:
         yield handle
     finally:
@@ -273,16 +283,17 @@ def test_with_continue_a_request_in_flight_goes_on_with_the_new_weights(continue
         new.perturb(seed=70)
         out: dict = {}
         started = threading.Event()
-        reader = threading.Thread(target=_stream, args=(server, out, started, True))
+        reader = threading.Thread(target=_stream, args=(server, out, started, True, N_LONG))
         reader.start()
         assert started.wait(120)
         trainer.send_weights(version=v + 2)
         reader.join(300)
-        assert out["version"] == v + 1 and len(out["tokens"]) == N_STREAM
+        assert out["version"] == v + 1 and len(out["tokens"]) == N_LONG
+        assert "spans" in out, "the stream ended before the update started"
         (spans,) = out["spans"].values()
         assert spans[0] == [v + 1, 0] and spans[1][0] == v + 2
         k = spans[1][1]
-        assert 0 < k < N_STREAM  # the update landed under the stream, which went on
+        assert 0 < k < N_LONG  # the update landed under the stream, which went on
         n = len(out["prompt_ids"])
         ids = out["prompt_ids"] + out["tokens"]
         got = out["lps"]

@@ -103,3 +103,15 @@ def test_mark_torn_keeps_the_version_and_says_why():
     empty = SimpleNamespace(version=2, worker_states=[])
     mark_torn(empty, "why")
     assert empty.worker_states == [{"version": 2, "state": "torn", "last_error": "why"}]
+
+
+def test_start_takes_is_checkpoint_format_only_where_vllms_start_does():
+    from weightsync.servers.vllm_transfer_routes import start_kwargs
+
+    async def newer() -> None: ...
+
+    async def older(is_checkpoint_format: bool) -> None: ...
+
+    assert start_kwargs(newer, None) == {} and start_kwargs(newer, False) == {}
+    assert start_kwargs(older, None) == {"is_checkpoint_format": True}  # its route's default
+    assert start_kwargs(older, False) == {"is_checkpoint_format": False}
