@@ -1,7 +1,7 @@
 """TRL's own ``VLLMClient`` (the installed ``trl`` package, unchanged) against ``serve-policy``
 started with ``--weight-transfer-config '{"backend": "nccl"}'`` and no dev mode.
 
-The server runs on GPU 1 (bf16, a tiny Llama); TRL's client is the trainer on GPU 0:
+The server runs on GPU 1 (bf16, a tiny Qwen2); TRL's client is the trainer on GPU 0:
 ``init_communicator`` (``/get_world_size``, then ``/init_weight_transfer_engine`` beside vLLM's
 NCCL ``trainer_init``), then step after step ``update_model_params`` (one update of every
 parameter), ``update_named_param`` inside ``weight_update()`` (one update), and
@@ -46,16 +46,19 @@ def _version(url: str) -> int:
     return int(state["version"])
 
 
-def _matches(client, model, prompts: list[list[int]]) -> None:
-    """TRL's greedy generation: each token's logprob equals transformers' (teacher-forced)."""
+def _matches(client, model, prompts: list[list[int]]) -> bool:
+    """Whether TRL's greedy generation is ``model``'s: each generated token's logprob equals
+    transformers' (teacher-forced on the served tokens)."""
     from _vllm_helpers import close, hf_prompt_logprobs
 
     out = client.generate(prompts, temperature=0.0, max_tokens=N_NEW, logprobs=0)
+    got, want = [], []
     for prompt, gen, lps in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"],
                                 strict=True):
         assert len(gen) == N_NEW
-        want = hf_prompt_logprobs(model, [prompt + gen])[len(prompt) - 1:]
-        assert close([lp[0] for lp in lps], want), ([lp[0] for lp in lps], want)
+        got += [lp[0] for lp in lps]
+        want += hf_prompt_logprobs(model, [prompt + gen])[len(prompt) - 1:]
+    return close(got, want)
 
 
 def test_trls_vllm_client_pushes_through_the_update_gate(tmp_path):
@@ -85,10 +88,11 @@ def test_trls_vllm_client_pushes_through_the_update_gate(tmp_path):
         model = AutoModelForCausalLM.from_pretrained(new, dtype=torch.bfloat16).cuda(0).eval()
         client.init_communicator(device=0)
         v = _version(server.url)
+        assert not _matches(client, model, prompts)  # the server still serves the base
 
         client.update_model_params(model)  # one update of every parameter
         assert _version(server.url) == v + 1
-        _matches(client, model, prompts)
+        assert _matches(client, model, prompts)
 
         g = torch.Generator(device="cuda").manual_seed(1)
         with torch.no_grad():  # a trainer step
@@ -98,7 +102,7 @@ def test_trls_vllm_client_pushes_through_the_update_gate(tmp_path):
             for name, p in model.named_parameters():
                 client.update_named_param(name, p.data)
         assert _version(server.url) == v + 2
-        _matches(client, model, prompts)
+        assert _matches(client, model, prompts)
 
         with torch.no_grad():
             model.model.norm.weight.mul_(1.5)
@@ -107,7 +111,7 @@ def test_trls_vllm_client_pushes_through_the_update_gate(tmp_path):
         client.update_named_param("model.layers.0.mlp.down_proj.weight",
                                   model.model.layers[0].mlp.down_proj.weight.data)
         assert _version(server.url) == v + 4  # each call alone: its own update
-        _matches(client, model, prompts)
+        assert _matches(client, model, prompts)
     finally:
         if client is not None:
             client.close_communicator()

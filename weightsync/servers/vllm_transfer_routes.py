@@ -15,7 +15,8 @@ newer than the served version (any integer with ``--allow-version-reset``), else
 version + 1. vLLM's engines load what they receive in place, so an update that ends without its
 finish after vLLM accepted a part of it (or whose failing call was not a refusal made before any
 byte moved) leaves the weights torn: model requests answer 503 until a complete update lands;
-one that ends before leaves the last version served. ``--serve-during-updates`` without
+one that ends before leaves the last version served (an update the control's watchdog ends is
+marked torn here within ``WATCH_S``). ``--serve-during-updates`` without
 ``continue`` cannot serve the last version while vLLM loads in place: its start is refused. An
 update with no call for ``--update-timeout-s`` is aborted by the control's watchdog. vLLM's
 calls are not sliced as ours are: a trainer that dies inside a collective holds the engine until

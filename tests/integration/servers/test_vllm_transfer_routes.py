@@ -98,6 +98,9 @@ def test_routes_need_the_token_and_replace_vllms_raw_dev_routes(server):
     r = httpx.post(server.url + "/update_weights", json={"update_info": {}},
                    headers=server.headers, timeout=30)
     assert r.status_code == 409 and "/start_weight_update" in r.json()["detail"]
+    r = httpx.post(server.url + "/shutdown_weight_transfer_engine", json={},
+                   headers=server.headers, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_a_start_finish_pair_holds_requests_and_moves_the_version(server):
@@ -109,6 +112,10 @@ def test_a_start_finish_pair_holds_requests_and_moves_the_version(server):
     assert r.status_code == 200, r.text
     assert _state(server) | {"update_in_progress": None} == {
         "version": v0, "state": "updating", "update_in_progress": None}
+    for path, body in (("/start_weight_update", {}), ("/shutdown_weight_transfer_engine", {}),
+                       ("/init_weight_transfer_engine", {"init_info": {}})):
+        r = httpx.post(server.url + path, json=body, headers=server.headers, timeout=60)
+        assert r.status_code == 409 and "/finish_weight_update" in r.json()["detail"], path
     answer: dict = {}
     waiting = threading.Thread(target=lambda: answer.update(r=served(server, PROMPTS[0])[1]))
     waiting.start()
