@@ -54,7 +54,15 @@ WATCH_S = 0.5
 
 
 def backend_of(args: Any) -> str | None:
-    """The backend vLLM's ``--weight-transfer-config`` names (None: not given)."""
+    """The backend vLLM's ``--weight-transfer-config`` names.
+
+    Args:
+        args: vLLM's parsed serve arguments (its ``weight_transfer_config``: vLLM's config
+            object, a dict, or None).
+
+    Returns:
+        The backend's name, or None when no weight-transfer config was given.
+    """
     config = getattr(args, "weight_transfer_config", None)
     if config is None:
         return None
@@ -107,7 +115,9 @@ class _Open:
 
 class VLLMTransfer:
     """vLLM's weight-transfer calls on ``engine``, each update inside one of ``control``'s
-    (see the module docstring). ``timeout_s``: the longest ``init`` waits."""
+    (see the module docstring). ``timeout_s``: the longest ``init`` waits. Every call raises
+    ``ServiceError`` (the answer's status and reason) when it is refused (409: an update is open
+    or none is; 503: requests did not drain) or vLLM's call failed (``service_error``)."""
 
     def __init__(self, control: UpdateControl, engine: Any, *, timeout_s: float) -> None:
         self.control = control
@@ -303,14 +313,27 @@ def _touch(control: UpdateControl, update_id: str) -> None:
 def mark_torn(control: UpdateControl, why: str) -> None:
     """Model requests answer 503 with ``why`` until a complete update lands: the control's
     mirror of the workers' state says torn (vLLM's engine loaded the bytes, not our endpoint,
-    so the workers do not know; the next update's start mirrors their state again)."""
+    so the workers do not know; the next update's start mirrors their state again).
+
+    Args:
+        control: the server's update control.
+        why: the reason requests and ``/runtime_version`` give.
+    """
     states = control.worker_states or [{"version": control.version}]
     control.worker_states = [{**s, "state": "torn", "last_error": why} for s in states]
 
 
 def start_kwargs(start: Any, is_checkpoint_format: bool | None) -> dict:
-    """The arguments of vLLM's ``start_weight_update``: ``is_checkpoint_format`` only for a
-    vLLM whose start takes it (older ones; their route's default: True)."""
+    """The arguments of vLLM's ``start_weight_update``.
+
+    Args:
+        start: the engine's ``start_weight_update``.
+        is_checkpoint_format: what the trainer asked for (None: nothing).
+
+    Returns:
+        ``{"is_checkpoint_format": ...}`` for a vLLM whose start takes it (older ones; their
+        route's default, True, when the trainer gave none), else ``{}``.
+    """
     import inspect
 
     try:
@@ -324,9 +347,16 @@ def start_kwargs(start: Any, is_checkpoint_format: bool | None) -> dict:
 
 
 def published_version(weight_version: Any, control: UpdateControl) -> int | None:
-    """The version a finish publishes: ``weight_version`` when it is an integer newer than the
-    served one (any integer with ``allow_version_reset``); None (the served version + 1)
-    otherwise."""
+    """The version a finish publishes.
+
+    Args:
+        weight_version: the finish's ``weight_version`` (a string, an int or None).
+        control: the server's update control (its served version, ``allow_version_reset``).
+
+    Returns:
+        ``weight_version`` when it is an integer newer than the served one (any integer with
+        ``allow_version_reset``); None (the served version + 1) otherwise.
+    """
     text = str(weight_version).strip() if weight_version is not None else ""
     if not text.isdigit():
         return None
@@ -335,8 +365,17 @@ def published_version(weight_version: Any, control: UpdateControl) -> int | None
 
 
 def service_error(e: BaseException, what: str) -> ServiceError:
-    """``e`` from a vLLM call as an answer: weightsync's typed error when the workers' message
-    carries one (its status and type; the trainer rebuilds it), else 500 with the reason."""
+    """An exception of a vLLM call as an HTTP answer.
+
+    Args:
+        e: what the call raised.
+        what: the call, for the message.
+
+    Returns:
+        ``e`` itself when it is a ``ServiceError``; weightsync's typed error when the workers'
+        message carries one (its status, type and offenders: the trainer rebuilds it); else a
+        500 (504 for a timeout) with the reason.
+    """
     if isinstance(e, ServiceError):
         return e
     from weightsync.errors import error_from_text, http_status
@@ -350,7 +389,16 @@ def service_error(e: BaseException, what: str) -> ServiceError:
 
 
 def router(transfer: VLLMTransfer, *, api_key: str | None, max_body_bytes: int) -> Any:
-    """The routes (see the module docstring); every one needs the token when ``api_key``."""
+    """The routes (see the module docstring).
+
+    Args:
+        transfer: the calls the routes make.
+        api_key: the token every route needs (None: open).
+        max_body_bytes: the largest body a route reads (413 past it).
+
+    Returns:
+        A FastAPI ``APIRouter``.
+    """
     from fastapi import APIRouter, Request
 
     from weightsync.servers._http import field, json_body, service_route_class, token_checker
