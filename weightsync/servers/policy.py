@@ -288,6 +288,7 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
                        ) -> PolicyServer:
     """vLLM's app and state for ``engine``, with our routes and middleware added."""
     from weightsync._runtime.vllm_compat import openai_server_parts
+    from weightsync.servers import vllm_transfer_routes
     from weightsync.servers.control import UpdateControl
     from weightsync.servers.control_routes import CONTROL_PATHS, control_router, mount
     from weightsync.servers.ludic import LudicDialect
@@ -330,8 +331,11 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
     mount(app, _health_router(engine))
     mount(app, control_router(control, ludic, api_key=cfg.api_key,
                               max_body_bytes=cfg.max_body_bytes))
+    vllm_transfer_routes.install(app, control, engine, args, api_key=cfg.api_key,
+                                 max_body_bytes=cfg.max_body_bytes, timeout_s=cfg.group_timeout_s)
     # outermost (vLLM's app has built its middleware stack already): a plain ASGI wrapper
-    asgi = VersionedResponses(app, control=control, exempt=CONTROL_PATHS)
+    asgi = VersionedResponses(app, control=control,
+                              exempt=CONTROL_PATHS + vllm_transfer_routes.TRANSFER_PATHS)
     return PolicyServer(cfg, engine, app, asgi, control)
 
 
