@@ -146,6 +146,8 @@ class WeightSyncTrainerMixin:
             raise RuntimeError(
                 f"{type(self).__name__}.sync_weights called before setup_weight_sync"
             )
+        from weightsync.raw_weights import update_manifest
+
         model = self._weightsync_model()
         chunks = state.extractor.extract_weights(model, state.generator_dtype)
         if state.sender is None:
@@ -154,7 +156,7 @@ class WeightSyncTrainerMixin:
             return {}
         if version is None:
             version = state.version + 1
-        manifest = state.extractor.metadata(model, state.generator_dtype)
+        manifest = await update_manifest(state.extractor, model, state.generator_dtype)
         stats = await state.sender.send_chunks(
             chunks, state.client, version=version, manifest=manifest
         )

@@ -1,0 +1,61 @@
+"""The interface design's config keys for the sharded extractors (``fsdp``, ``deepspeed``).
+
+Who calls: ``GatheringExtractor.__init__`` on every training rank. The design's example builds
+``FSDPWeightExtractor(cfg)`` from the whole trainer config (a SkyRL ``DictConfig``) and sets its
+flags from three keys: modules are grouped when ``generator.weight_sync_backend`` is ``nccl``
+and ``trainer.placement.colocate_all`` is true, and batched by threshold when, in addition,
+``generator.weight_transfer_threshold_cuda_ipc_GB`` is present (its value is then the bucket
+size). A config that has a ``generator`` or ``trainer`` section is read that way; the
+extractor's own fields (``bucket_size_mb``, ``max_live_chunks``, ...) may stand beside those
+sections and are read as from any config. Anything else (the extractor's dataclass, a mapping of
+its fields, None) is read as before, the flags then following ``group_by_module`` (default
+True) and batching on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DesignFlags:
+    """The design's two flags, as its example derives them from a trainer config."""
+
+    group_by_module: bool
+    batch_by_threshold: bool
+
+
+def split_config(cfg: Any, config_cls: type) -> tuple[Any, DesignFlags | None]:
+    """``(the extractor's own config, the design's flags or None)`` from what the extractor was
+    given (see the module docstring). Raises ``ValueError`` naming the key for a backend other
+    than ``nccl`` / ``gloo`` or a field the extractor does not have."""
+    from weightsync.config import make_config, to_plain
+
+    if cfg is None:
+        return config_cls(), None
+    if dataclasses.is_dataclass(cfg) or not (
+            isinstance(cfg, Mapping) or type(cfg).__module__.startswith("omegaconf")):
+        return cfg, None
+    data = to_plain(cfg)
+    what = f"extractor {getattr(config_cls, 'type', config_cls.__name__)!r}"
+    sections = ("generator", "trainer")
+    if not any(isinstance(data.get(k), Mapping) for k in sections):
+        return make_config(config_cls, data, what=what), None
+    generator = dict(data.get("generator") or {})
+    placement = dict((data.get("trainer") or {}).get("placement") or {})
+    backend = generator.get("weight_sync_backend", "nccl")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"{what}: generator.weight_sync_backend must be 'nccl' or 'gloo', got "
+                         f"{backend!r}")
+    colocated = bool(placement.get("colocate_all", False))
+    key = "weight_transfer_threshold_cuda_ipc_GB"
+    flags = DesignFlags(group_by_module=backend == "nccl" and colocated,
+                        batch_by_threshold=backend == "nccl" and colocated and key in generator)
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    own = {k: v for k, v in data.items() if k in fields}
+    if generator.get(key) is not None and "bucket_size_mb" not in own:
+        own["bucket_size_mb"] = float(generator[key]) * 1024
+    return make_config(config_cls, own, what=what), flags
