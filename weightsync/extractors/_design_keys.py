@@ -30,8 +30,13 @@ class DesignFlags:
 
 def split_config(cfg: Any, config_cls: type) -> tuple[Any, DesignFlags | None]:
     """``(the extractor's own config, the design's flags or None)`` from what the extractor was
-    given (see the module docstring). Raises ``ValueError`` naming the key for a backend other
-    than ``nccl`` / ``gloo`` or a field the extractor does not have."""
+    given (see the module docstring). Only the keys named here are read (a trainer config's
+    other entries are neither resolved nor checked).
+
+    Raises:
+        ValueError: a backend other than ``nccl`` / ``gloo`` (naming the key), or a field the
+            extractor does not have in a config without the trainer's sections.
+    """
     from weightsync.config import make_config, to_plain
 
     if cfg is None:
@@ -39,23 +44,43 @@ def split_config(cfg: Any, config_cls: type) -> tuple[Any, DesignFlags | None]:
     if dataclasses.is_dataclass(cfg) or not (
             isinstance(cfg, Mapping) or type(cfg).__module__.startswith("omegaconf")):
         return cfg, None
-    data = to_plain(cfg)
     what = f"extractor {getattr(config_cls, 'type', config_cls.__name__)!r}"
-    sections = ("generator", "trainer")
-    if not any(isinstance(data.get(k), Mapping) for k in sections):
-        return make_config(config_cls, data, what=what), None
-    generator = dict(data.get("generator") or {})
-    placement = dict((data.get("trainer") or {}).get("placement") or {})
-    backend = generator.get("weight_sync_backend", "nccl")
+    if not any(_is_section(_get(cfg, k)) for k in ("generator", "trainer")):
+        return make_config(config_cls, to_plain(cfg), what=what), None
+    generator = _get(cfg, "generator")
+    backend = _get(generator, "weight_sync_backend", "nccl")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"{what}: generator.weight_sync_backend must be 'nccl' or 'gloo', got "
                          f"{backend!r}")
-    colocated = bool(placement.get("colocate_all", False))
+    colocated = bool(_get(_get(_get(cfg, "trainer"), "placement"), "colocate_all", False))
     key = "weight_transfer_threshold_cuda_ipc_GB"
+    has_threshold = _is_section(generator) and key in generator
     flags = DesignFlags(group_by_module=backend == "nccl" and colocated,
-                        batch_by_threshold=backend == "nccl" and colocated and key in generator)
-    fields = {f.name for f in dataclasses.fields(config_cls)}
-    own = {k: v for k, v in data.items() if k in fields}
-    if generator.get(key) is not None and "bucket_size_mb" not in own:
-        own["bucket_size_mb"] = float(generator[key]) * 1024
+                        batch_by_threshold=backend == "nccl" and colocated and has_threshold)
+    own = {f.name: _plain(_get(cfg, f.name)) for f in dataclasses.fields(config_cls)
+           if f.name in cfg}
+    threshold = _get(generator, key)
+    if threshold is not None and "bucket_size_mb" not in own:
+        own["bucket_size_mb"] = float(threshold) * 1024
     return make_config(config_cls, own, what=what), flags
+
+
+def _is_section(node: Any) -> bool:
+    return isinstance(node, Mapping) or type(node).__module__.startswith("omegaconf")
+
+
+def _plain(value: Any) -> Any:
+    """An OmegaConf list or mapping as plain Python (what the typed config checks)."""
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _get(node: Any, key: str, default: Any = None) -> Any:
+    """``node[key]`` of a mapping or an OmegaConf node; ``default`` when absent or None."""
+    if not _is_section(node):
+        return default
+    value = node.get(key, default)
+    return default if value is None else value

@@ -63,8 +63,13 @@ def test_the_designs_keys_set_the_flags_as_its_example(cls):
 
 
 def test_the_extractors_own_fields_are_read_beside_the_trainer_sections():
-    ext = FSDPWeightExtractor(skyrl("nccl", True, 0.5, bucket_size_mb=0.02, max_live_chunks=3))
+    ext = FSDPWeightExtractor(skyrl("nccl", True, 0.5, bucket_size_mb=0.02, max_live_chunks=3,
+                                    name_patterns=["a.", "b.", "c."]))
     assert ext.cfg.bucket_size_mb == 0.02 and ext.cfg.max_live_chunks == 3  # given wins
+    assert ext.cfg.name_patterns == ["a.", "b.", "c."]
+    # the trainer's other entries are not read: a missing value or an unset variable is fine
+    FSDPWeightExtractor(skyrl("nccl", True, model={"path": "${oc.env:WS_NO_SUCH_VARIABLE}"},
+                              data={"val": "???"}))
     assert cut(ext) == [["a.weight", "a.bias"], ["b.weight", "b.bias", "c.weight", "c.bias"]]
 
 
