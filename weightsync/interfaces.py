@@ -122,7 +122,7 @@ class WeightExtractor(abc.ABC):
     Called on every training rank. For sharded models all ranks must iterate
     ``extract_weights`` to the end in lockstep (the raw iterator runs collectives); only the
     sending rank (``is_sender``) keeps tensors, the others yield nothing. The whole model is never
-    materialised twice: chunks are yielded as soon as a bucket of ``bucket_size_mb`` fills.
+    materialised twice: chunks are yielded as soon as each is made.
 
     The interface design's base class, as it writes it: subclasses implement
     ``_extract_raw_weights(model, generator_dtype)`` in one of two forms, a ``dict`` of name ->
