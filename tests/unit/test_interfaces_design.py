@@ -1,8 +1,10 @@
 """The extractor base class as the interface design writes it (``weightsync.interfaces``): a
 subclass with an ``async _extract_raw_weights`` returning a dict, the ``_group_by_module`` /
-``_batch_by_threshold`` flags set from a SkyRL-style config in ``__init__``, the helpers of the
-same names, and the design's low-level flow (``create_sync_info`` -> ``create_sender`` ->
-``send_chunks``) into an engine in this process over a real gloo group."""
+``_batch_by_threshold`` flags set from a SkyRL-style config in ``__init__`` (default False, as
+the design says; the built-in extractors set theirs), the helpers of the same names, one
+extraction per update (the manifest read from the dict the chunks are cut from), and the
+design's low-level flow (``create_sync_info`` -> ``create_sender`` -> ``send_chunks``) into an
+engine in this process over a real gloo group."""
 
 from __future__ import annotations
 
