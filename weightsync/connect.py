@@ -90,6 +90,7 @@ from weightsync.errors import (
     WeightMismatchError,
 )
 from weightsync.extractor_ranks import (
+    EVERY_RANK_STRATEGIES,
     SHARDED_KINDS,
     adopt_sender,
     runs_on_every_rank,
@@ -103,8 +104,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: failures after which the data plane is still in step: the session keeps its sender
 _REFUSALS = (WeightMismatchError, ValueError, UpdateRefusedError, UpdateIncompleteError)
-#: strategies that can send from every training rank (``every_rank``)
-_EVERY_RANK_STRATEGIES = ("cuda_ipc", "packed_cuda_ipc")
 
 
 def connect(
@@ -234,7 +233,7 @@ class SyncSession:
                       extractor=given, delta=delta, fp8=fp8)
         # every_rank may apply (an IPC strategy on several ranks): the first push decides,
         # and then every rank builds its sender there, in lockstep
-        undecided = (strategy_cfg.get("type") in _EVERY_RANK_STRATEGIES and _world_size() > 1
+        undecided = (strategy_cfg.get("type") in EVERY_RANK_STRATEGIES and _world_size() > 1
                      and strategy_cfg.get("every_rank") is not False)
         if sender and not undecided and (
                 device is not None or not strategy_needs_backend(strategy_cfg)):
@@ -363,7 +362,7 @@ class SyncSession:
         if given is not None:
             decided = bool(given)
         else:
-            decided = (self.strategy_cfg.get("type") in _EVERY_RANK_STRATEGIES
+            decided = (self.strategy_cfg.get("type") in EVERY_RANK_STRATEGIES
                        and _world_size() > 1 and lockstep())
         if decided and self.src_rank != 0:
             raise ValueError(f"connect: every_rank IPC sends through training rank 0, but "

@@ -10,7 +10,9 @@ Who calls: ``weightsync.connect`` on every training rank, for an extractor given
   sharded ones) or when the model is sharded (FSDP2 DTensors, DeepSpeed ZeRO-3): then its
   extraction gathers, whoever wrote it;
 - with ``every_rank`` IPC every rank keeps its copy and sends handles to it, so every rank's
-  extractor is a sender.
+  extractor is a sender. It is on when the strategy config says so, else for an IPC strategy,
+  more than one training rank and an extractor that runs on every rank
+  (``every_rank_wanted``; the Ray trainer asks it, the front door decides the same way).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 
 #: model kinds (``weightsync.extractors.auto.model_kind``) whose parameters are sharded
 SHARDED_KINDS = ("fsdp", "deepspeed")
+#: strategies that can send from every training rank (``every_rank``)
+EVERY_RANK_STRATEGIES = ("cuda_ipc", "packed_cuda_ipc")
 
 
 def adopt_sender(extractor: Any, sender: bool, rank: int, src_rank: int) -> None:
@@ -65,3 +69,19 @@ def send_from_every_rank(extractor: Any) -> None:
             f"connect: every_rank IPC needs the extractor to keep its chunks on every rank, "
             f"but {type(extractor).__name__}.is_sender cannot be set; give it is_sender: true "
             f"or use every_rank: false") from None
+
+
+def every_rank_wanted(strategy: Any, extractor: Any, model: Any) -> bool:
+    """Whether every training rank should send its own copy (``every_rank`` IPC): as the
+    strategy config (a mapping with its ``type``) says when it says, else for an IPC strategy
+    with more than one rank in ``torch.distributed``'s default group and an extractor that runs
+    on every rank (``runs_on_every_rank``)."""
+    if strategy.get("type") not in EVERY_RANK_STRATEGIES:
+        return False
+    if strategy.get("every_rank") is not None:
+        return bool(strategy["every_rank"])
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return runs_on_every_rank(extractor, model)
