@@ -33,7 +33,8 @@ def test_evaluation_runs_arithmetic_only():
     assert evaluate("1 / 0") is None
     assert evaluate("__import__('os')") is None
     assert evaluate("2 ** 3") is None
-    assert evaluate("(" * 500 + "1" + ")" * 500) is None or evaluate("(" * 500 + "1" + ")" * 500) == 1
+    assert evaluate("(" * 50 + "1" + ")" * 50) == 1.0
+    assert evaluate("(" * 500 + "1" + ")" * 500) is None  # beyond the parser's nesting limit
     assert extract_equation("Assistant: <answer>1</answer><answer>2</answer>") == "2"
     assert countdown_score("Assistant: <answer>10 / 4</answer>",
                            {"target": 2.5, "numbers": [4, 10]}) == 1.0
