@@ -427,6 +427,8 @@ async def serve(
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from weightsync._runtime.vllm_compat import openai_server_parts
+    from weightsync.servers._engine_watch import EngineWatch
+    from weightsync.servers.control_routes import CONTROL_PATHS
 
     parts = openai_server_parts()
     engine_args = AsyncEngineArgs.from_cli_args(args)
@@ -437,7 +439,9 @@ async def serve(
                 await serve_app(server.asgi, host=cfg.host, port=cfg.port,
                                 log_level=cfg.log_level, lifespan="on", ready=ready, stop=stop,
                                 announce=_ready_line(cfg, engine, server.control.version),
-                                keep_alive_s=cfg.keep_alive_timeout_s)
+                                keep_alive_s=cfg.keep_alive_timeout_s,
+                                watch=EngineWatch(engine, server.control, server.app,
+                                                  what="policy server", own=CONTROL_PATHS))
             finally:
                 await server.control.shutdown()
         finally:
