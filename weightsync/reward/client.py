@@ -49,7 +49,7 @@ from weightsync.reward.client_http import (  # noqa: F401 - TokenizerMismatchErr
     request_with_retries,
     wait_background_tasks,
 )
-from weightsync.reward.selection import effective_mode, select_params
+from weightsync.reward.selection import check_options, effective_mode, select_params
 from weightsync.reward.types import (
     DEFAULT_MODEL_NAME,
     RewardModelTrainingMode,
@@ -155,7 +155,7 @@ class VLLMRewardClient:
         self.head_name_patterns = list(head_name_patterns) if head_name_patterns else None
         self.tokenizer = tokenizer
         self.max_retries, self.retry_backoff_s = int(max_retries), float(retry_backoff_s)
-        self.unmerged_lora, self.head_only_extra = unmerged_lora, head_only_extra
+        self.unmerged_lora, self.head_only_extra = check_options(unmerged_lora, head_only_extra)
         #: polls of ``/get_num_background_tasks`` at the end of the last sync
         self.last_background_polls = 0
         self._strategy_given = strategy
@@ -223,7 +223,7 @@ class VLLMRewardClient:
         last = ""
         while True:
             try:
-                r = await self._call("GET", "/health", timeout=5.0)
+                r = await self._http.get().get(self.server_url + "/health", timeout=5.0)
                 if r.status_code == 200 and r.json().get("type") == "reward_model":
                     break
                 last = f"HTTP {r.status_code}: {r.text[:200]}"

@@ -87,6 +87,19 @@ def reference_name(name: str) -> str:
     return name
 
 
+def check_options(unmerged_lora: str, head_only_extra: str) -> tuple[str, str]:
+    """The two choices of ``select_params``, checked.
+
+    Raises:
+        ValueError: one is not among its choices, naming it.
+    """
+    for what, value, choices in (("unmerged_lora", unmerged_lora, UNMERGED_LORA),
+                                 ("head_only_extra", head_only_extra, HEAD_ONLY_EXTRA)):
+        if value not in choices:
+            raise ValueError(f"{what} must be one of {list(choices)}, got {value!r}")
+    return unmerged_lora, head_only_extra
+
+
 def select_params(
     params: Any,
     training_mode: RewardModelTrainingMode | str,
@@ -104,10 +117,7 @@ def select_params(
         WeightMismatchError: the selection breaks the mode or the engine's metadata.
     """
     mode = RewardModelTrainingMode.parse(training_mode)
-    for what, value, choices in (("unmerged_lora", unmerged_lora, UNMERGED_LORA),
-                                 ("head_only_extra", head_only_extra, HEAD_ONLY_EXTRA)):
-        if value not in choices:
-            raise ValueError(f"{what} must be one of {list(choices)}, got {value!r}")
+    check_options(unmerged_lora, head_only_extra)
     patterns = list(head_name_patterns or DEFAULT_HEAD_NAME_PATTERNS)
     items = _without_unmerged_lora(named_items(params), mode, unmerged_lora)
     try:
