@@ -7,7 +7,8 @@ pairs), or the model itself (``torch.nn.Module``), which lets the publisher stre
 
 1. **Select** what the mode says (engine names; ``weightsync.reward.selection``): HEAD_ONLY ->
    only head tensors (``head_name_patterns``, default ``score.``, ``classifier.``,
-   ``v_head.``; a state dict with more keeps the head and warns with what it dropped); LORA ->
+   ``lm_head.``, ``v_head.``; a state dict with more keeps the head and warns with what it
+   dropped, as the reference publisher filters); LORA ->
    merged backbone + head (a PEFT model is merged on the way by the ``lora_merge`` extractor; a
    state dict must already be merged, ``merge_and_unload().state_dict()``: unmerged
    ``lora_A``/``lora_B`` are refused, never dropped); FULL -> every tensor. A model goes through
@@ -70,9 +71,9 @@ class RewardModelPublisher:
     ``VLLMRewardClient`` and None (its vLLM adapters are built); or an
     ``InferenceEngineClient`` and a strategy (config mapping / YAML path / instance) or a
     ``WeightTransferSender`` already wired to the engines. ``src_rank``: the rank that sends
-    (``comm.rank`` for the spec's planes). ``head_name_patterns``: the head (default ``DEFAULT_HEAD_PATTERNS``:
-    ``score.``, ``classifier.``, ``v_head.``; the design's ``lm_head.`` is a causal LM's output
-    layer, which a sequence-classification reward model does not have). ``engine_metadata``:
+    (``comm.rank`` for the spec's planes). ``head_name_patterns``: the head (default
+    ``DEFAULT_HEAD_PATTERNS``: the plan's ``score.``, ``classifier.``, ``lm_head.``, and TRL's
+    ``v_head.``). ``engine_metadata``:
     what the engine accepts (``{name: TensorMeta}``, a list of ``TensorMeta``, or a checkpoint
     directory whose safetensors headers are read): unknown names / wrong shapes are refused
     locally. ``dtype``: cast floating tensors to this dtype (e.g. the served dtype).
