@@ -51,7 +51,12 @@ from weightsync._runtime.threads import LoopThread
 from weightsync.config import DEFAULT_BUCKET_MB
 from weightsync.errors import WeightMismatchError
 from weightsync.pipeline import send_extracted
-from weightsync.reward.selection import check_update, expected_metadata, select_params
+from weightsync.reward.selection import (
+    check_options,
+    check_update,
+    expected_metadata,
+    select_params,
+)
 from weightsync.reward.types import DEFAULT_HEAD_NAME_PATTERNS, RewardModelTrainingMode
 from weightsync.types import TensorMeta, dtype_to_str, str_to_dtype
 
@@ -77,6 +82,8 @@ class RewardModelPublisher:
     what the engine accepts (``{name: TensorMeta}``, a list of ``TensorMeta``, or a checkpoint
     directory whose safetensors headers are read): unknown names / wrong shapes are refused
     locally. ``dtype``: cast floating tensors to this dtype (e.g. the served dtype).
+    ``unmerged_lora``: ``"refuse"`` (ours) or ``"skip"`` (the reference's: unmerged LoRA
+    tensors of a state dict dropped with a warning outside LORA; ``weightsync.reward.selection``).
     """
 
     DEFAULT_HEAD_PATTERNS = list(DEFAULT_HEAD_NAME_PATTERNS)
@@ -94,7 +101,9 @@ class RewardModelPublisher:
         dtype: Any = None,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
         timeout_s: float = 600.0,
+        unmerged_lora: str = "refuse",
     ) -> None:
+        self.unmerged_lora, _ = check_options(unmerged_lora, "drop")
         self.control = control
         self.comm = comm
         self.src_rank = int(src_rank)
@@ -160,7 +169,7 @@ class RewardModelPublisher:
         if _is_module(state_dict) or not self.is_sender or (self.rank0_only and self.rank != 0):
             return None
         return select_params(state_dict, mode, self.head_name_patterns, dtype=self.dtype,
-                             expected=self.expected)
+                             expected=self.expected, unmerged_lora=self.unmerged_lora)
 
     async def _publish(
         self, state_dict: Any, named: list[tuple[str, torch.Tensor]] | None,
@@ -192,7 +201,7 @@ class RewardModelPublisher:
             check_update(metas, mode, self.head_name_patterns, self.expected)
             return metas
         named = select_params(state_dict, mode, self.head_name_patterns, dtype=self.dtype,
-                              expected=self.expected)
+                              expected=self.expected, unmerged_lora=self.unmerged_lora)
         return [TensorMeta(n, dtype_to_str(t.dtype), list(t.shape)) for n, t in named]
 
     # -- models ------------------------------------------------------------------------------
@@ -377,7 +386,7 @@ def create_reward_publisher(
     return at once and never build it (unsharded models; a sharded one is refused on rank 0,
     which cannot gather it alone); otherwise every rank builds one and the others join the
     gathers of a sharded model. ``kwargs`` go to ``RewardModelPublisher`` (``engine_metadata``,
-    ``dtype``, ``rank``, ``bucket_size_mb``, ``timeout_s``)."""
+    ``dtype``, ``rank``, ``bucket_size_mb``, ``timeout_s``, ``unmerged_lora``)."""
     patterns = head_name_patterns
     if patterns is None:
         patterns = getattr(client, "head_name_patterns", None)
