@@ -39,7 +39,8 @@ Multi-label models (``n_labels > 1``): each score vector is reduced to one numbe
 
 Drift: after a run, the rollouts' ``meta["policy_version"]`` (set by the rollout engine) and
 the reward model versions are compared (``weightsync.reward.staleness``); more than
-``max_version_gap`` apart warns ``VersionDriftWarning`` (``last_stats.version_gap``).
+``max_version_gap`` apart warns ``VersionDriftWarning``, once until they come back within it
+(``last_stats.version_gap``).
 
 Versions: ``meta[f"{score_key}_version"]`` gets the reward model weight version that produced
 the score. A client with ``score(ScoringRequest)`` and ``get_model_version()`` (a
@@ -69,7 +70,7 @@ from weightsync.reward.aggregate import (
     reduce_score,
     resolve_aggregate,
 )
-from weightsync.reward.staleness import DEFAULT_MAX_VERSION_GAP, checked_max_gap, warn_on_drift
+from weightsync.reward.staleness import DEFAULT_MAX_VERSION_GAP, DriftCheck
 
 Score = float | list[float]
 TextFn = Callable[[Any, Sequence[Any]], str]
@@ -159,7 +160,7 @@ class RewardModelScorer:
         step_tag: str | None = None,
         max_version_gap: int | None = DEFAULT_MAX_VERSION_GAP,
     ) -> None:
-        self.max_version_gap = checked_max_gap(max_version_gap)
+        self._drift = DriftCheck(max_version_gap)  # warns once per drift
         if not callable(getattr(client, "score_batch", None)) and not callable(
             getattr(client, "score", None)
         ):
@@ -244,9 +245,8 @@ class RewardModelScorer:
             meta[self.version_key] = v
             if self.vector_key is not None:
                 meta[self.vector_key] = list(s) if isinstance(s, list) else [s]
-        self.last_stats.version_gap = warn_on_drift(
-            (getattr(r, "meta", {}).get("policy_version") for r in rollouts), versions,
-            self.max_version_gap)
+        self.last_stats.version_gap = self._drift(
+            (getattr(r, "meta", {}).get("policy_version") for r in rollouts), versions)
 
     def score_sync(self, rollouts: Sequence[Any]) -> None:
         """Blocking twin of ``score`` (runs it on the scorer's private loop thread)."""

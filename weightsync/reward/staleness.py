@@ -48,6 +48,26 @@ def version_gap(
     return max(pairs)
 
 
+class DriftCheck:
+    """``warn_on_drift`` once per drift: after a warning, the same scorer stays quiet until the
+    versions come back within ``max_version_gap`` (a frozen reward model would otherwise warn
+    at every training step)."""
+
+    def __init__(self, max_version_gap: int | None = DEFAULT_MAX_VERSION_GAP) -> None:
+        self.max_version_gap = checked_max_gap(max_version_gap)
+        self.warned = False
+
+    def __call__(
+        self, policy_versions: Iterable[int | None], reward_versions: Iterable[int | None]
+    ) -> int | None:
+        """The widest gap (None when unknown), warning as the class docstring says."""
+        gap = warn_on_drift(policy_versions, reward_versions,
+                            None if self.warned else self.max_version_gap)
+        if gap is not None and self.max_version_gap is not None:
+            self.warned = gap > self.max_version_gap
+        return gap
+
+
 def warn_on_drift(
     policy_versions: Iterable[int | None],
     reward_versions: Iterable[int | None],
@@ -66,6 +86,6 @@ def warn_on_drift(
             f"was not kept in step with the policy; sync the reward model "
             f"(VLLMRewardClient.sync_weights / RewardModelPublisher.publish), or pass "
             f"max_version_gap=None when it is frozen on purpose",
-            VersionDriftWarning, stacklevel=3,
+            VersionDriftWarning, stacklevel=4,
         )
     return gap

@@ -516,9 +516,24 @@ def test_policy_and_reward_versions_drifting_apart_warn(client1):
     with pytest.warns(VersionDriftWarning, match="reward model version 7 and policy version 9"):
         _run(scorer.score(rollouts))
     assert scorer.last_stats.version_gap == 2
-    quiet = RewardModelScorer(VersionedClient(client1), batch_size=2, max_version_gap=2)
     import warnings
 
+    with warnings.catch_warnings():  # once per drift: the same drift again is quiet
+        warnings.simplefilter("error", VersionDriftWarning)
+        for r in rollouts:
+            r.meta["policy_version"] = 10
+        _run(scorer.score(rollouts))
+    for r in rollouts:
+        r.meta["policy_version"] = 9
+    _run(scorer.score(rollouts))  # reward version 9: back in step, so the next drift warns
+    assert scorer.last_stats.version_gap == 0
+    for r in rollouts:
+        r.meta["policy_version"] = 20
+    with pytest.warns(VersionDriftWarning, match="reward model version 10 and policy version 20"):
+        _run(scorer.score(rollouts))
+    for r in rollouts:
+        r.meta["policy_version"] = 9
+    quiet = RewardModelScorer(VersionedClient(client1), batch_size=2, max_version_gap=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error", VersionDriftWarning)
         _run(quiet.score(rollouts))

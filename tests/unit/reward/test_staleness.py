@@ -33,3 +33,19 @@ def test_warns_past_the_threshold_with_what_drifted_and_what_to_do():
         assert warn_on_drift([6], [2], 1) == 4
     with pytest.raises(ValueError, match="max_version_gap must be an int >= 0 or None"):
         checked_max_gap(-1)
+
+
+def test_drift_check_warns_once_per_drift():
+    from weightsync.reward.staleness import DriftCheck
+
+    check = DriftCheck(1)
+    with pytest.warns(VersionDriftWarning):
+        assert check([5], [1]) == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check([6], [1]) == 5  # the same drift: quiet
+        assert check([6], [6]) == 0  # back in step
+    with pytest.warns(VersionDriftWarning):
+        assert check([9], [6]) == 3
+    with pytest.raises(ValueError, match="max_version_gap"):
+        DriftCheck(True)
