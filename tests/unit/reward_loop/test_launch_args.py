@@ -1,6 +1,6 @@
 """What ``launch`` decides without a cluster: the server's command line from
 ``reward_model.rollout`` and the pool forms it takes (the launch itself runs on a real Ray
-cluster in tests/integration/reward_loop/test_launch.py)."""
+cluster in tests/integration/reward_loop/test_launch_on_pool.py)."""
 
 from __future__ import annotations
 
