@@ -5,9 +5,9 @@ Runs in the single controller (the driver; ``ray.init`` first). Built as
 ``reward_loop_config`` takes): with ``reward_model.enable`` it starts a ``RewardModelManager``
 (which launches the reward-model servers on ``rm_resource_pool``, or routes over
 ``reward_model.server_urls`` / ``server_urls=`` without one) and passes its router's address
-to the workers; it then
-starts ``reward_model.num_workers`` ``RewardLoopWorker`` actors, worker ``i`` on the ``i % n``-th
-alive node with CPUs (round robin, soft node affinity: verl's placement).
+to the workers; it then starts ``reward_model.num_workers`` ``RewardLoopWorker`` actors, worker
+``i`` on the ``i % n``-th alive node with CPUs (round robin, soft node affinity: verl's
+placement).
 
 Two ways to score:
 
