@@ -18,9 +18,9 @@ It is asked for, not done by default: ``WEIGHTSYNC_ENGINE_CORE_CPUS`` names the 
 (``"0-3"``), or ``workers`` for the cores of ``VLLM_CPU_OMP_THREADS_BIND`` (``"0"``, ``"4-7"``,
 ``"0-3|4-7"`` for two workers). Bound, the engine core shares its worker's cores, which is
 right for one server on cores of its own, and wrong where several engines' workers share cores:
-each engine core then spins beside them, and in a test session whose two reward servers had
-their workers on one core of a 2-core box, one server's worker went 60 s without reading its
-engine core's messages and its weight-sync group never formed (the CI run of 2026-11-27).
+each engine core then spins beside them, and a worker sharing a core with another engine's
+spinning engine core can go a minute without reading its own engine core's messages (its
+weight-sync group then never forms).
 ``engine_core_follows_workers()`` is called by ``serve-policy`` and ``serve-reward`` on CPU
 before they start vLLM: it turns ``workers`` into those cores (or drops it when they are not
 cores). weightsync's vLLM plugin calls ``bind_engine_core()`` in every vLLM process; in the

@@ -278,9 +278,9 @@ def freeze_heap() -> float:
     """Collect once, then move every object alive now (the engine client, vLLM's app, the
     tokenizer, the model config: millions of objects) out of the garbage collector's sight, as
     vLLM's engine core does with its own heap: a full collection then scans only what serving
-    allocates. Without it a full collection of the server process stood every request and
-    control call still for 0.42-0.47 s (a reward and a policy server, each once or twice in the
-    2-minute load test, 2 CPU cores, 2026-11-26). Called by ``serve_app`` just before serving;
+    allocates. Without it a full collection of the server process stands every request and
+    control call still for a noticeable pause (``docs/reliability.md``). Called by ``serve_app``
+    just before serving;
     returns the seconds the collection took (logged)."""
     import gc
 

