@@ -14,8 +14,13 @@ vLLM defines them), served by uvicorn on one asyncio loop. Ours, ahead of vLLM's
 ``weightsync.servers.sleep``) and the control plane shared with the policy server
 (``weightsync.servers.control_routes``, both our dialect and the reward spec's ``{host, port,
 world_size}`` / ``{metadata: [...], version, training_mode}`` form); the update rules live in
-``weightsync.servers.control``. Every route that runs the model holds the update gate and
-answers with ``x-weight-version`` (``weightsync.servers.versioned`` around vLLM's routes).
+``weightsync.servers.control``, what it takes from the sender in
+``weightsync.servers._update_policy`` (by default the reward spec's: versions and training mode
+as given). Every route that runs the model holds the update gate and answers with
+``x-weight-version`` (``weightsync.servers.versioned`` around vLLM's routes). The spec's launch
+flags (``--task reward``, ``--pooler-config``, ``--worker-extension-cls`` naming
+``RewardWeightSyncExtension``, importable from here) map onto ours
+(``weightsync.servers._reward_spec``).
 
 Models: a ``*ForSequenceClassification`` checkpoint, or with ``--convert classify`` a causal
 LM whose checkpoint carries a score head (``score.weight``), or any conversion vLLM offers

@@ -115,15 +115,17 @@ def test_a_forced_older_version_is_taken_by_default(spec_server, reward_server, 
     assert version_of(spec_server.url) == version == low and header == str(low)
     assert max(abs(s - e) for s, e in zip(scores, b.scores(TEXTS), strict=True)) <= TOL
 
-    v = version_of(reward_server.url)
+    v = version_of(reward_server.url) + 2
     ours = trainer_cls(reward_server.url, "127.0.0.1", free_port(),
                        headers={"Authorization": f"Bearer {reward_server.api_key}"})
     try:
+        assert ours.push(dict(b.model.state_dict()), version=v) == v
         with pytest.raises(RuntimeError, match=r"refused \(409\).*not newer"):
-            ours.push(dict(b.model.state_dict()), version=max(v, 1))
+            ours.push(dict(a.model.state_dict()), version=v - 1)
     finally:
         ours.close()
-    assert version_of(reward_server.url) == v
+    assert scored(reward_server.url)[1:] == (v, str(v))
+    reward_server.restore()
 
 
 def test_training_mode_is_information_by_default(spec_server, reward_server, trainer_cls):
