@@ -244,8 +244,11 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
         vparser.error(f"--worker-extension-cls: the policy server needs {WORKER_EXTENSION} "
                       f"(weight updates run there), got {given_ext}")
     args.worker_extension_cls = WORKER_EXTENSION
-    cfg = PolicyServerConfig(**{k: v for k, v in vars(ns).items() if v is not None},
-                             device=device, dtype_asked=dtype_asked)
+    try:
+        cfg = PolicyServerConfig(**{k: v for k, v in vars(ns).items() if v is not None},
+                                 device=device, dtype_asked=dtype_asked)
+    except ValueError as e:  # options that contradict each other, named
+        _our_parser().error(str(e))
     if cfg.in_flight_kv == "keep" and cfg.in_flight_requests != "continue":
         _our_parser().error("--in-flight-kv keep needs --in-flight-requests continue (only "
                             "requests that continue across an update have KV to keep)")
