@@ -115,7 +115,7 @@ def start_server(server_cls: type[ServerProcess], model_dir: str, log_path: str,
 
 def start_reward_server(
     model_dir: str, log_path: str, *, api_key: str | None = API_KEY, extra: list[str] | None = None,
-    timeout_s: float = 180.0,
+    timeout_s: float = 600.0,
 ) -> RewardServerHandle:
     """Start a reward server subprocess and wait until /health answers (or fail with its log)."""
     server = start_server(RewardServerProcess, model_dir, log_path, api_key=api_key,

@@ -37,10 +37,9 @@ DOC = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "policy_
 @pytest.fixture(scope="module")
 def spec_server(reward_server_launcher, tiny_reward_model_dir, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("spec-launch") / "server.log")
-    handle = reward_server_launcher(tiny_reward_model_dir, log, api_key=None, timeout_s=600,
-                                    extra=[
-                                        "--task", "reward", "--pooler-config", POOLER,
-                                        "--worker-extension-cls", EXTENSION, "--dtype", "float32"])
+    handle = reward_server_launcher(tiny_reward_model_dir, log, api_key=None, extra=[
+        "--task", "reward", "--pooler-config", POOLER, "--worker-extension-cls", EXTENSION,
+        "--dtype", "float32"])
     try:
         yield handle
     finally:
@@ -97,6 +96,7 @@ def test_the_spec_launch_line_starts_and_scores(spec_server):
     raw = HFReward(spec_server.model_dir).scores(TEXTS)  # normalize true: the model's sigmoid
     assert max(abs(d["score"] - 1 / (1 + math.exp(-x))) for d, x in zip(data, raw, strict=True)) <= TOL
     assert "--task reward" in " ".join(spec_server.process.cmd)
+    assert f"Injected <class '{EXTENSION}'>" in spec_server.log_text()  # vLLM's workers took it
 
 
 def test_a_forced_older_version_is_taken_by_default(spec_server, reward_server, trainer_cls):
