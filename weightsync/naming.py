@@ -63,7 +63,7 @@ def is_lora_param(name: str) -> bool:
 
 #: Names of reward-head parameters (substring match; ``re:...`` for a regular expression): what a
 #: ``head_only`` update may carry when it names no patterns of its own.
-DEFAULT_HEAD_NAME_PATTERNS: tuple[str, ...] = ("score.", "classifier.", "v_head.")
+DEFAULT_HEAD_NAME_PATTERNS: tuple[str, ...] = ("score.", "classifier.", "lm_head.", "v_head.")
 
 
 def compile_patterns(patterns: Iterable[str]) -> list[re.Pattern[str]]:
@@ -72,7 +72,7 @@ def compile_patterns(patterns: Iterable[str]) -> list[re.Pattern[str]]:
 
 
 def is_head_param(name: str, patterns: Iterable[str] | None = None) -> bool:
-    """True when ``name`` matches one of the head patterns (default: score./classifier./v_head.)."""
+    """True when ``name`` matches one of the head patterns (default: score./classifier./lm_head./v_head.)."""
     compiled = compile_patterns(DEFAULT_HEAD_NAME_PATTERNS if patterns is None else patterns)
     return any(p.search(name) for p in compiled)
 

@@ -256,6 +256,9 @@ async def send_extracted(
     except BaseException:
         if started is not None and extractor.runs_started == started:
             extractor.drain(model, generator_dtype)  # never started: run the gathers anyway
+        discard = getattr(extractor, "discard_prepared", None)
+        if discard is not None:  # a prepared extraction never sent is not kept
+            discard()
         raise
 
 

@@ -545,7 +545,8 @@ class TrainingMode(enum.StrEnum):
     engine against the start's manifest and every chunk before any byte moves).
 
     HEAD_ONLY: only names matching the head patterns (``head_name_patterns``, default
-    ``weightsync.naming.DEFAULT_HEAD_NAME_PATTERNS``: ``score.``, ``classifier.``, ``v_head.``).
+    ``weightsync.naming.DEFAULT_HEAD_NAME_PATTERNS``: ``score.``, ``classifier.``, ``lm_head.``,
+    ``v_head.``).
     LORA: merged weights: no unmerged adapter tensor (``lora_A`` / ``lora_B`` / DoRA ...).
     FULL: no unmerged adapter tensor, and a whole update carries backbone weights, not only the
     head. ``weightsync.reward`` calls this enum ``RewardModelTrainingMode``.

@@ -451,6 +451,31 @@ def engine_core_processes(engine: Any) -> list:
     return list(procs) if isinstance(procs, list) else []
 
 
+def fail_engine_calls(engine: Any, error: Callable[[], BaseException]) -> int:
+    """Fail every utility call (``collective_rpc``, ``reset_prefix_cache``, ...) an
+    ``AsyncLLM``'s client still waits for. vLLM leaves them waiting when its engine core dies
+    (its client fails the requests' streams, not these futures). Call it on the engine's loop.
+
+    Args:
+        engine: vLLM's ``AsyncLLM`` (0.26 and 0.32 keep the calls in
+            ``engine_core.utility_results``; another client has none to fail).
+        error: makes the exception each call fails with (a new one per call).
+
+    Returns:
+        How many calls were failed.
+    """
+    results = getattr(getattr(engine, "engine_core", None), "utility_results", None)
+    if not isinstance(results, dict):
+        return 0
+    failed = 0
+    for call_id in list(results):
+        future = results.pop(call_id, None)
+        if future is not None and not future.done():
+            future.set_exception(error())
+            failed += 1
+    return failed
+
+
 def reset_prefix_cache(llm: Any) -> bool:
     fn = getattr(llm, "reset_prefix_cache", None)
     if fn is None:  # pragma: no cover

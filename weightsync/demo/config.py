@@ -80,7 +80,7 @@ class CheckSection:
     # whose dot products round their float32 inputs to TF32 (a 10-bit mantissa); weights that
     # are not the pushed ones miss by whole units
     gpu_max_abs_err: float = 2e-2
-    gpu_max_logprob_gap: float = 1e-2
+    gpu_max_logprob_gap: float = 3e-2
 
     def tolerances(self, servers_device: str) -> tuple[float, float]:
         """``(max_abs_err, max_logprob_gap)`` for servers on ``servers_device``."""

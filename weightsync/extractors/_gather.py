@@ -6,9 +6,11 @@ collective); this base plans the buckets from metadata, gathers bucket by bucket
 gathered tensors only on the sending rank and bounds what is alive there:
 
 - **Plan first, from metadata.** Module groups (a module's own parameters and persistent
-  buffers, each tied weight once) and the buckets they fall into are computed from global shapes
-  before anything is gathered, with the same packing rule as ``weightsync.pipeline.batch_by_threshold``
-  (whole groups, at most ``bucket_size_mb`` unless one group is larger). Every rank computes the
+  buffers, each tied weight once; single tensors when ``_should_group_by_module()`` is False)
+  and the buckets they fall into are computed from global shapes before anything is gathered,
+  with the same packing rule as ``weightsync.pipeline.batch_by_threshold`` (whole groups, at
+  most ``bucket_size_mb`` unless one group is larger; a group per bucket when
+  ``_should_batch_by_threshold()`` is False). Every rank computes the
   same plan, so every rank runs the same collectives in the same order.
 - **Never gather ahead.** A bucket is gathered only when the consumer asks for the next chunk,
   and (back-pressure) only once at most ``max_live_chunks - 1`` earlier chunks are still alive:
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from weightsync.config import ExtractorConfig
+from weightsync.extractors._design_keys import split_config
 from weightsync.extractors.lora_layers import lora_merges
 from weightsync.interfaces import WeightExtractor
 from weightsync.naming import engine_names, is_lora_param, tied_aliases
@@ -162,7 +165,16 @@ class GatheringExtractor(WeightExtractor):
     lockstep = True
 
     def __init__(self, cfg: Any = None) -> None:
-        super().__init__(cfg if cfg is not None else self.config_cls())
+        own, design = split_config(cfg, self.config_cls)
+        super().__init__(own)
+        #: the interface design's flags read from a trainer config (None: not given one)
+        self.design_flags = design
+        if design is not None:
+            self._group_by_module = design.group_by_module
+            self._batch_by_threshold = design.batch_by_threshold
+        else:  # module groups as the config says, whole groups batched up to bucket_size_mb
+            self._group_by_module = bool(getattr(self.cfg, "group_by_module", True))
+            self._batch_by_threshold = True
         self.memory = GatherMeter()
         self.runs_started = 0  # extract_weights iterations that began (see ``drain``)
 
@@ -191,8 +203,7 @@ class GatheringExtractor(WeightExtractor):
     def rank(self) -> int:
         return config_rank(self.cfg)
 
-    @property
-    def is_sender(self) -> bool:
+    def _sender_from_config(self) -> bool:
         return is_sending_rank(self.cfg)
 
     # -- planning (no communication) -----------------------------------------------------------
@@ -210,6 +221,7 @@ class GatheringExtractor(WeightExtractor):
             (n for _, n, _ in entries), adapter_name=self.cfg.adapter_name
         )
         wanted = name_filter(self.cfg.name_patterns)
+        grouped = self._should_group_by_module()
         seen: set[str] = set()
         groups: list[PlannedGroup] = []
         by_module: dict[str, PlannedGroup] = {}
@@ -224,7 +236,7 @@ class GatheringExtractor(WeightExtractor):
             item = PlannedTensor(name, t, self._global_shape(t), out_dtype)
             if full in merges:
                 item.extra, item.merge = merges[full]
-            key = module if getattr(self.cfg, "group_by_module", True) else full
+            key = module if grouped else full
             group = by_module.get(key)
             if group is None:
                 label = name.rsplit(".", 1)[0] if "." in name else ""
@@ -234,8 +246,11 @@ class GatheringExtractor(WeightExtractor):
         return groups
 
     def buckets(self, groups: list[PlannedGroup]) -> list[list[PlannedGroup]]:
-        """Pack whole groups into buckets of at most ``bucket_size_mb`` (a larger group alone)."""
-        threshold = int(self.cfg.bucket_size_mb * (1 << 20))
+        """Pack whole groups into buckets of at most ``threshold_bytes()`` (``bucket_size_mb``;
+        a larger group alone) when ``_should_batch_by_threshold()``, else a group per bucket."""
+        if not self._should_batch_by_threshold():
+            return [[g] for g in groups]
+        threshold = self.threshold_bytes()
         out: list[list[PlannedGroup]] = []
         cur: list[PlannedGroup] = []
         size = 0

@@ -16,6 +16,11 @@ What holds (see ``weightsync.extractors._gather`` for the machinery):
 - Names are engine names (``weightsync.naming``): the engine's ``module.`` prefix is dropped; a
   tied embedding is sent once under the embedding's name.
 - ``metadata()`` from ``ds_shape``: no gather, no collective.
+- Built from the trainer's whole config as the interface design's example builds it (a
+  ``generator`` / ``trainer`` section: SkyRL's ``generator.weight_sync_backend``,
+  ``trainer.placement.colocate_all``, ``generator.weight_transfer_threshold_cuda_ipc_GB``),
+  those keys set the design's flags: whole modules per chunk, batched up to the threshold, or
+  a tensor a chunk (``weightsync.extractors._design_keys``).
 - PEFT LoRA layers are sent merged (adapters gathered with their base weight), as in ``fsdp``.
 
 The dtype sent is the model's parameter dtype (bf16/fp16 under mixed precision, the fp32 master

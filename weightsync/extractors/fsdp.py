@@ -14,6 +14,11 @@ What holds (see ``weightsync.extractors._gather`` for the machinery):
   ``_checkpoint_wrapped_module.``, ``_orig_mod.``, a leading ``module.`` never reach the engine;
   a tied embedding is sent once under the embedding's name;
 - ``metadata()`` reads global shapes from the DTensors: no gather, no collective.
+- Built from the trainer's whole config as the interface design's example builds it (a
+  ``generator`` / ``trainer`` section: SkyRL's ``generator.weight_sync_backend``,
+  ``trainer.placement.colocate_all``, ``generator.weight_transfer_threshold_cuda_ipc_GB``),
+  those keys set the design's flags: whole modules per chunk, batched up to the threshold, or
+  a tensor a chunk (``weightsync.extractors._design_keys``).
 
 - a sharded PEFT LoRA model is sent merged: each LoRA layer's base weight is gathered with its
   adapters and ``W + scaling * B @ A`` computed on the sender (PEFT's arithmetic, bit-exact with

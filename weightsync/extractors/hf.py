@@ -190,6 +190,12 @@ class HFWeightExtractor(HoldsUpdates, WeightExtractor):
     config_cls = ExtractorConfig
     yields_model_tensors = True  # parameters themselves; a gathered DTensor is marked fresh
 
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__(cfg if cfg is not None else self.config_cls())
+        # whole modules per chunk, chunks filled up to the bucket size (the base's are off)
+        self._group_by_module = bool(getattr(self.cfg, "group_by_module", True))
+        self._batch_by_threshold = True
+
     def _select(
         self, named: list[tuple[str, torch.Tensor]], adapters: list[str]
     ) -> list[tuple[str, torch.Tensor]]:

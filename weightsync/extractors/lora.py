@@ -73,6 +73,9 @@ class LoraMergeWeightExtractor(WeightExtractor):
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg if cfg is not None else LoraMergeExtractorConfig())
+        # whole modules per chunk, chunks filled up to the bucket size (the base's are off)
+        self._group_by_module = bool(getattr(self.cfg, "group_by_module", True))
+        self._batch_by_threshold = True
         self.last_reinit_params: list[torch.nn.Parameter] = []
 
     # -- public helpers ------------------------------------------------------------------------

@@ -50,6 +50,9 @@ class LoRAAdapterWeightExtractor(HoldsUpdates, WeightExtractor):
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg if cfg is not None else LoRAAdapterExtractorConfig())
+        # whole modules per chunk, chunks filled up to the bucket size (the base's are off)
+        self._group_by_module = bool(getattr(self.cfg, "group_by_module", True))
+        self._batch_by_threshold = True
         # the adapter's layers, found once per model (a walk of every module); the tensors are
         # read at every push. Keyed by the model object, held weakly
         self._found: weakref.WeakKeyDictionary[Any, list[tuple[str, Any, Any, str]]] = (

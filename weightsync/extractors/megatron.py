@@ -111,6 +111,9 @@ class MegatronWeightExtractor(WeightExtractor):
 
     def __init__(self, cfg: Any = None, *, bridge: Any = None) -> None:
         super().__init__(cfg if cfg is not None else MegatronExtractorConfig())
+        # threshold buckets in export order; module groups only when the config asks
+        self._group_by_module = bool(getattr(self.cfg, "group_by_module", False))
+        self._batch_by_threshold = True
         if bridge is None and not getattr(self.cfg, "hf_model_path", None):
             raise ValueError(
                 "megatron extractor needs a bridge: MegatronWeightExtractor(cfg, bridge=...) "
@@ -135,8 +138,7 @@ class MegatronWeightExtractor(WeightExtractor):
             self._export = export_function(self._bridge)
         return self._export
 
-    @property
-    def is_sender(self) -> bool:
+    def _sender_from_config(self) -> bool:
         return is_sending_rank(self.cfg)
 
     # -- the stream ----------------------------------------------------------------------------

@@ -17,7 +17,13 @@ node's address from Ray (``ray.util.get_node_ip_address()``), so the same code s
 
 For sharded training (FSDP, ZeRO-3) every training rank is an actor with this mixin: rank 0 gets
 the engine handles and ``is_sender=True``; the others get ``engine_handles=None`` and only run
-the extractor's collectives in ``sync_weights`` (all ranks must call it together).
+the extractor's collectives in ``sync_weights`` (all ranks must call it together). With an IPC
+strategy, a model sharded over more than one rank of ``torch.distributed``'s default group (or
+an extractor that runs on every rank) sends from every rank (``every_rank``,
+``weightsync.extractor_ranks.every_rank_wanted``; ``every_rank: false`` in the strategy config
+keeps rank 0 alone): each rank builds a sender in ``setup_weight_sync`` and sends handles to its
+own copy in ``sync_weights``, rank 0 gathers them and talks to the engines
+(``strategies/_every_rank.py``); the other ranks return ``{}``.
 """
 
 from __future__ import annotations
@@ -79,8 +85,9 @@ class WeightSyncTrainerMixin:
         Calling it again tears the previous set-up down first.
         """
         from weightsync.clients import FanOutClient
-        from weightsync.config import build_extractor, build_strategy
-        from weightsync.types import str_to_dtype
+        from weightsync.config import build_extractor, build_strategy, resolve_strategy
+        from weightsync.extractor_ranks import every_rank_wanted, send_from_every_rank
+        from weightsync.types import EmptyWeightSyncInfo, str_to_dtype
 
         await self.close_weight_sync()
         extractor = build_extractor(_with_sender_flag(extractor_cfg, is_sender))
@@ -88,6 +95,15 @@ class WeightSyncTrainerMixin:
             extractor=extractor,
             generator_dtype=str_to_dtype(generator_dtype) if generator_dtype else None,
         )
+        strategy_cfg = resolve_strategy(strategy_cfg)
+        if every_rank_wanted(strategy_cfg, extractor, self._weightsync_model()):
+            # every rank keeps its copy and sends handles to it; rank 0 talks to the engines
+            strategy_cfg["every_rank"] = True
+            send_from_every_rank(extractor)
+            if not is_sender:
+                state.strategy = build_strategy(strategy_cfg)
+                state.sender = await state.strategy.create_sender(
+                    state.strategy.cfg, None, EmptyWeightSyncInfo())
         if not is_sender:
             self._weightsync = state
             return {}
@@ -146,6 +162,8 @@ class WeightSyncTrainerMixin:
             raise RuntimeError(
                 f"{type(self).__name__}.sync_weights called before setup_weight_sync"
             )
+        from weightsync.raw_weights import update_manifest
+
         model = self._weightsync_model()
         chunks = state.extractor.extract_weights(model, state.generator_dtype)
         if state.sender is None:
@@ -154,11 +172,13 @@ class WeightSyncTrainerMixin:
             return {}
         if version is None:
             version = state.version + 1
-        manifest = state.extractor.metadata(model, state.generator_dtype)
+        manifest = await update_manifest(state.extractor, model, state.generator_dtype)
         stats = await state.sender.send_chunks(
             chunks, state.client, version=version, manifest=manifest
         )
         state.version = max([v for v in stats.versions if v is not None] or [version])
+        if state.client is None:  # every_rank: a rank other than 0 sent its copy; 0 reports
+            return {}
         out = dataclasses.asdict(stats)
         out["version"] = version
         out["gbps"] = stats.gbps

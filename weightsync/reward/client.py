@@ -18,17 +18,24 @@ async (``score_batch_sync`` is the blocking twin); ``sync_weights`` is blocking
 group lives on the client's private event-loop thread: every sync runs there, whichever flavour
 and whichever loop calls it (``sync_loop``, a ``LoopThread``).
 
-Tokenizer check (``tokenizer=``): the first contact with the server compares how the trainer's
-tokenizer and the server tokenize a few probe texts (the server's ``/tokenize`` when it has one,
-else the token counts its ``/score`` reports per text) and raises ``TokenizerMismatchError``
-before any score or sync: a reward model fed another tokenizer's text scores garbage silently.
+Tokenizer check (``tokenizer=``): the constructor waits for the server and compares how the
+trainer's tokenizer and the server tokenize a few probe texts (the server's ``/tokenize`` when it
+has one, else the token counts its ``/score`` reports per text) and raises
+``TokenizerMismatchError``: a reward model fed another tokenizer's text scores garbage silently.
+
+As the reference's client: its HTTP calls retry a connection error or a 5xx (``max_retries``,
+backoff doubling from ``retry_backoff_s``; ``weightsync.reward.client_http``), a sync ends by
+polling ``/get_num_background_tasks`` until 0 (at most ``timeout_s``), and a client with
+weight updates leaves the group at interpreter exit (``atexit``) unless closed before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import time
+import weakref
 from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -36,7 +43,13 @@ from weightsync._runtime.http import LoopClients, error_from_response
 from weightsync._runtime.threads import LoopThread
 from weightsync.config import DEFAULT_BUCKET_MB
 from weightsync.errors import CommunicatorReplacedError, WeightSyncError
-from weightsync.reward.selection import select_params
+from weightsync.reward.client_http import (  # noqa: F401 - TokenizerMismatchError re-exported
+    TokenizerMismatchError,
+    check_tokenizer,
+    request_with_retries,
+    wait_background_tasks,
+)
+from weightsync.reward.selection import check_options, effective_mode, select_params
 from weightsync.reward.types import (
     DEFAULT_MODEL_NAME,
     RewardModelTrainingMode,
@@ -49,19 +62,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from weightsync.connect import SyncSession
     from weightsync.types import SyncStats, TensorMeta, WeightChunk
-
-#: Texts the tokenizer check tokenizes on both sides: words, digits, code, punctuation, accents.
-TOKENIZER_PROBES = (
-    "The quick brown fox jumps over the lazy dog.",
-    "Q: What is 12 * 34?\nA: 408",
-    "def add(a, b):\n    return a + b  # sum",
-    "Naïve café, déjà vu! (1999)",
-)
-
-
-class TokenizerMismatchError(ValueError):
-    """The trainer's tokenizer and the reward server's tokenize a probe text differently."""
-
 
 @runtime_checkable
 class RewardModelClient(Protocol):
@@ -111,7 +111,10 @@ class VLLMRewardClient:
     reference's ``/score`` timeout), ``max_batch_size`` (split ``score_batch`` into concurrent
     requests of at most this many texts), ``head_name_patterns`` (what HEAD_ONLY keeps),
     ``bucket_size_mb`` (chunk bound of a sync), ``tokenizer`` (an HF tokenizer or a path to one:
-    checked against the server on first contact).
+    checked against the server in the constructor), ``max_retries`` / ``retry_backoff_s``
+    (HTTP retries, see the module), ``unmerged_lora`` (``"refuse"``, ours, or ``"skip"``, the
+    reference's) and ``head_only_extra`` (``"send"``, the reference client's, or ``"drop"``):
+    see ``weightsync.reward.selection``.
     """
 
     DEFAULT_PORT = 8001
@@ -134,6 +137,10 @@ class VLLMRewardClient:
         head_name_patterns: Sequence[str] | None = None,
         bucket_size_mb: float | None = None,
         tokenizer: Any = None,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        unmerged_lora: str = "refuse",
+        head_only_extra: str = "send",
     ) -> None:
         self.host, self.port = host, int(port)
         self.server_url = f"http://{host}:{self.port}"
@@ -147,13 +154,18 @@ class VLLMRewardClient:
         self.max_batch_size = max_batch_size
         self.head_name_patterns = list(head_name_patterns) if head_name_patterns else None
         self.tokenizer = tokenizer
+        self.max_retries, self.retry_backoff_s = int(max_retries), float(retry_backoff_s)
+        self.unmerged_lora, self.head_only_extra = check_options(unmerged_lora, head_only_extra)
+        #: polls of ``/get_num_background_tasks`` at the end of the last sync
+        self.last_background_polls = 0
         self._strategy_given = strategy
         self._bucket_size_mb = bucket_size_mb
         self.strategy_cfg: dict | None = None
         if strategy is not None or self.device is not None:
             self.strategy_cfg = self._strategy_cfg(str(self.device or "cpu"))
         self.last_sync_stats: SyncStats | None = None
-        self._http = LoopClients(timeout_s=request_timeout_s)
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else None  # control routes
+        self._http = LoopClients(timeout_s=request_timeout_s, headers=auth)
         self._session: SyncSession | None = None  # the front door's session (the group)
         self._server_up = False
         #: the loop the weight-sync group lives on (every sync runs there; the blocking twins too)
@@ -161,6 +173,15 @@ class VLLMRewardClient:
         self._sync_lock: asyncio.Lock | None = None
         if enable_weight_updates:
             self._init_communicator()
+            ref = weakref.ref(self)
+            self._atexit = lambda: (c := ref()) is not None and c.close_sync()
+            atexit.register(self._atexit)
+        elif tokenizer is not None:  # the plan: check the tokenizer at init, fail fast
+            try:
+                self.sync_loop.run(self.wait_for_server())
+            except BaseException:
+                self.close_sync()
+                raise
 
     # -- configuration ------------------------------------------------------------------------
     def _strategy_cfg(self, device: str) -> dict:
@@ -215,38 +236,23 @@ class VLLMRewardClient:
                 )
             await asyncio.sleep(0.5)
         if self.tokenizer is not None:
-            await self._check_tokenizer()
+            self.tokenizer = await check_tokenizer(
+                self.tokenizer, self._http.get(), self.server_url, self._token_count)
         self._server_up = True
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One HTTP call to the server, with the retries of the module docstring."""
+        return await request_with_retries(
+            self._http.get(), method, self.server_url + path, max_retries=self.max_retries,
+            backoff_s=self.retry_backoff_s, **kwargs)
+
+    async def _token_count(self, text: str) -> int:
+        resp, _ = await self._score_request(ScoringRequest(inputs=[text]))
+        return int(resp.usage.get("prompt_tokens", 0))
 
     async def _ensure_server(self) -> None:
         if not self._server_up:
             await self.wait_for_server()
-
-    async def _check_tokenizer(self) -> None:
-        tok = self.tokenizer
-        if isinstance(tok, str):
-            from transformers import AutoTokenizer
-
-            tok = self.tokenizer = AutoTokenizer.from_pretrained(tok)
-        http = self._http.get()
-        for text in TOKENIZER_PROBES:
-            mine = list(tok(text)["input_ids"])
-            r = await http.post(self.server_url + "/tokenize", json={"prompt": text})
-            if r.status_code == 200 and "tokens" in r.json():
-                theirs: list[int] | int = list(r.json()["tokens"])
-                same = theirs == mine
-            else:  # no /tokenize: compare the count the score route reports for this text
-                resp, _ = await self._score_request(ScoringRequest(inputs=[text]))
-                theirs = resp.usage.get("prompt_tokens", 0)
-                same = theirs == len(mine)
-            if not same:
-                shown = theirs if isinstance(theirs, int) else f"{len(theirs)} tokens {theirs[:12]}"
-                raise TokenizerMismatchError(
-                    f"tokenizer check against reward server {self.server_url}: probe {text!r} is "
-                    f"{len(mine)} tokens {mine[:12]} for the trainer's tokenizer but {shown} on "
-                    f"the server; give the trainer the reward model's tokenizer (or "
-                    f"tokenizer=None to skip the check)"
-                )
 
     # -- scoring ------------------------------------------------------------------------------
     async def score(self, request: ScoringRequest) -> tuple[ScoringResponse, dict[str, Any]]:
@@ -264,7 +270,7 @@ class VLLMRewardClient:
         payload = request.to_dict()
         url = self.server_url + "/score"
         t0 = time.perf_counter()
-        r = await self._http.get().post(url, json=payload)
+        r = await self._call("POST", "/score", json=payload)
         latency = time.perf_counter() - t0
         if r.status_code >= 400:
             err = error_from_response(url, r)
@@ -303,16 +309,14 @@ class VLLMRewardClient:
     async def get_model_version(self) -> int:
         """The weight version the server serves now (``/runtime_version``)."""
         await self._ensure_server()
-        r = await self._http.get().get(self.server_url + "/runtime_version")
+        r = await self._call("GET", "/runtime_version")
         if r.status_code >= 400:
             raise error_from_response(self.server_url + "/runtime_version", r)
         return int(r.json()["version"])
 
     async def complete(self, request: Any) -> tuple[Any, dict[str, Any]]:
-        """``ChatClient.complete``: refused. A reward server runs a pooling model, which scores
-        text but cannot generate; this method exists so code typed against ``ChatClient``
-        takes this client (for ``sync_weights``). Raises ``NotImplementedError`` naming what
-        to use instead."""
+        """``ChatClient.complete``: refused (``NotImplementedError`` naming what to use): a
+        pooling model scores but cannot generate; it exists so ``ChatClient`` code takes us."""
         raise NotImplementedError(
             f"reward server {self.server_url} serves a pooling (reward) model: it scores text "
             f"(score / score_batch) but cannot generate; send completions to a policy server "
@@ -334,7 +338,8 @@ class VLLMRewardClient:
         ``last_sync_stats.versions``. Names are normalised to engine names (PEFT / FSDP / DDP
         prefixes stripped), the training mode selects what is sent (HEAD_ONLY keeps the head
         and warns about the rest) and checks it: bad input raises ``WeightMismatchError``
-        before any byte moves and changes nothing."""
+        before any byte moves and changes nothing. HEAD_ONLY given backbone tensors sends them
+        too (the reference client's ``head_only_extra="send"``), announced as a full update."""
         named, mode = self._selected(params, training_mode)  # errors here, not on the loop
         return self.sync_loop.run(self._sync_named(named, mode, version, timeout_s))
 
@@ -358,7 +363,10 @@ class VLLMRewardClient:
         when updates are disabled, or when the selection breaks the mode)."""
         self._check_enabled()
         mode = RewardModelTrainingMode.parse(training_mode)
-        return select_params(params, mode, self.head_name_patterns), mode
+        named = select_params(params, mode, self.head_name_patterns,
+                              unmerged_lora=self.unmerged_lora,
+                              head_only_extra=self.head_only_extra)
+        return named, effective_mode([n for n, _ in named], mode, self.head_name_patterns)
 
     async def _sync_named(
         self, named: list[tuple[str, torch.Tensor]], mode: RewardModelTrainingMode,
@@ -373,8 +381,13 @@ class VLLMRewardClient:
             cfg = self.strategy_cfg or {}
             return make_chunks(named, bucket_size_mb=float(cfg.get("bucket_size_mb", DEFAULT_BUCKET_MB)))
 
+        t0 = time.monotonic()
         await self.send_update(chunks, manifest, mode, version, timeout_s,
                                first_tensor=named[0][1])
+        self.last_background_polls = await wait_background_tasks(
+            self._http.get(), self.server_url,
+            timeout_s=max(timeout_s - (time.monotonic() - t0), 1.0),
+            max_retries=self.max_retries, backoff_s=self.retry_backoff_s)
         return str(version) if version else f"rm-{int(time.time())}"
 
     def _check_enabled(self) -> None:
@@ -460,6 +473,9 @@ class VLLMRewardClient:
 
     def close_sync(self) -> None:
         """Blocking twin of ``close``; also stops the private loop thread."""
+        if getattr(self, "_atexit", None) is not None:
+            atexit.unregister(self._atexit)
+            self._atexit = None
         if self.sync_loop.started:
             self.sync_loop.run(self.close())
             self.sync_loop.close()

@@ -7,7 +7,8 @@ pairs), or the model itself (``torch.nn.Module``), which lets the publisher stre
 
 1. **Select** what the mode says (engine names; ``weightsync.reward.selection``): HEAD_ONLY ->
    only head tensors (``head_name_patterns``, default ``score.``, ``classifier.``,
-   ``v_head.``; a state dict with more keeps the head and warns with what it dropped); LORA ->
+   ``lm_head.``, ``v_head.``; a state dict with more keeps the head and warns with what it
+   dropped, as the reference publisher filters); LORA ->
    merged backbone + head (a PEFT model is merged on the way by the ``lora_merge`` extractor; a
    state dict must already be merged, ``merge_and_unload().state_dict()``: unmerged
    ``lora_A``/``lora_B`` are refused, never dropped); FULL -> every tensor. A model goes through
@@ -50,7 +51,12 @@ from weightsync._runtime.threads import LoopThread
 from weightsync.config import DEFAULT_BUCKET_MB
 from weightsync.errors import WeightMismatchError
 from weightsync.pipeline import send_extracted
-from weightsync.reward.selection import check_update, expected_metadata, select_params
+from weightsync.reward.selection import (
+    check_options,
+    check_update,
+    expected_metadata,
+    select_params,
+)
 from weightsync.reward.types import DEFAULT_HEAD_NAME_PATTERNS, RewardModelTrainingMode
 from weightsync.types import TensorMeta, dtype_to_str, str_to_dtype
 
@@ -70,12 +76,14 @@ class RewardModelPublisher:
     ``VLLMRewardClient`` and None (its vLLM adapters are built); or an
     ``InferenceEngineClient`` and a strategy (config mapping / YAML path / instance) or a
     ``WeightTransferSender`` already wired to the engines. ``src_rank``: the rank that sends
-    (``comm.rank`` for the spec's planes). ``head_name_patterns``: the head (default ``DEFAULT_HEAD_PATTERNS``:
-    ``score.``, ``classifier.``, ``v_head.``; the design's ``lm_head.`` is a causal LM's output
-    layer, which a sequence-classification reward model does not have). ``engine_metadata``:
+    (``comm.rank`` for the spec's planes). ``head_name_patterns``: the head (default
+    ``DEFAULT_HEAD_PATTERNS``: the plan's ``score.``, ``classifier.``, ``lm_head.``, and TRL's
+    ``v_head.``). ``engine_metadata``:
     what the engine accepts (``{name: TensorMeta}``, a list of ``TensorMeta``, or a checkpoint
     directory whose safetensors headers are read): unknown names / wrong shapes are refused
     locally. ``dtype``: cast floating tensors to this dtype (e.g. the served dtype).
+    ``unmerged_lora``: ``"refuse"`` (ours) or ``"skip"`` (the reference's: unmerged LoRA
+    tensors of a state dict dropped with a warning outside LORA; ``weightsync.reward.selection``).
     """
 
     DEFAULT_HEAD_PATTERNS = list(DEFAULT_HEAD_NAME_PATTERNS)
@@ -93,7 +101,9 @@ class RewardModelPublisher:
         dtype: Any = None,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
         timeout_s: float = 600.0,
+        unmerged_lora: str = "refuse",
     ) -> None:
+        self.unmerged_lora, _ = check_options(unmerged_lora, "drop")
         self.control = control
         self.comm = comm
         self.src_rank = int(src_rank)
@@ -159,7 +169,7 @@ class RewardModelPublisher:
         if _is_module(state_dict) or not self.is_sender or (self.rank0_only and self.rank != 0):
             return None
         return select_params(state_dict, mode, self.head_name_patterns, dtype=self.dtype,
-                             expected=self.expected)
+                             expected=self.expected, unmerged_lora=self.unmerged_lora)
 
     async def _publish(
         self, state_dict: Any, named: list[tuple[str, torch.Tensor]] | None,
@@ -191,7 +201,7 @@ class RewardModelPublisher:
             check_update(metas, mode, self.head_name_patterns, self.expected)
             return metas
         named = select_params(state_dict, mode, self.head_name_patterns, dtype=self.dtype,
-                              expected=self.expected)
+                              expected=self.expected, unmerged_lora=self.unmerged_lora)
         return [TensorMeta(n, dtype_to_str(t.dtype), list(t.shape)) for n, t in named]
 
     # -- models ------------------------------------------------------------------------------
@@ -376,7 +386,7 @@ def create_reward_publisher(
     return at once and never build it (unsharded models; a sharded one is refused on rank 0,
     which cannot gather it alone); otherwise every rank builds one and the others join the
     gathers of a sharded model. ``kwargs`` go to ``RewardModelPublisher`` (``engine_metadata``,
-    ``dtype``, ``rank``, ``bucket_size_mb``, ``timeout_s``)."""
+    ``dtype``, ``rank``, ``bucket_size_mb``, ``timeout_s``, ``unmerged_lora``)."""
     patterns = head_name_patterns
     if patterns is None:
         patterns = getattr(client, "head_name_patterns", None)

@@ -37,6 +37,11 @@ Multi-label models (``n_labels > 1``): each score vector is reduced to one numbe
 ``aggregate`` (``weightsync.reward.aggregate``; default ``"first"``) before it is written under
 ``score_key``; ``vector_key`` also keeps the whole vector under that key.
 
+Drift: after a run, the rollouts' ``meta["policy_version"]`` (set by the rollout engine) and
+the reward model versions are compared (``weightsync.reward.staleness``); more than
+``max_version_gap`` apart warns ``VersionDriftWarning``, once until they come back within it
+(``last_stats.version_gap``).
+
 Versions: ``meta[f"{score_key}_version"]`` gets the reward model weight version that produced
 the score. A client with ``score(ScoringRequest)`` and ``get_model_version()`` (a
 ``RewardModelClient`` such as ``VLLMRewardClient``) is called through ``score``, so every batch
@@ -56,7 +61,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from weightsync._runtime.threads import LoopThread
 from weightsync.reward.aggregate import (
@@ -65,12 +70,24 @@ from weightsync.reward.aggregate import (
     reduce_score,
     resolve_aggregate,
 )
+from weightsync.reward.staleness import DEFAULT_MAX_VERSION_GAP, DriftCheck
 
 Score = float | list[float]
 TextFn = Callable[[Any, Sequence[Any]], str]
 SCORE_LEVELS = ("sequence", "step")
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class RewardScoringClient(Protocol):
+    """What the scorer needs from a reward model service (the plan's ``client`` type):
+    ``score_batch``. ``VLLMRewardClient`` (any ``RewardModelClient``) is one; a client that also
+    has ``score(ScoringRequest)`` and ``get_model_version()`` is scored through ``score``."""
+
+    async def score_batch(
+        self, inputs: list[str], *, normalize: bool = True
+    ) -> list[float] | list[list[float]]: ...
 
 
 class ScoringError(RuntimeError):
@@ -87,6 +104,7 @@ class ScoringStats:
     retries: int = 0
     versions: list[int] = field(default_factory=list)  # distinct weight versions seen, sorted
     version_changed: bool = False  # the reward model's version moved during the run
+    version_gap: int | None = None  # widest policy / reward model version distance, if known
 
     @property
     def mixed_versions(self) -> bool:
@@ -126,7 +144,7 @@ class RewardModelScorer:
 
     def __init__(
         self,
-        client: Any,
+        client: RewardScoringClient | Any,
         score_key: str = "rm_score",
         score_level: str = "sequence",
         batch_size: int = 64,
@@ -140,7 +158,9 @@ class RewardModelScorer:
         retry_backoff_s: float = 0.5,
         timeout_s: float | None = None,
         step_tag: str | None = None,
+        max_version_gap: int | None = DEFAULT_MAX_VERSION_GAP,
     ) -> None:
+        self._drift = DriftCheck(max_version_gap)  # warns once per drift
         if not callable(getattr(client, "score_batch", None)) and not callable(
             getattr(client, "score", None)
         ):
@@ -225,6 +245,8 @@ class RewardModelScorer:
             meta[self.version_key] = v
             if self.vector_key is not None:
                 meta[self.vector_key] = list(s) if isinstance(s, list) else [s]
+        self.last_stats.version_gap = self._drift(
+            (getattr(r, "meta", {}).get("policy_version") for r in rollouts), versions)
 
     def score_sync(self, rollouts: Sequence[Any]) -> None:
         """Blocking twin of ``score`` (runs it on the scorer's private loop thread)."""

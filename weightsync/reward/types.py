@@ -245,7 +245,7 @@ class ScoringResult:
     index: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ScoringResponse:
     """Scores in input order: the reward spec's ``ScoringResponse(scores, hidden_states=None,
     metadata={})``, with the plan's views ``results`` (``ScoringResult`` items), ``model`` and
@@ -268,6 +268,51 @@ class ScoringResponse:
     metadata: dict[str, Any] = field(default_factory=dict)
     version: int | None = None
     pooling_type: PoolingType | str = PoolingType.LAST
+
+    def __init__(
+        self,
+        scores: list[Any] | None = None,
+        hidden_states: list[Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        version: int | None = None,
+        pooling_type: PoolingType | str = PoolingType.LAST,
+        *,
+        results: Sequence[ScoringResult] | None = None,
+        model: str | None = None,
+        usage: dict[str, int] | None = None,
+    ) -> None:
+        """Either form: the spec's ``ScoringResponse(scores, hidden_states, metadata)`` or the
+        plan's ``ScoringResponse(results, model, usage)`` (positional too: a first argument of
+        ``ScoringResult`` items, or a string second, is read as the plan's), the two equal
+        when they say the same (``model`` / ``usage`` live in ``metadata``).
+
+        Raises:
+            ValueError: neither or both of ``scores`` / ``results``, results whose indices are
+                not 0..n-1, or ``model`` / ``usage`` contradicting ``metadata``.
+        """
+        if _plan_positional(scores, hidden_states):
+            if results is not None or model is not None or usage is not None:
+                raise ValueError("results: given positionally and by keyword")
+            results, model, usage = scores, hidden_states, metadata  # type: ignore[assignment]
+            scores, hidden_states, metadata = None, None, None
+        if (scores is None) == (results is None):
+            raise ValueError("give scores (a list) or results (ScoringResult items), not both")
+        if results is not None:
+            scores = _scores_of(results)
+        meta = dict(metadata) if isinstance(metadata, dict) else metadata
+        for key, value in (("model", model), ("usage", usage)):
+            if value is None:
+                continue
+            if not isinstance(meta, dict):
+                meta = {}
+            if meta.get(key) not in (None, value):
+                raise ValueError(f"{key}: {value!r} but metadata[{key!r}] is {meta[key]!r}")
+            meta[key] = value
+        for name, value in (("scores", scores), ("hidden_states", hidden_states),
+                            ("metadata", {} if meta is None else meta), ("version", version),
+                            ("pooling_type", pooling_type)):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         pooling = PoolingType.parse(self.pooling_type)
@@ -347,6 +392,25 @@ class ScoringResponse:
             version=d.get("version"),
             pooling_type=d.get("pooling_type") or PoolingType.LAST,
         )
+
+
+def _plan_positional(first: Any, second: Any) -> bool:
+    """Whether positional arguments follow the plan's ``(results, model, usage)``."""
+    if isinstance(second, str):
+        return True
+    return (isinstance(first, (list, tuple)) and bool(first)
+            and all(isinstance(r, ScoringResult) for r in first))
+
+
+def _scores_of(results: Any) -> list[Any]:
+    """The scores of ``ScoringResult`` items, placed by their indices."""
+    if not isinstance(results, (list, tuple)) or not all(
+            isinstance(r, ScoringResult) for r in results):
+        raise ValueError("results: must be a list of ScoringResult items")
+    by_index = sorted(results, key=lambda r: r.index)
+    if [r.index for r in by_index] != list(range(len(by_index))):
+        raise ValueError(f"results: indices must be 0..n-1, got {[r.index for r in results]}")
+    return [r.score for r in by_index]
 
 
 def _check_scores(scores: list[Any], what: str) -> list[Any]:

@@ -45,6 +45,13 @@ VERL_IGNORED_KEYS = (
     "launch_reward_fn_async", "sandbox_fusion", "enable_resource_pool", "n_gpus_per_node",
     "nnodes", "use_reward_loop", "profiler", "use_fused_kernels",
 )
+#: keys of verl's ``reward_model.rollout`` that tune its own vLLM replicas: accepted, not used
+VERL_IGNORED_ROLLOUT_KEYS = (
+    "_target_", "cudagraph_capture_sizes", "data_parallel_size", "expert_parallel_size",
+    "max_num_batched_tokens", "load_format", "engine_kwargs", "limit_images",
+    "enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats", "prompt_length",
+    "response_length",
+)
 
 
 @dataclass(kw_only=True)
@@ -65,12 +72,28 @@ class RewardRolloutConfig:
     """``reward_model.rollout``: ``name`` (the engine behind the servers; ``vllm``),
     ``free_cache_engine`` (colocate mode: the servers sleep after start-up and between
     batches, woken to score), ``sleep_level`` (ours: vLLM's sleep level, 1 keeps the weights
-    in host memory, 2 discards them), ``skip_tokenizer_init`` (must stay false)."""
+    in host memory, 2 discards them), ``skip_tokenizer_init`` (must stay false).
+
+    For servers launched on a resource pool (``RewardModelManager(config, resource_pool)``):
+    verl's ``tensor_model_parallel_size`` (bundles per server), ``dtype``,
+    ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``, ``enforce_eager`` (None:
+    the server's default), and ours: ``server`` (``reward``: ``weightsync serve-reward``;
+    ``policy``: ``weightsync serve-policy``, a generative judge), ``server_args`` (more
+    command-line arguments), ``start_timeout_s`` (per server)."""
 
     name: str = "vllm"
     free_cache_engine: bool = False
     sleep_level: int = 1
     skip_tokenizer_init: bool = False
+    tensor_model_parallel_size: int = 1
+    dtype: str | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool = False
+    server: str = "reward"
+    server_args: list = field(default_factory=list)
+    start_timeout_s: float = 600.0
 
 
 @dataclass(kw_only=True)
@@ -128,6 +151,9 @@ class RewardLoopConfig:
         rm = dict(data.get("reward_model") or {})
         for key in VERL_IGNORED_KEYS:
             rm.pop(key, None)
+        if isinstance(rm.get("rollout"), Mapping):
+            rm["rollout"] = {k: v for k, v in rm["rollout"].items()
+                             if k not in VERL_IGNORED_ROLLOUT_KEYS}
         cfg = cls(
             reward_model=_section(RewardModelSection, rm, "reward_model"),
             custom_reward_function=_section(CustomRewardFunctionConfig,
@@ -153,6 +179,15 @@ class RewardLoopConfig:
         if rm.rollout.sleep_level not in (1, 2):
             raise ValueError(f"reward_model.rollout.sleep_level: 1 or 2, got "
                              f"{rm.rollout.sleep_level}")
+        if rm.rollout.tensor_model_parallel_size < 1:
+            raise ValueError(f"reward_model.rollout.tensor_model_parallel_size: must be >= 1, "
+                             f"got {rm.rollout.tensor_model_parallel_size}")
+        if rm.rollout.server not in ("reward", "policy"):
+            raise ValueError(f"reward_model.rollout.server: 'reward' (serve-reward) or 'policy' "
+                             f"(serve-policy, a judge), got {rm.rollout.server!r}")
+        if not rm.rollout.start_timeout_s > 0:
+            raise ValueError(f"reward_model.rollout.start_timeout_s: must be > 0, got "
+                             f"{rm.rollout.start_timeout_s}")
         if rm.rollout.skip_tokenizer_init:
             raise ValueError("reward_model.rollout.skip_tokenizer_init: must be false (the "
                              "reward model's tokenizer renders what it scores)")

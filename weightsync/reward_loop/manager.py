@@ -1,11 +1,13 @@
 """``RewardLoopManager``: reward-loop workers as Ray actors, and the reward model behind them.
 
 Runs in the single controller (the driver; ``ray.init`` first). Built as
-``RewardLoopManager(config)`` (verl's signature; ``config`` any form ``reward_loop_config``
-takes): with ``reward_model.enable`` it starts a ``RewardModelManager`` (the router over
-``reward_model.server_urls``, or ``server_urls=``) and passes its address to the workers; it then
-starts ``reward_model.num_workers`` ``RewardLoopWorker`` actors, worker ``i`` on the ``i % n``-th
-alive node with CPUs (round robin, soft node affinity: verl's placement).
+``RewardLoopManager(config, rm_resource_pool=None)`` (verl's signature; ``config`` any form
+``reward_loop_config`` takes): with ``reward_model.enable`` it starts a ``RewardModelManager``
+(which launches the reward-model servers on ``rm_resource_pool``, or routes over
+``reward_model.server_urls`` / ``server_urls=`` without one) and passes its router's address
+to the workers; it then starts ``reward_model.num_workers`` ``RewardLoopWorker`` actors, worker
+``i`` on the ``i % n``-th alive node with CPUs (round robin, soft node affinity: verl's
+placement).
 
 Two ways to score:
 
@@ -48,10 +50,6 @@ class RewardLoopManager:
                  server_urls: list[str] | None = None, api_key: str | None = None) -> None:
         from weightsync.reward_loop.config import reward_loop_config
 
-        if rm_resource_pool is not None:
-            raise ValueError("rm_resource_pool: reward servers are started outside the loop "
-                             "(weightsync serve-reward / serve-policy); give their URLs as "
-                             "reward_model.server_urls and pass no resource pool")
         self.config = reward_loop_config(config)
         rm = self.config.reward_model
         self.reward_model_manager = None
@@ -60,7 +58,8 @@ class RewardLoopManager:
             from weightsync.reward_loop.model_manager import RewardModelManager
 
             self.reward_model_manager = RewardModelManager(
-                self.config.reward_model, server_urls=server_urls, api_key=api_key)
+                self.config.reward_model, rm_resource_pool, server_urls=server_urls,
+                api_key=api_key)
             kind = self.reward_model_manager.kind
             if kind != "discriminative" and not self.config.custom_reward_function.path:
                 self.reward_model_manager.shutdown()

@@ -1,11 +1,15 @@
 """``RewardModelManager``: the reward servers of a reward loop, behind one router.
 
-verl's ``RewardModelManager`` launches reward-model servers and a router in front of them. Here
-the servers are ``weightsync serve-reward`` (discriminative) or ``weightsync serve-policy`` (a
-generative judge) processes started beside the trainer (one per GPU, or colocated), given as
-``reward_model.server_urls``; the manager puts a ``RewardRouter`` in front of them, on a thread
-of this process, and hands its address to the reward-loop workers
-(``get_router_address()``, ``host:port``).
+verl's ``RewardModelManager(config, resource_pool)`` launches reward-model servers on the pool
+and puts a router in front of them; so does this one. With a ``resource_pool`` (verl's
+``RayResourcePool``, a Ray placement group or a list of them) it starts one server per
+``rollout.tensor_model_parallel_size`` bundles (``weightsync serve-reward``, or
+``serve-policy`` for a judge), each owned by a Ray actor on the node of its first bundle
+(``launch``: verl's placement), waits for their health, and stops them at ``shutdown()``;
+a killed actor or driver takes its server down with it. Without a pool the servers are ones
+started beside the trainer and listed as ``reward_model.server_urls``. Either way the manager
+puts a ``RewardRouter`` in front of them, on a thread of this process, and hands its address
+to the reward-loop workers (``get_router_address()``, ``host:port``).
 
 What it does besides routing:
 
@@ -22,7 +26,8 @@ What it does besides routing:
   server is a reward server, ``"generative"`` when every one is a policy server).
 
 Runs in the driver (the process that holds ``RewardLoopManager``); thread-safe for its blocking
-methods. ``shutdown()`` stops the router and closes the push session.
+methods. ``shutdown()`` stops the router, closes the push session and stops the servers it
+launched.
 """
 
 from __future__ import annotations
@@ -36,12 +41,23 @@ from weightsync.reward_loop.router import RewardRouter, RouterConfig
 
 
 class RewardModelManager:
-    def __init__(self, config: Any, server_urls: list[str] | None = None, *,
-                 api_key: str | None = None) -> None:
-        """``config``: the ``reward_model`` section (a mapping, ``DictConfig`` or
-        ``RewardModelSection``) or the whole reward-loop config; ``server_urls`` replaces
-        ``reward_model.server_urls``; ``api_key``: the servers' control-plane token (pushes,
-        sleep / wake)."""
+    def __init__(self, config: Any, resource_pool: Any = None, *,
+                 server_urls: list[str] | None = None, api_key: str | None = None) -> None:
+        """Args:
+            config: the ``reward_model`` section (a mapping, ``DictConfig`` or
+                ``RewardModelSection``) or the whole reward-loop config.
+            resource_pool: where to launch the servers (verl's ``RayResourcePool``, a Ray
+                ``PlacementGroup`` or a list of them; ``ray.init`` first); None: use
+                ``server_urls``.
+            server_urls: replaces ``reward_model.server_urls``.
+            api_key: the servers' control-plane token (pushes, sleep / wake); launched
+                servers get this one, or a random one when None.
+
+        Raises:
+            ValueError: no servers (neither a pool nor URLs), or both.
+        """
+        import secrets
+
         from weightsync.reward_loop.config import RewardLoopConfig, RewardModelSection
 
         if not isinstance(config, RewardModelSection):
@@ -52,21 +68,37 @@ class RewardModelManager:
                 data = {"reward_model": data}
             config = RewardLoopConfig.from_any(data).reward_model
         self.config: RewardModelSection = config
+        self.resource_pool = resource_pool
         urls = list(server_urls or config.server_urls)
-        if not urls:
-            raise ValueError("reward_model.server_urls: no reward server given; start each with "
-                             "`weightsync serve-reward --model DIR` (a judge: `weightsync "
+        if resource_pool is not None and urls:
+            raise ValueError("reward_model.server_urls: give either a resource pool (the "
+                             "manager launches the servers) or server URLs, not both")
+        if resource_pool is None and not urls:
+            raise ValueError("reward_model.server_urls: no reward server given; pass a resource "
+                             "pool (RewardModelManager(config, resource_pool)) or start each "
+                             "with `weightsync serve-reward --model DIR` (a judge: `weightsync "
                              "serve-policy`) and list their URLs")
-        self.server_urls = [u.rstrip("/") for u in urls]
-        self.api_key = api_key
+        self.launched: Any = None
         self._thread = LoopThread("weightsync-reward-router")
-        router_cfg = config.router if isinstance(config.router, RouterConfig) else RouterConfig(
-            **dict(config.router))
-        self.router = RewardRouter(self.server_urls, router_cfg)
         self._session: Any = None
-        self._thread.run(self.router.start())
-        if config.rollout.free_cache_engine:
-            self.sleep()
+        try:
+            if resource_pool is not None:
+                from weightsync.reward_loop.launch import launch_servers
+
+                api_key = api_key or secrets.token_hex(16)
+                self.launched = launch_servers(config, resource_pool, api_key=api_key)
+                urls = self.launched.urls
+            self.server_urls = [u.rstrip("/") for u in urls]
+            self.api_key = api_key
+            router_cfg = config.router if isinstance(config.router, RouterConfig) else \
+                RouterConfig(**dict(config.router))
+            self.router = RewardRouter(self.server_urls, router_cfg)
+            self._thread.run(self.router.start())
+            if config.rollout.free_cache_engine:
+                self.sleep()
+        except BaseException:
+            self.shutdown()
+            raise
 
     # -- what the loop asks ------------------------------------------------------------------
     def get_router_address(self) -> str:
@@ -164,17 +196,27 @@ class RewardModelManager:
         return out
 
     def shutdown(self) -> None:
-        if not self._thread.started:
-            return
+        """Stop the router, close the push session, stop the servers launched here.
+        Idempotent."""
+        try:
+            if self._thread.started:
+                async def _stop() -> None:
+                    if self._session is not None:
+                        await self._session.close()
+                        self._session = None
+                    await self.router.stop()
 
-        async def _stop() -> None:
-            if self._session is not None:
-                await self._session.close()
-                self._session = None
-            await self.router.stop()
+                try:
+                    self._thread.run(_stop())
+                finally:
+                    self._thread.close()
+        finally:
+            self._stop_launched()
 
-        self._thread.run(_stop())
-        self._thread.close()
+    def _stop_launched(self) -> None:
+        launched, self.launched = self.launched, None
+        if launched is not None:
+            launched.shutdown()
 
     def __enter__(self) -> RewardModelManager:
         return self

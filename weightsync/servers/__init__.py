@@ -9,6 +9,8 @@
                          versions, communicator ids, stale updates, prefix-cache reset).
 - ``control_routes.py``  the control-plane routes (one ``APIRouter``), in two dialects: ours and
                          the Ludic/TRL trainers' (``ludic.py``).
+- ``vllm_transfer_routes.py`` vLLM's own weight-transfer routes on the policy server (with
+                         ``--weight-transfer-config``), each update through ``UpdateControl``.
 - ``_workers.py``        calls into the vLLM workers that never hold the engine core (a slice,
                          then "pending" and polls; abandoned on a new init or a close).
 """

@@ -160,18 +160,23 @@ async def serve_app(
     stop: asyncio.Event | None = None,
     announce: str | None = None,
     keep_alive_s: float | None = None,
+    watch: Any = None,
 ) -> None:
     """Serve ``app`` on ``host:port`` until ``stop`` is set (or the task is cancelled); idle
     keep-alive connections close after ``keep_alive_s`` (None: ``default_keep_alive_s()``);
     ``ready`` is set just before serving starts; ``announce`` (a ``ready_line``) is printed on
-    stdout once uvicorn accepts connections. Raises ``OSError`` when the port could not be
-    bound."""
+    stdout once uvicorn accepts connections. ``watch``: the server's
+    ``_engine_watch.EngineWatch``, which answers for a dead engine and stops serving then.
+    Raises ``OSError`` when the port could not be bound, ``EngineDiedError`` when serving
+    stopped because vLLM's engine core died."""
     import uvicorn
 
     if keep_alive_s is None:
         keep_alive_s = default_keep_alive_s()
     if keep_alive_s <= 0:
         raise ValueError(f"keep_alive_s must be > 0 seconds, got {keep_alive_s!r}")
+    if watch is not None:
+        app = watch.wrap(app)
     http = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, lifespan=lifespan,
         timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]  # uvicorn hints int; a float works
@@ -186,17 +191,20 @@ async def serve_app(
         watcher = asyncio.ensure_future(_watch())
     herald = asyncio.ensure_future(_announce(http, announce)) if announce else None
     stalls = asyncio.ensure_future(watch_loop_stalls(logging.getLogger(__name__)))
+    guard = watch.start(http, stop) if watch is not None else None
     freeze_heap()
     if ready is not None:
         ready.set()
     try:
         await http.serve()
     finally:
-        for task in (watcher, herald, stalls):
+        for task in (watcher, herald, stalls, guard):
             if task is not None:
                 task.cancel()
     if not http.started:
         raise OSError(f"could not serve on {host}:{port} (port in use?)")
+    if watch is not None:
+        watch.raise_if_died()
 
 
 async def stop_engine(engine: Any, grace_s: float = ENGINE_STOP_GRACE_S) -> None:

@@ -8,8 +8,8 @@ Here ``rewards`` and ``scores`` are the reward model's raw score of each query (
 ``classify`` without activation, what transformers computes; OpenRLHF's own server returns its
 value head's raw output too), ``extra_logs`` carries ``weight_version`` per query (logged by
 OpenRLHF beside its metrics), and ``version`` / ``x-weight-version`` say which weights scored
-them. A query is scored as sent: OpenRLHF's own server strips pad / EOS and appends the EOS
-token first; send the text your reward model was trained on.
+them. A query is scored as sent, as OpenRLHF's own server scores it (no special token added or
+stripped): send the text your reward model was trained on.
 
 Callers: ``weightsync.servers.reward`` mounts ``get_reward_router`` (open, like ``/score``), in
 the server process; the scoring itself is ``RewardScorer.score`` (one weight version for the

@@ -298,6 +298,7 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
                        ) -> PolicyServer:
     """vLLM's app and state for ``engine``, with our routes and middleware added."""
     from weightsync._runtime.vllm_compat import openai_server_parts
+    from weightsync.servers import vllm_transfer_routes
     from weightsync.servers._update_policy import server_update_policy
     from weightsync.servers.control import UpdateControl
     from weightsync.servers.control_routes import CONTROL_PATHS, control_router, mount
@@ -344,8 +345,11 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
     mount(app, _health_router(engine))
     mount(app, control_router(control, ludic, api_key=cfg.api_key,
                               max_body_bytes=cfg.max_body_bytes))
+    vllm_transfer_routes.install(app, control, engine, args, api_key=cfg.api_key,
+                                 max_body_bytes=cfg.max_body_bytes, timeout_s=cfg.group_timeout_s)
     # outermost (vLLM's app has built its middleware stack already): a plain ASGI wrapper
-    asgi = VersionedResponses(app, control=control, exempt=CONTROL_PATHS)
+    asgi = VersionedResponses(app, control=control,
+                              exempt=CONTROL_PATHS + vllm_transfer_routes.TRANSFER_PATHS)
     return PolicyServer(cfg, engine, app, asgi, control)
 
 
@@ -437,6 +441,8 @@ async def serve(
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from weightsync._runtime.vllm_compat import openai_server_parts
+    from weightsync.servers._engine_watch import EngineWatch
+    from weightsync.servers.control_routes import CONTROL_PATHS
 
     parts = openai_server_parts()
     engine_args = AsyncEngineArgs.from_cli_args(args)
@@ -447,7 +453,9 @@ async def serve(
                 await serve_app(server.asgi, host=cfg.host, port=cfg.port,
                                 log_level=cfg.log_level, lifespan="on", ready=ready, stop=stop,
                                 announce=_ready_line(cfg, engine, server.control.version),
-                                keep_alive_s=cfg.keep_alive_timeout_s)
+                                keep_alive_s=cfg.keep_alive_timeout_s,
+                                watch=EngineWatch(engine, server.control, server.app,
+                                                  what="policy server", own=CONTROL_PATHS))
             finally:
                 await server.control.shutdown()
         finally:

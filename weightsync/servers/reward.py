@@ -322,6 +322,9 @@ async def serve(
 ) -> None:
     """Run until ``stop`` is set (or the task is cancelled); always shuts the engine down.
     Signals are the caller's business (``main`` maps SIGINT/SIGTERM to ``stop``)."""
+    from weightsync.servers._engine_watch import EngineWatch
+    from weightsync.servers.control_routes import CONTROL_PATHS
+
     server = await build_server(cfg)
     try:
         announce = ready_line(
@@ -334,7 +337,10 @@ async def serve(
         )
         await serve_app(server.app(), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                         lifespan="on", ready=ready, stop=stop, announce=announce,
-                        keep_alive_s=cfg.keep_alive_timeout_s)
+                        keep_alive_s=cfg.keep_alive_timeout_s, watch=EngineWatch(
+                            server.engine, server.control, server.vllm_app, what="reward server",
+                            own=CONTROL_PATHS + ("/score", "/get_reward", "/sleep", "/wake_up",
+                                                 "/is_sleeping")))
     finally:
         await server.control.shutdown()
         await stop_engine(server.engine)

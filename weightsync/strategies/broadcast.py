@@ -58,6 +58,7 @@ from weightsync.interfaces import (
     WeightTransferSender,
     WeightTransferStrategy,
 )
+from weightsync.raw_weights import stream_manifest
 from weightsync.strategies._layout import (
     DEFAULT_ALIGN,
     PackedLayout,
@@ -406,6 +407,8 @@ class BroadcastTransferSender(WeightTransferSender):
         control call, one vote and one packed broadcast per chunk (the base class)."""
         if manifest is None and isinstance(chunks, (list, tuple)):
             manifest = [m for c in chunks for m in c.metas()]
+        elif manifest is None:  # an extractor's dict: its manifest, from the same extraction
+            manifest = await stream_manifest(chunks)
         if not self.cfg.stream or manifest is None:
             return await super().send_chunks(
                 chunks, inference_client, version=version, manifest=manifest,

@@ -100,6 +100,8 @@ _QUOTED = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
 
 
 def _shape(line: str) -> str:
+    # a table's rule ('----  ---') is as wide as the values under it: only its columns count
+    line = re.sub(r"-{2,}", "-", line.strip()) if set(line.strip()) <= {"-", " "} else line
     line = re.sub(_QUOTED, "Q", line.strip())
     line = re.sub(_NUMBER, "N", line)
     return re.sub(r"\s+", " ", line)

@@ -26,6 +26,9 @@ PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "d
 
 QUICKSTART = ("quickstart", "run as written, in order, by tests/integration/docs/"
                             "test_docs_quickstart.py (free ports instead of 8000 / 8001)")
+GPU_QUICKSTART = ("not in CI", "needs a GPU: tests/gpu/test_docs_quickstart_gpu.py runs the "
+                                "quickstart's GPU section as written (scripts/gpu_check.sh "
+                                "first-hour; the install from staged wheels)")
 TESTS = ("tests", "it is the test suite's own command (CI runs scripts/run_tests.sh, which "
                   "installs with scripts/install.sh)")
 #: command line -> (how it is covered, why). ``run``: executed by this file; ``quickstart``: by
@@ -37,6 +40,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "test_demo.py::test_demo_rlhf_reward_rises_and_both_versions_advance, as "
                    "written, in a clean clone"),
     "bash scripts/run_tests.sh": TESTS,
+    "bash scripts/install.sh --gpu && weightsync demo --device cuda": GPU_QUICKSTART,
+    "bash scripts/install.sh --gpu": GPU_QUICKSTART,
+    "weightsync demo --device cuda --quiet": GPU_QUICKSTART,
+    "weightsync make-model --kind reward models/tiny-reward": GPU_QUICKSTART,
+    "weightsync serve-reward --model models/tiny-reward --port 8001 --max-model-len 512":
+        GPU_QUICKSTART,
+    "weightsync serve-policy --model models/tiny-policy --port 8000 --max-model-len 512":
+        GPU_QUICKSTART,
     "bash scripts/skyrl_weight_sync_tests.sh": (
         "not in CI", "fetches SkyRL's own tests from GitHub (skyrl-train's PyPI packages do not "
                      "ship them) and pytest-asyncio from PyPI; the layer they test runs in "
@@ -190,7 +201,7 @@ def test_serve_policy_command_lines_parse(monkeypatch):
 
     monkeypatch.setenv("WEIGHTSYNC_API_KEY", "my-token")
     lines = [c for c in docs_command_lines() if (_weightsync_argv(c) or [""])[0] == "serve-policy"]
-    assert len(lines) == 2
+    assert len(lines) == 3
     for command in lines:
         argv = [os.path.expandvars(a) for a in _weightsync_argv(command)[1:]]
         gpu = "--tensor-parallel-size" in argv

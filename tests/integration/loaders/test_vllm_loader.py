@@ -272,6 +272,44 @@ def test_a_trainer_written_from_the_interface_design_syncs_the_engine(lm, tmp_pa
     assert vllm_greedy(llm)[0] == hf_greedy(base)[0]
 
 
+def test_a_trainer_extractor_of_the_design_alone_syncs_vllm_through_connect(lm):
+    """A SkyRL-style trainer whose extractor defines only the design's ``async
+    _extract_raw_weights`` (no ``metadata``), given to ``ws.connect``: one push extracts once,
+    the engine checks the manifest read from that dict, and vLLM (float32) then generates what
+    transformers generates with the trainer's weights."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    import weightsync as ws
+
+    llm, base, new = lm
+
+    class SkyRLExtractor(ws.WeightExtractor):
+        calls = 0
+
+        async def _extract_raw_weights(self, model, generator_dtype):
+            self.calls += 1
+            return {n: p.detach().to(generator_dtype) for n, p in model.state_dict().items()
+                    if n != "lm_head.weight" or not model.config.tie_word_embeddings}
+
+    cfg = OmegaConf.create({"generator": {"weight_sync_backend": "gloo"},
+                            "trainer": {"placement": {"colocate_all": False}}})
+    model = AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32)
+    ext = SkyRLExtractor(cfg)
+
+    async def push(weights, extractor=None):
+        async with ws.connect([llm], "broadcast", extractor=extractor) as sync:
+            v = (await sync.status())[0]["version"]
+            return await sync.push(weights, version=v + 1, dtype="float32")
+
+    stats = asyncio.run(push(model, ext))
+    assert ext.calls == 1 and stats.num_tensors == len(
+        [n for n in state_dict(new) if n != "lm_head.weight" or not model.config.tie_word_embeddings])
+    assert vllm_greedy(llm)[0] == hf_greedy(new)[0] != hf_greedy(base)[0]
+    asyncio.run(push(state_dict(base)))  # the base weights back for the module's other tests
+    assert vllm_greedy(llm)[0] == hf_greedy(base)[0]
+
+
 # a prompt that fills whole KV blocks (so its prefix is cached) in the tiny tokenizer
 LONG_PROMPT = "weights move from the trainer into the engine and back again " * 8  # 193 tokens
 

@@ -64,3 +64,20 @@ def test_weight_updates_connect_in_the_constructor():
     with pytest.raises(WeightSyncError, match="not reachable within 1s"):
         VLLMRewardClient(port=9, enable_weight_updates=True, connection_timeout_s=1.0)
     assert time.monotonic() - t0 < 30
+
+
+def test_a_tokenizer_is_checked_in_the_constructor():
+    """The plan: the tokenizer is validated at client init (fail fast), so a scoring-only
+    client given one contacts the server in its constructor; nothing listens on port 9."""
+    with pytest.raises(WeightSyncError, match="not reachable within 1s"):
+        VLLMRewardClient(port=9, tokenizer="unused: never loaded", connection_timeout_s=1.0)
+    VLLMRewardClient(port=9).close_sync()  # without a tokenizer: no contact yet
+
+
+def test_the_reference_options_are_checked_in_the_constructor():
+    c = VLLMRewardClient(port=9, unmerged_lora="skip", head_only_extra="drop")
+    assert (c.unmerged_lora, c.head_only_extra, c.max_retries) == ("skip", "drop", 3)
+    d = VLLMRewardClient()
+    assert (d.unmerged_lora, d.head_only_extra) == ("refuse", "send")  # ours, the reference's
+    with pytest.raises(ValueError, match="unmerged_lora must be one of"):
+        VLLMRewardClient(unmerged_lora="drop")

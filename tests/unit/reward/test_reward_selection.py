@@ -101,3 +101,77 @@ def test_dtype_cast_and_engine_metadata():
     del exp["model.norm.weight"]
     with pytest.raises(WeightMismatchError, match="model.norm.weight: not a parameter"):
         select_params(SD, "full", expected=exp)
+
+
+# -- the reward spec's semantics --------------------------------------------------------------------
+
+
+def test_spec_rewrites_model_model_and_bare_layers():
+    """The spec's ``_transform_params``: ``model.model.`` loses one ``model.``, a bare
+    ``layers.`` gains one (a wrapper holding the HF model as ``.model``; the inner model's own
+    state dict), also under PEFT's prefix."""
+    sd = {"model.model.layers.0.mlp.up_proj.weight": torch.zeros(6, 4),
+          "layers.1.mlp.up_proj.weight": torch.zeros(6, 4),
+          "base_model.model.model.model.norm.weight": torch.ones(4),
+          "score.weight": torch.ones(1, 4)}
+    assert names(select_params(sd, "full")) == [
+        "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
+        "model.norm.weight", "score.weight"]
+    from weightsync.reward.selection import reference_name
+
+    assert reference_name("model.embed_tokens.weight") == "model.embed_tokens.weight"
+    clash = {"model.model.norm.weight": torch.ones(4), "model.norm.weight": torch.ones(4),
+             "score.weight": torch.ones(1, 4)}
+    with pytest.raises(WeightMismatchError, match="model.norm.weight: given twice"):
+        select_params(clash, "full")
+
+
+LORA_SD = {**SD, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight":
+           torch.zeros(2, 4),
+           "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight":
+           torch.zeros(4, 2)}
+
+
+@pytest.mark.parametrize("mode", ["full", "head_only"])
+def test_unmerged_lora_skip_drops_them_with_a_warning_outside_lora(mode):
+    with pytest.warns(TrainingModeWarning, match=r"skipped 2 unmerged LoRA tensor\(s\).*"
+                                                 r"merge_and_unload"):
+        got = select_params(LORA_SD, mode, unmerged_lora="skip", head_only_extra="drop")
+    assert not [n for n in names(got) if "lora_" in n]
+    assert "score.weight" in names(got)
+
+
+def test_unmerged_lora_skip_keeps_them_in_lora_mode_where_the_engine_refuses_them():
+    with pytest.raises(WeightMismatchError, match="lora_A.default.weight: an unmerged LoRA"):
+        select_params(LORA_SD, "lora", unmerged_lora="skip")
+    with pytest.raises(ValueError, match="unmerged_lora must be one of"):
+        select_params(SD, "full", unmerged_lora="drop")
+
+
+def test_lm_head_is_a_head_by_default():
+    from weightsync.reward.publisher import RewardModelPublisher
+
+    assert "lm_head." in RewardModelPublisher.DEFAULT_HEAD_PATTERNS
+    sd = {"model.norm.weight": torch.ones(4), "lm_head.weight": torch.ones(8, 4)}
+    with pytest.warns(TrainingModeWarning):
+        assert names(select_params(sd, "head_only")) == ["lm_head.weight"]
+
+
+def test_head_only_extra_send_sends_the_backbone_as_a_full_update():
+    from weightsync.reward.selection import effective_mode
+
+    with pytest.warns(TrainingModeWarning, match=r"sent the 1 head tensor\(s\).*sent 4 "
+                                                 r"other\(s\) as well \(a full update\)"):
+        got = select_params(SD, "head_only", head_only_extra="send")
+    assert names(got) == names(select_params(SD, "full"))
+    assert effective_mode(names(got), "head_only") == "full"
+    assert effective_mode(["score.weight"], "head_only") == "head_only"
+    with pytest.raises(ValueError, match="head_only_extra must be one of"):
+        select_params(SD, "head_only", head_only_extra="keep")
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_full_or_lora_without_a_head_warns(mode):
+    backbone = {n: t for n, t in SD.items() if not n.startswith("score.")}
+    with pytest.warns(TrainingModeWarning, match=rf"training_mode={mode}: no head tensor"):
+        assert len(select_params(backbone, mode)) == 4

@@ -196,3 +196,23 @@ def test_training_mode_offenders():
     assert len(lora) == 1 and "unmerged LoRA" in lora[0]
     assert training_mode_offenders(["v_head.summary.weight"], "head_only") == []
     assert training_mode_offenders(["head.w"], "head_only", head_patterns=["re:^head\\."]) == []
+
+
+def test_scoring_response_in_the_plans_results_form_equals_the_specs():
+    from weightsync.reward.types import ScoringResult
+
+    spec = ScoringResponse([0.25, 0.5], metadata={"model": "rm", "usage": {"prompt_tokens": 7}})
+    plan = ScoringResponse(results=[ScoringResult(0.5, 1), ScoringResult(0.25, 0)], model="rm",
+                           usage={"prompt_tokens": 7})
+    positional = ScoringResponse([ScoringResult(0.25, 0), ScoringResult(0.5, 1)], "rm",
+                                 {"prompt_tokens": 7})
+    assert spec == plan == positional
+    assert plan.scores == [0.25, 0.5] and plan.model == "rm" and plan.usage == {"prompt_tokens": 7}
+    assert plan.results == [ScoringResult(0.25, 0), ScoringResult(0.5, 1)]
+    assert ScoringResponse(results=[ScoringResult(1.0)]) == ScoringResponse([1.0])
+    with pytest.raises(ValueError, match="not both"):
+        ScoringResponse([1.0], results=[ScoringResult(1.0)])
+    with pytest.raises(ValueError, match="indices must be 0..n-1"):
+        ScoringResponse(results=[ScoringResult(1.0, 3)])
+    with pytest.raises(ValueError, match="model: 'a' but metadata"):
+        ScoringResponse([1.0], metadata={"model": "b"}, model="a")

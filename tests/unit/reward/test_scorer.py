@@ -490,3 +490,51 @@ def test_tagged_rollout_text_puts_the_tag_after_every_step():
 
     r = Rollout("r", [Step(0, "Q?", "a1"), Step(1, "", "a2")])
     assert tagged_rollout_text("<t>")(r, r.steps) == "Q?\na1<t>\na2<t>"
+
+
+# -- the plan's client type, version drift -----------------------------------------------------------
+
+
+def test_the_plans_client_type_is_exported(client1):
+    from weightsync.reward import RewardScoringClient as exported
+    from weightsync.reward.client import VLLMRewardClient
+    from weightsync.reward.scorer import RewardScoringClient
+
+    assert exported is RewardScoringClient
+    assert isinstance(client1, RewardScoringClient)
+    assert isinstance(VLLMRewardClient(), RewardScoringClient)
+    assert not isinstance(object(), RewardScoringClient)
+
+
+def test_policy_and_reward_versions_drifting_apart_warn(client1):
+    from weightsync.reward.staleness import VersionDriftWarning
+
+    rollouts = _rollouts(2)
+    for r in rollouts:
+        r.meta["policy_version"] = 9
+    scorer = RewardModelScorer(VersionedClient(client1), batch_size=2)  # reward version 7
+    with pytest.warns(VersionDriftWarning, match="reward model version 7 and policy version 9"):
+        _run(scorer.score(rollouts))
+    assert scorer.last_stats.version_gap == 2
+    import warnings
+
+    with warnings.catch_warnings():  # once per drift: the same drift again is quiet
+        warnings.simplefilter("error", VersionDriftWarning)
+        for r in rollouts:
+            r.meta["policy_version"] = 10
+        _run(scorer.score(rollouts))
+    for r in rollouts:
+        r.meta["policy_version"] = 9
+    _run(scorer.score(rollouts))  # reward version 9: back in step, so the next drift warns
+    assert scorer.last_stats.version_gap == 0
+    for r in rollouts:
+        r.meta["policy_version"] = 20
+    with pytest.warns(VersionDriftWarning, match="reward model version 10 and policy version 20"):
+        _run(scorer.score(rollouts))
+    for r in rollouts:
+        r.meta["policy_version"] = 9
+    quiet = RewardModelScorer(VersionedClient(client1), batch_size=2, max_version_gap=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VersionDriftWarning)
+        _run(quiet.score(rollouts))
+    assert quiet.last_stats.version_gap == 2

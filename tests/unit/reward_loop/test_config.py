@@ -62,6 +62,12 @@ def test_a_verl_yaml_loads_with_defaults_filled_in(tmp_path):
     ({"reward_model": {"enable": True, "reward_weights": {"model": float("nan")}}},
      r"reward_model.reward_weights.model: a finite number"),
     ({"reward_model": {"rollout": {"sleep_level": 3}}}, r"sleep_level: 1 or 2, got 3"),
+    ({"reward_model": {"rollout": {"tensor_model_parallel_size": 0}}},
+     r"rollout.tensor_model_parallel_size: must be >= 1, got 0"),
+    ({"reward_model": {"rollout": {"server": "sglang"}}},
+     r"rollout.server: 'reward' \(serve-reward\) or 'policy'"),
+    ({"reward_model": {"rollout": {"start_timeout_s": 0}}},
+     r"rollout.start_timeout_s: must be > 0"),
     ({"reward_model": {"server_urls": ["127.0.0.1:8001"]}}, r"server_urls\[0\]: an http\(s\) URL"),
     ({"reward_model": {"router": {"max_retries": -1}}}, r"router.max_retries: must be >= 0"),
     ({"reward_model": {"reward_loop_source": "importlib"}},
@@ -79,3 +85,17 @@ def test_an_empty_config_is_verls_defaults():
     assert cfg.reward_model.enable is False and cfg.reward_model.reward_manager == "naive"
     assert cfg.custom_reward_function.path is None
     assert cfg.custom_reward_function.name == "compute_score"
+
+
+def test_verls_reward_rollout_section_loads():
+    """verl's ``reward_model.rollout`` (dp_reward_loop.yaml): the keys that size a launched
+    server are read, the ones that tune verl's own replicas accepted and not used."""
+    typed = RewardLoopConfig.from_any({"reward_model": {"rollout": {
+        "_target_": "verl.workers.config.RolloutConfig", "name": "vllm", "dtype": "bfloat16",
+        "gpu_memory_utilization": 0.5, "enforce_eager": True, "free_cache_engine": True,
+        "data_parallel_size": 1, "tensor_model_parallel_size": 2, "max_num_batched_tokens": 8192,
+        "max_model_len": None, "max_num_seqs": 1024, "engine_kwargs": {},
+        "enable_prefix_caching": True, "skip_tokenizer_init": False, "prompt_length": 2048}}})
+    r = typed.reward_model.rollout
+    assert (r.tensor_model_parallel_size, r.dtype, r.gpu_memory_utilization) == (2, "bfloat16", 0.5)
+    assert (r.max_num_seqs, r.enforce_eager, r.server, r.server_args) == (1024, True, "reward", [])

@@ -34,3 +34,15 @@ def test_the_server_process_passes_its_slot_to_vllm(tmp_path):
     assert server.env[CPU_BIND_ENV] == "1"
     assert CPU_BIND_ENV not in ServerProcess(str(tmp_path), scratch_dir=str(tmp_path),
                                              module="m").env
+
+
+def test_servers_start_through_the_cli_without_the_callers_own_variables(tmp_path, monkeypatch):
+    from weightsync.testing.servers import CALLER_ONLY_ENV, PolicyServerProcess
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # set for in-process engines
+    server = PolicyServerProcess(str(tmp_path), scratch_dir=str(tmp_path))
+    assert server.cmd[1:4] == ["-m", "weightsync.cli", "serve-policy"]
+    assert not set(CALLER_ONLY_ENV) & set(server.env)
+    given = PolicyServerProcess(str(tmp_path), scratch_dir=str(tmp_path),
+                                env={"VLLM_WORKER_MULTIPROC_METHOD": "fork"})
+    assert given.env["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"  # passed on on purpose
