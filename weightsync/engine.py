@@ -332,7 +332,7 @@ class WeightUpdateEndpoint:
                 raise UpdateRefusedError(
                     f"{self.name}: update version {msg.version} is not newer than the served "
                     f"version {self._version}; versions must increase (send no version, or 0, "
-                    f"to publish the next one; a server started with --allow-version-reset "
+                    f"to publish the next one; a server started without --monotonic-versions "
                     f"takes it as given)"
                 )
             trace.mark("endpoint.start.checked")

@@ -9,13 +9,15 @@ model on 127.0.0.1 (a free port, an API key) and yields a ``RewardServerHandle``
 * ``client(**kw)``: a ``VLLMRewardClient`` for it (close it, or use ``async with``);
 * ``restore()``: sync the base weights back (FULL) and return the new version.
 
+It runs with our update rules, ``--monotonic-versions --strict-training-mode`` (``OUR_RULES``;
+the defaults are the reward spec's, tested in ``servers/test_reward_server_spec_launch.py``).
 Rules for tests that share it: weights may have been changed by earlier tests (call
 ``restore()`` before comparing against the base model); versions only rise, so compare relative
 to what you read; close your clients (a new client's ``init_communicator`` takes the server's
 receivers from an older one, which then re-joins on its next sync).
 
 ``policy_server`` starts ``python -m weightsync.servers.policy`` (vLLM's OpenAI server plus our
-control plane) on a tiny tied-embedding Llama causal LM, fp32, with the chat template every tiny
+control plane, with ``--monotonic-versions``) on a tiny tied-embedding Llama causal LM, fp32, with the chat template every tiny
 model carries (``weightsync.testing.tiny_models.CHAT_TEMPLATE``), on a free
 port with an API key, and yields a ``PolicyServerHandle``: ``url``, ``port``, ``api_key``,
 ``model_dir``, ``headers`` (the token), ``push(weights, version=None)`` (our dialect, through
@@ -44,6 +46,9 @@ API_KEY = "test-token"
 #: weightsync's own log lines (the warm-up, each update started / landed / refused) at info
 SMALL_SERVER = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
                 "--log-level", "info"]
+#: the shared reward server's update rules: a version must rise (409), the training mode is
+#: the update's name policy (400); the servers' defaults take both as given, as the reward spec
+OUR_RULES = ["--monotonic-versions", "--strict-training-mode"]
 
 
 @dataclass
@@ -110,7 +115,7 @@ def start_server(server_cls: type[ServerProcess], model_dir: str, log_path: str,
 
 def start_reward_server(
     model_dir: str, log_path: str, *, api_key: str | None = API_KEY, extra: list[str] | None = None,
-    timeout_s: float = 180.0,
+    timeout_s: float = 600.0,
 ) -> RewardServerHandle:
     """Start a reward server subprocess and wait until /health answers (or fail with its log)."""
     server = start_server(RewardServerProcess, model_dir, log_path, api_key=api_key,
@@ -135,8 +140,8 @@ def tiny_reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def reward_server(tiny_reward_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     """The shared server. For quick local iteration, ``WEIGHTSYNC_TEST_REWARD_SERVER=PORT:DIR``
-    reuses a server you started yourself (``--api-key test-token`` on a model built by
-    ``build_tiny_reward_model(DIR, seed=0)``)."""
+    reuses a server you started yourself (``--api-key test-token --monotonic-versions
+    --strict-training-mode`` on a model built by ``build_tiny_reward_model(DIR, seed=0)``)."""
     external = os.environ.get("WEIGHTSYNC_TEST_REWARD_SERVER")
     if external:
         port, _, model_dir = external.partition(":")
@@ -144,7 +149,7 @@ def reward_server(tiny_reward_model_dir: str, tmp_path_factory: pytest.TempPathF
                                  None)
         return
     log_path = str(tmp_path_factory.mktemp("reward-server") / "server.log")
-    handle = start_reward_server(tiny_reward_model_dir, log_path)
+    handle = start_reward_server(tiny_reward_model_dir, log_path, extra=OUR_RULES)
     try:
         yield handle
     finally:
@@ -234,7 +239,8 @@ def tiny_policy_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def policy_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """The shared policy server. ``WEIGHTSYNC_TEST_POLICY_SERVER=PORT:DIR`` reuses one you
-    started yourself (``--api-key test-token --served-model-name tiny-policy``)."""
+    started yourself (``--api-key test-token --served-model-name tiny-policy
+    --monotonic-versions``)."""
     external = os.environ.get("WEIGHTSYNC_TEST_POLICY_SERVER")
     if external:
         port, _, model_dir = external.partition(":")
@@ -242,7 +248,8 @@ def policy_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
                                  None)
         return
     log_path = str(tmp_path_factory.mktemp("policy-server") / "server.log")
-    handle = start_policy_server(request.getfixturevalue("tiny_policy_model_dir"), log_path)
+    handle = start_policy_server(request.getfixturevalue("tiny_policy_model_dir"), log_path,
+                                 extra=["--monotonic-versions"])
     try:
         yield handle
     finally:

@@ -290,6 +290,16 @@ class WeightSyncWorkerExtension:
         return module_digest(compat.get_model(self))
 
 
+class RewardWeightSyncExtension(WeightSyncWorkerExtension):
+    """The Ludic reward spec's name for the reward server's worker extension: the same methods
+    (the spec's ``init_communicator`` / ``update_param_batch`` / ``close_communicator`` and
+    weightsync's), so ``worker_extension_cls`` may name either class."""
+
+
+#: the dotted path of ``RewardWeightSyncExtension``, for ``worker_extension_cls``
+REWARD_WORKER_EXTENSION = "weightsync.loaders.vllm_worker.RewardWeightSyncExtension"
+
+
 def _cancel_reason(task: asyncio.Task) -> str:
     """The message ``task.cancel(msg)`` was given (asyncio keeps it on the exception)."""
     try:

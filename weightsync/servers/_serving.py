@@ -48,9 +48,10 @@ CONTROL_SUMMARY = "/init_communicator, /update_param_batch, /close_communicator"
 def add_server_arguments(parser: Any, defaults: Any, *, open_routes: str) -> None:
     """The flags both servers take, each with its default and unit: ``--host``, ``--port``,
     ``--api-key``, ``--update-timeout-s``, ``--group-timeout-s``, ``--max-body-bytes``,
-    ``--keep-alive-timeout-s``, ``--log-level``, and the two that give the Ludic reference server's behaviour
-    (``--serve-during-updates``, ``--allow-version-reset``: ``UpdateControl``) (``defaults``: the server's config with its defaults; ``open_routes``: what
-    stays open without the token)."""
+    ``--keep-alive-timeout-s``, ``--log-level``, ``--serve-during-updates`` (the Ludic reference
+    server's behaviour), ``--monotonic-versions`` (ours; versions as given is the reference's) and
+    the deprecated ``--allow-version-reset`` (``UpdateControl``) (``defaults``: the server's config
+    with its defaults; ``open_routes``: what stays open without the token)."""
     d = defaults
     parser.add_argument("--host", metavar="ADDR", help=f"bind address (default {d.host})")
     parser.add_argument("--port", type=int, help=f"HTTP port (default {d.port})")
@@ -81,9 +82,14 @@ def add_server_arguments(parser: Any, defaults: Any, *, open_routes: str) -> Non
                         help="keep answering with the last complete weights while an update is "
                              "received (staged: one more copy of its bytes), then flip at its "
                              "end (default: requests wait while an update runs)")
+    parser.add_argument("--monotonic-versions", action="store_true", default=None,
+                        help="refuse (409) an update whose version is not newer than the served "
+                             "one, so versions order the weights (default: off, a version is "
+                             "taken as given, as the reference's server does: a trainer that "
+                             "resumes from an older checkpoint restarts its count)")
     parser.add_argument("--allow-version-reset", action="store_true", default=None,
-                        help="publish an update's version as given even when it is not newer "
-                             "(a trainer that restarted its count; default: refused, 409)")
+                        help="deprecated, no effect: taking versions as given is the default "
+                             "(default: off)")
 
 
 def _positive_seconds(raw: str) -> float:

@@ -49,9 +49,9 @@ loaded, the prefix cache is reset and the version flips; requests are then serve
 version. Every answer still carries the version that produced it. Costs one more copy of the
 update's bytes on the engine; a worker call of the update holds vLLM's engine core (which
 then runs no model step) for at most one slice at a time (``_workers.RPC_SLICE_S``, 1 s), so
-answers slow down while bytes arrive but are not refused. ``allow_version_reset``: an update's
-version is taken as given even when it is not newer (the reference's rule for a trainer that
-restarted its count; by default such an update is refused with 409).
+answers slow down while bytes arrive but are not refused. ``policy``
+(``weightsync.servers._update_policy``): whether an update's version must be newer (409
+otherwise) or is taken as given, and whether its training mode is its name policy or information.
 
 ``in_flight="continue"`` (PipelineRL-style; implies ``serve_during_updates``): the finish does
 not drain. At a step boundary the engine is paused keeping its requests, their KV is dropped,
@@ -92,6 +92,7 @@ from typing import Any
 from weightsync.errors import http_status
 from weightsync.servers._adapter_slots import SEATED
 from weightsync.servers._gate import UpdateGate
+from weightsync.servers._update_policy import UpdatePolicy
 from weightsync.servers._workers import ENGINE_CALL_TIMEOUT_S, WorkerCalls
 from weightsync.types import TrainingMode, request_nbytes
 
@@ -168,7 +169,8 @@ class UpdateControl:
     ``wait_timeout_s``: how long a request waits for a running update, and an update for the
     in-flight requests to drain. ``update_timeout_s``: an update with no call for this long is
     aborted. ``pause_generation``: pause the engine's scheduler during updates (generation).
-    ``serve_during_updates``, ``allow_version_reset``: see the module docstring.
+    ``serve_during_updates``, ``policy``: see the module docstring (None: ``UpdatePolicy()``,
+    the reward spec's rules).
     """
 
     def __init__(
@@ -182,7 +184,7 @@ class UpdateControl:
         default_training_mode: TrainingMode | None = TrainingMode.FULL,
         pause_generation: bool = False,
         serve_during_updates: bool = False,
-        allow_version_reset: bool = False,
+        policy: UpdatePolicy | None = None,
         in_flight: str = "finish",
         in_flight_kv: str = "recompute",
         adapter_slots: int = 1,
@@ -229,7 +231,7 @@ class UpdateControl:
         #: whether the engine core flips between two steps (``_runtime.vllm_flip``); asked at
         #: the first kept-KV flip
         self._flips_between_steps: bool | None = None
-        self.allow_version_reset = allow_version_reset
+        self.policy = policy or UpdatePolicy()
         self.gate = UpdateGate()
         self.workers = WorkerCalls(engine)
         self.version = 0
@@ -495,10 +497,7 @@ class UpdateControl:
             raise ServiceError(400, f"training_mode: {mode.value} but metadata.training_mode is "
                                     f"{start.training_mode.value!r}")
         mode = mode or start.training_mode or self.default_training_mode
-        start.training_mode = mode
-        if mode is not None and start.head_name_patterns is None and self.head_name_patterns:
-            start.head_name_patterns = list(self.head_name_patterns)
-        start.allow_version_reset = self.allow_version_reset
+        self.policy.prepare(start, mode, self.head_name_patterns)
         holds_gate = not self.serve_during_updates
         if not holds_gate:
             start.staged = True  # the weights stay the served version until the finish
@@ -552,7 +551,7 @@ class UpdateControl:
                  "in %.2fs)", self.name, start.update_id, self.version,
                  self.version + 1 if start.version is None else start.version,
                  _manifest_text(start),
-                 _mode_name(mode), ", staged" if start.staged else "", drained)
+                 self.policy.mode_text(mode), ", staged" if start.staged else "", drained)
         return {"ok": True, "update_id": start.update_id, "version": self.version}
 
     def _next_slot(self, adapter: str) -> int:
@@ -612,7 +611,8 @@ class UpdateControl:
         """``mode`` (None: the start's) must be the mode the update started with."""
         update_id = str(metadata.get("update_id", ""))
         active = self._require_active(update_id, f"chunk {metadata.get('chunk_index')}")
-        if mode is not None and mode is not active.training_mode:
+        if (mode is not None and mode is not active.training_mode
+                and self.policy.strict_training_mode):
             raise ServiceError(400, f"training_mode: {_mode_name(mode)} but update {update_id} "
                                     f"started as {_mode_name(active.training_mode)}")
         try:

@@ -21,7 +21,9 @@ can join a group or broadcast):
 * ``/update_param_batch`` waits at most ``JOIN_SETTLE_S`` for a join still under way (the
   trainer has joined by then, so ours completes at the same moment), else 409; it answers
   only after the engine checked the whole manifest against the served model: a bad name /
-  shape / dtype (or a version that does not increase) is a 4xx naming the tensor, nothing changes, and the trainer does not enter its broadcast. Accepted:
+  shape / dtype (with ``--monotonic-versions``, a version that does not increase; with
+  ``--strict-training-mode``, a tensor its ``training_mode`` forbids: ``servers._update_policy``)
+  is a 4xx naming it, nothing changes, and the trainer does not enter its broadcast. Accepted:
   ``{"status": "ok", "batch_id": ...}``, and a background task receives the tensors (one
   broadcast each from the trainer's rank, in the metadata's order), loads them, joins the
   trainer's barrier, publishes ``version`` (default: current + 1), resets the prefix cache;

@@ -83,7 +83,8 @@ class PolicyServerConfig:
     keep_alive_timeout_s: float | None = None  # idle connections; None: _serving's default
     log_level: str = "info"
     serve_during_updates: bool = False  # stage updates, keep serving the last version, flip
-    allow_version_reset: bool = False  # take an update's version as given (may go backwards)
+    allow_version_reset: bool = False  # deprecated, no effect: versions are taken as given
+    monotonic_versions: bool = False  # refuse a version that is not newer (409)
     warmup: bool = True  # one logprobs request before serving (_serving.warm_up)
     in_flight_requests: str = "finish"  # at an update: "finish" (drain) or "continue" on it
     in_flight_kv: str = "recompute"  # "continue": the requests' KV recomputed, or "keep" it
@@ -94,6 +95,12 @@ class PolicyServerConfig:
     adapter_slots: int = 1  # versions kept per LoRA adapter (``servers._adapter_slots``)
     device: str = "auto"  # filled by parse_args: "cpu" or "cuda", the device the engine runs on
     dtype_asked: str | None = None  # filled by parse_args: the --dtype the user gave, if any
+
+    def __post_init__(self) -> None:
+        from weightsync.servers._update_policy import check_version_options
+
+        check_version_options(monotonic_versions=self.monotonic_versions,
+                              allow_version_reset=self.allow_version_reset)
 
 
 #: ``--warmup``: what it sends, what it costs at start (measured: docs/reliability.md)
@@ -237,8 +244,11 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
         vparser.error(f"--worker-extension-cls: the policy server needs {WORKER_EXTENSION} "
                       f"(weight updates run there), got {given_ext}")
     args.worker_extension_cls = WORKER_EXTENSION
-    cfg = PolicyServerConfig(**{k: v for k, v in vars(ns).items() if v is not None},
-                             device=device, dtype_asked=dtype_asked)
+    try:
+        cfg = PolicyServerConfig(**{k: v for k, v in vars(ns).items() if v is not None},
+                                 device=device, dtype_asked=dtype_asked)
+    except ValueError as e:  # options that contradict each other, named
+        _our_parser().error(str(e))
     if cfg.in_flight_kv == "keep" and cfg.in_flight_requests != "continue":
         _our_parser().error("--in-flight-kv keep needs --in-flight-requests continue (only "
                             "requests that continue across an update have KV to keep)")
@@ -289,6 +299,7 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
     """vLLM's app and state for ``engine``, with our routes and middleware added."""
     from weightsync._runtime.vllm_compat import openai_server_parts
     from weightsync.servers import vllm_transfer_routes
+    from weightsync.servers._update_policy import server_update_policy
     from weightsync.servers.control import UpdateControl
     from weightsync.servers.control_routes import CONTROL_PATHS, control_router, mount
     from weightsync.servers.ludic import LudicDialect
@@ -303,7 +314,10 @@ async def build_server(cfg: PolicyServerConfig, args: argparse.Namespace, engine
         wait_timeout_s=cfg.request_wait_timeout_s, update_timeout_s=cfg.update_timeout_s,
         default_training_mode=None, pause_generation=True,
         serve_during_updates=cfg.serve_during_updates,
-        allow_version_reset=cfg.allow_version_reset, in_flight=cfg.in_flight_requests,
+        policy=server_update_policy(  # the training mode stays the update's name policy here
+            monotonic_versions=cfg.monotonic_versions, allow_version_reset=cfg.allow_version_reset,
+            strict_training_mode=True, what=f"policy server {args.model}"),
+        in_flight=cfg.in_flight_requests,
         in_flight_kv=cfg.in_flight_kv, adapter_slots=cfg.adapter_slots,
     )
     control.adapter_published = _adapter_names_for(app.state)

@@ -14,8 +14,13 @@ vLLM defines them), served by uvicorn on one asyncio loop. Ours, ahead of vLLM's
 ``weightsync.servers.sleep``) and the control plane shared with the policy server
 (``weightsync.servers.control_routes``, both our dialect and the reward spec's ``{host, port,
 world_size}`` / ``{metadata: [...], version, training_mode}`` form); the update rules live in
-``weightsync.servers.control``. Every route that runs the model holds the update gate and
-answers with ``x-weight-version`` (``weightsync.servers.versioned`` around vLLM's routes).
+``weightsync.servers.control``, what it takes from the sender in
+``weightsync.servers._update_policy`` (by default the reward spec's: versions and training mode
+as given). Every route that runs the model holds the update gate and answers with
+``x-weight-version`` (``weightsync.servers.versioned`` around vLLM's routes). The spec's launch
+flags (``--task reward``, ``--pooler-config``, ``--worker-extension-cls`` naming
+``RewardWeightSyncExtension``, importable from here) map onto ours
+(``weightsync.servers._reward_spec``).
 
 Models: a ``*ForSequenceClassification`` checkpoint, or with ``--convert classify`` a causal
 LM whose checkpoint carries a score head (``score.weight``), or any conversion vLLM offers
@@ -41,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync._runtime.cpu_binding import engine_core_follows_workers
-from weightsync.loaders.vllm_worker import WORKER_EXTENSION
+from weightsync.loaders.vllm_worker import RewardWeightSyncExtension  # noqa: F401 - the spec's place
 from weightsync.servers._gpu import POLICY_GPU_SHARE, REWARD_GPU_SHARE, start_engine_core_with_spawn
 from weightsync.servers._serving import (
     WARMUP_HELP,
@@ -92,11 +97,26 @@ class RewardServerConfig:
     convert: str | None = None  # vLLM's --convert: "classify" for a causal LM with a score head
     hf_overrides: dict[str, Any] | None = None  # vLLM's --hf-overrides (e.g. reward conversion)
     enable_sleep_mode: bool = False  # vLLM's sleep mode (CUDA/ROCm): /sleep, /wake_up
-    allow_version_reset: bool = False  # take an update's version as given (may go backwards)
+    allow_version_reset: bool = False  # deprecated, no effect: versions are taken as given
+    monotonic_versions: bool = False  # refuse a version that is not newer (409)
+    strict_training_mode: bool = False  # training_mode is the update's name policy (400)
+    # the reward spec's launch options (weightsync.servers._reward_spec)
+    task: str | None = None  # reward / classify / score / auto: all the pooling runner
+    pooler_config: dict[str, Any] | None = None  # folded into the pooling fields above
+    use_activation: bool | None = None  # vLLM's default activation (the spec's "normalize")
+    worker_extension_cls: str | None = None  # weightsync's extension under one of its names
     seed: int = 0
     log_level: str = "info"
     warmup: bool = True  # score one text before serving (_serving.warm_up)
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from weightsync.servers._reward_spec import check_spec_options
+        from weightsync.servers._update_policy import check_version_options
+
+        check_spec_options(self)
+        check_version_options(monotonic_versions=self.monotonic_versions,
+                              allow_version_reset=self.allow_version_reset)
 
     def resolved_device(self) -> str:
         """``cpu`` or ``cuda`` (``auto``: cuda when a GPU is visible), found without
@@ -110,6 +130,8 @@ def engine_args(cfg: RewardServerConfig) -> Any:
     """-> ``AsyncEngineArgs`` for the pooling engine the config describes."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from weightsync.servers._reward_spec import worker_extension
+
     if not cfg.model:
         raise ValueError("model: give the path (or hub id) of a *ForSequenceClassification model")
     cpu = cfg.resolved_device() == "cpu"
@@ -119,7 +141,7 @@ def engine_args(cfg: RewardServerConfig) -> Any:
         dtype=("float32" if cpu else "auto") if cfg.dtype == "auto" else cfg.dtype,
         tensor_parallel_size=cfg.tensor_parallel_size,
         enforce_eager=cpu if cfg.enforce_eager is None else cfg.enforce_eager,
-        worker_extension_cls=WORKER_EXTENSION,
+        worker_extension_cls=worker_extension(cfg),
         seed=cfg.seed,
         disable_log_stats=True,
     )
@@ -194,6 +216,8 @@ def _pooler_config(cfg: RewardServerConfig) -> Any:
             raise ValueError("returned_token_ids: only with tok_pooling_type STEP (vLLM's step "
                              "pooler applies it)")
         fields["returned_token_ids"] = [int(i) for i in cfg.returned_token_ids]
+    if cfg.use_activation is not None:
+        fields["use_activation"] = bool(cfg.use_activation)
     if not fields:
         return None
     from vllm.config import PoolerConfig
@@ -245,6 +269,7 @@ async def build_server(cfg: RewardServerConfig) -> RewardServer:
     """Start the engine (tens of seconds) and wrap it in the control plane and the scorer."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from weightsync.servers._update_policy import server_update_policy
     from weightsync.servers.control import UpdateControl
     from weightsync.servers.ludic import LudicDialect
     from weightsync.servers.pooling_app import pooling_app
@@ -261,7 +286,10 @@ async def build_server(cfg: RewardServerConfig) -> RewardServer:
         update_timeout_s=cfg.update_timeout_s,
         head_name_patterns=cfg.head_name_patterns,
         serve_during_updates=cfg.serve_during_updates,
-        allow_version_reset=cfg.allow_version_reset,
+        policy=server_update_policy(
+            monotonic_versions=cfg.monotonic_versions,
+            allow_version_reset=cfg.allow_version_reset,
+            strict_training_mode=cfg.strict_training_mode, what=f"reward server {name}"),
     )
     control = (SleepAwareControl(engine, sleep_mode, **control_kwargs) if cfg.enable_sleep_mode
                else UpdateControl(engine, **control_kwargs))
@@ -334,6 +362,8 @@ def _dtype_note(cfg: RewardServerConfig, engine: Any) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """``weightsync serve-reward``'s flags: one per ``RewardServerConfig`` field (plus
     ``--config``), each help text with its default and unit."""
+    from weightsync.servers._reward_spec import add_spec_arguments
+
     d = RewardServerConfig()
     p = argparse.ArgumentParser(
         prog="weightsync serve-reward",
@@ -403,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "/sleep frees the weights' and KV cache's GPU memory, /wake_up (or the "
                         "next request or push) brings them back (default: off)")
     add_server_arguments(p, d, open_routes="/score, /get_reward, vLLM's routes and /health")
+    add_spec_arguments(p)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help=WARMUP_HELP.format(**WARMUP))
     return p
@@ -436,7 +467,10 @@ def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
             data[f.name] = value
     if "api_key" not in data and os.environ.get("WEIGHTSYNC_API_KEY"):
         data["api_key"] = os.environ["WEIGHTSYNC_API_KEY"]
-    cfg = RewardServerConfig(**data)
+    try:
+        cfg = RewardServerConfig(**data)
+    except ValueError as e:
+        p.error(str(e))
     if not cfg.model:
         p.error("--model is required (or 'model:' in --config)")
     return cfg

@@ -351,17 +351,18 @@ def published_version(weight_version: Any, control: UpdateControl) -> int | None
 
     Args:
         weight_version: the finish's ``weight_version`` (a string, an int or None).
-        control: the server's update control (its served version, ``allow_version_reset``).
+        control: the server's update control (its served version, its version policy).
 
     Returns:
-        ``weight_version`` when it is an integer newer than the served one (any integer with
-        ``allow_version_reset``); None (the served version + 1) otherwise.
+        ``weight_version`` when it is an integer (with ``--monotonic-versions``: one newer
+        than the served one); None (the served version + 1) otherwise.
     """
     text = str(weight_version).strip() if weight_version is not None else ""
     if not text.isdigit():
         return None
     version = int(text)
-    return version if control.allow_version_reset or version > control.version else None
+    taken_as_given = not control.policy.monotonic_versions
+    return version if taken_as_given or version > control.version else None
 
 
 def service_error(e: BaseException, what: str) -> ServiceError:

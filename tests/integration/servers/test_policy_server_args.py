@@ -75,3 +75,14 @@ def test_warmup_is_on_unless_turned_off_and_help_says_its_cost(capsys):
         parse(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--warmup, --no-warmup" in text and "costs at start: 7-13 s on 2 CPU cores" in text
+
+
+def test_versions_are_taken_as_given_unless_monotonic_versions(capsys):
+    """The reward spec's rule is the default on both servers; ``--monotonic-versions`` keeps
+    ours; the deprecated ``--allow-version-reset`` is accepted, but not with it."""
+    assert parse(["--model", "m"])[0].monotonic_versions is False
+    assert parse(["--model", "m", "--monotonic-versions"])[0].monotonic_versions is True
+    assert parse(["--model", "m", "--allow-version-reset"])[0].allow_version_reset is True
+    with pytest.raises(SystemExit):
+        parse(["--model", "m", "--monotonic-versions", "--allow-version-reset"])
+    assert "(--monotonic-versions) contradict each other" in capsys.readouterr().err

@@ -3,11 +3,12 @@
 * ``--serve-during-updates``: ``/score`` keeps answering with the last complete weights while
   an update is received (staged), and the new version from its finish on; by default a score
   request waits for the update and runs on the new weights;
-* ``--allow-version-reset``: an update's version is published as given even when it is lower
-  (a trainer that restarted its count); by default that is a 409.
+* versions taken as given (the servers' default; ``--allow-version-reset``, deprecated, still
+  accepted for it): an update's version is published even when it is lower (a trainer that
+  restarted its count); with ``--monotonic-versions`` that is a 409.
 
-The default server is the shared one; the reference-mode server is started here on the same
-tiny model and stopped at the end of the module.
+The server with our rules is the shared one (``--monotonic-versions``); the reference-mode
+server is started here on the same tiny model and stopped at the end of the module.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ def test_by_default_scoring_waits_for_the_update(reward_server):
 
 
 def test_allow_version_reset_takes_versions_as_given(reference_server, reward_server):
-    """A trainer that restarted its count: the reference-mode server publishes the lower
-    version; the default server refuses it (409) and keeps its version."""
+    """A trainer that restarted its count: the reference-mode server (the deprecated flag is
+    still accepted) publishes the lower version; the shared server, with
+    ``--monotonic-versions``, refuses it (409) and keeps its version."""
     from weightsync.errors import UpdateRefusedError
 
     params = perturbed_weights(reference_server.model_dir, seed=13)

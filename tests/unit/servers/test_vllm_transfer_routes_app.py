@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from weightsync.errors import WeightMismatchError, error_to_text
+from weightsync.servers._update_policy import UpdatePolicy
 from weightsync.servers.vllm_transfer_routes import (
     RAW_PATHS,
     TRANSFER_PATHS,
@@ -81,7 +82,7 @@ def test_backend_of_reads_vllms_config_object_or_dict():
     ("5", False, 5), (5, False, 5), ("3", False, None), ("2", False, None), ("2", True, 2),
     (None, False, None), ("step-7", False, None), ("", False, None)])
 def test_the_version_a_finish_publishes(given, reset, published):
-    control = SimpleNamespace(version=3, allow_version_reset=reset)
+    control = SimpleNamespace(version=3, policy=UpdatePolicy(monotonic_versions=not reset))
     assert published_version(given, control) == published
 
 
