@@ -30,7 +30,7 @@ def train_step(model, step):
 async def main(steps=3):
     model = load_model(CHECKPOINT)
     async with ws.connect([URL], strategy="broadcast", api_key=TOKEN) as sync:
-        served = (await sync.status())[0]["version"]  # versions only rise: go on from there
+        served = (await sync.status())[0]["version"]  # go on from the version the server serves
         for step in range(served + 1, served + steps + 1):
             train_step(model, step)
             stats = await sync.push(model, version=step)
