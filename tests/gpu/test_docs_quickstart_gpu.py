@@ -46,20 +46,9 @@ def _free_gib() -> float:
     return memory.free / float(1 << 30)
 
 
-def _wait_for_line(path: Path, needle: str, proc: subprocess.Popen, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in path.read_text(errors="replace").splitlines():
-            if line.startswith(needle):
-                return line
-        assert proc.poll() is None, f"server exited:\n{path.read_text()[-4000:]}"
-        time.sleep(0.5)
-    raise AssertionError(f"no '{needle}' after {timeout_s} s:\n{path.read_text()[-4000:]}")
-
-
 def test_quickstart_gpu_section(tmp_path):
     import httpx
-    from _markdown import assert_shape, blocks, with_ports
+    from _markdown import assert_shape, blocks, wait_for_line, with_ports
 
     from weightsync._runtime.gpu import cuda_device_count
 
@@ -94,7 +83,7 @@ def test_quickstart_gpu_section(tmp_path):
                                                 stdout=f, stderr=subprocess.STDOUT,
                                                 start_new_session=True))
             what = "reward" if "serve-reward" in block else "policy"
-            ready = _wait_for_line(log, f"weightsync {what} server ready", servers[-1], 300)
+            ready = wait_for_line(log, f"weightsync {what} server ready", servers[-1], 300)
             assert expected
             assert_shape(with_ports(expected, ports), ready)
         reward, policy = (f"http://127.0.0.1:{ports[p]}" for p in ("8001", "8000"))

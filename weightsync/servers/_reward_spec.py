@@ -53,7 +53,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", metavar="TASK",
                    help=f"the reward spec's vLLM task, one of {', '.join(TASKS)}: all run vLLM's "
                         "pooling runner, which this server always uses (default: none)")
-    p.add_argument("--pooler-config", type=_json_object, metavar="JSON",
+    p.add_argument("--pooler-config", type=json_object_arg, metavar="JSON",
                    help="vLLM's pooler config as the reward spec writes it, e.g. "
                         '\'{"pooling_type": "LAST", "normalize": true}\'; keys: '
                         f"{', '.join(POOLER_KEYS)} (normalize is vLLM's use_activation: the "
@@ -69,7 +69,9 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
                         "the reward spec's server takes it)")
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def json_object_arg(text: str) -> dict[str, Any]:
+    """argparse ``type=`` for a flag whose value is a JSON object (``--pooler-config``,
+    ``--hf-overrides``)."""
     try:
         value = json.loads(text)
     except ValueError as e:

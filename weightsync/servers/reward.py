@@ -48,6 +48,7 @@ from typing import Any
 from weightsync._runtime.cpu_binding import engine_core_follows_workers
 from weightsync.loaders.vllm_worker import RewardWeightSyncExtension  # noqa: F401 - the spec's place
 from weightsync.servers._gpu import POLICY_GPU_SHARE, REWARD_GPU_SHARE, start_engine_core_with_spawn
+from weightsync.servers._reward_spec import json_object_arg
 from weightsync.servers._serving import (
     WARMUP_HELP,
     add_server_arguments,
@@ -423,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's model conversion: classify serves a causal LM (*ForCausalLM) "
                         "whose checkpoint has a score head (score.weight) as a reward model "
                         "(default: none, the checkpoint must be *ForSequenceClassification)")
-    p.add_argument("--hf-overrides", type=_json_object, metavar="JSON",
+    p.add_argument("--hf-overrides", type=json_object_arg, metavar="JSON",
                    help="vLLM's --hf-overrides, a JSON object merged into the model's config, "
                         "e.g. a reward conversion from a causal LM's logits: "
                         '\'{"classifier_from_token": ["no", "yes"], "method": '
@@ -437,18 +438,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help=WARMUP_HELP.format(**WARMUP))
     return p
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object, got {type(value).__name__}")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> RewardServerConfig:

@@ -10,13 +10,17 @@ output has the shape a page shows.
   command line.
 - ``same_shape(expected, actual)``: an output line as a page shows it vs one printed: equal once
   numbers and quoted strings are wildcards and runs of spaces are one space; ``assert_shape``
-  for a whole output, ``with_ports`` for a page's ports replaced by free ones.
+  for a whole output, ``with_ports`` for a page's ports replaced by free ones, ``wait_for_line``
+  for a server's ready line in its log.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _MARKER = re.compile(r"^<!--\s*quickstart:\s*(\S+)\s*-->\s*$")
@@ -131,3 +135,16 @@ def assert_shape(expected: str, output: str) -> None:
             hit = next((i for i in range(at, len(lines)) if same_shape(want, lines[i])), None)
         assert hit is not None, f"expected a line like\n  {want}\nin:\n{output[-4000:]}"
         at = hit + 1
+
+
+def wait_for_line(path: Path, needle: str, proc: subprocess.Popen, timeout_s: float) -> str:
+    """The first line of the log at ``path`` that starts with ``needle``, waited for while
+    ``proc`` (the server writing it) lives, at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith(needle):
+                return line
+        assert proc.poll() is None, f"server exited:\n{path.read_text()[-3000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"no '{needle}' after {timeout_s} s:\n{path.read_text()[-3000:]}")

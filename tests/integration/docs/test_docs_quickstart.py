@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _markdown import assert_shape, blocks, with_ports
+from _markdown import assert_shape, blocks, wait_for_line, with_ports
 
 from weightsync.testing.servers import free_port
 
@@ -68,7 +68,7 @@ def quickstart(tmp_path_factory):
                 log = open(work / "server.log", "w+")  # noqa: SIM115 - closed below
                 server = subprocess.Popen(["bash", "-c", block], cwd=work, env=env, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True)
-                ready = _wait_for_line(work / "server.log", "weightsync policy server ready",
+                ready = wait_for_line(work / "server.log", "weightsync policy server ready",
                                        server, timeout_s=300)
                 if expected:
                     assert_shape(expected, ready)
@@ -89,17 +89,6 @@ def quickstart(tmp_path_factory):
             os.killpg(server.pid, signal.SIGKILL)
         if log is not None:
             log.close()
-
-
-def _wait_for_line(path: Path, needle: str, proc: subprocess.Popen, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in path.read_text(errors="replace").splitlines():
-            if line.startswith(needle):
-                return line
-        assert proc.poll() is None, f"server exited:\n{path.read_text()[-3000:]}"
-        time.sleep(0.5)
-    raise AssertionError(f"no '{needle}' after {timeout_s} s:\n{path.read_text()[-3000:]}")
 
 
 def _chats(outputs: list[tuple[str, str]]) -> list[tuple[int, str]]:
