@@ -308,15 +308,25 @@ async def _announce(http: Any, line: str) -> None:
     print(line, file=sys.stdout, flush=True)
 
 
+def configure_logging(log_level: str) -> None:
+    """The servers' log format, and weightsync's own level (a server says how it starts before
+    ``run_main`` runs; calling this again changes nothing).
+
+    Args:
+        log_level: ``debug``, ``info``, ``warning`` or ``error``.
+    """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    # our own level, not the root's: a package vLLM's app imports sets the root logger to ERROR
+    # (model_hosting_container_standards), which silenced every line the policy server logs
+    logging.getLogger("weightsync").setLevel(log_level.upper())
+
+
 def run_main(serve: Callable[[asyncio.Event], Awaitable[None]], *, what: str, log_level: str,
              log: logging.Logger) -> NoReturn:
     """Run ``serve(stop)`` with SIGINT / SIGTERM setting ``stop`` (and quieting
     ``ENGINE_DEATH_LOGGERS``); then leave the process with code 0, or 1 after logging the
     failure (``what`` names the server)."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    # our own level, not the root's: a package vLLM's app imports sets the root logger to ERROR
-    # (model_hosting_container_standards), which silenced every line the policy server logs
-    logging.getLogger("weightsync").setLevel(log_level.upper())
+    configure_logging(log_level)
 
     async def _run() -> None:
         stop = asyncio.Event()

@@ -57,6 +57,7 @@ from weightsync.servers._gpu import (
 from weightsync.servers._serving import (
     WARMUP_HELP,
     add_server_arguments,
+    configure_logging,
     ready_line,
     run_main,
     serve_app,
@@ -95,6 +96,7 @@ class PolicyServerConfig:
     adapter_slots: int = 1  # versions kept per LoRA adapter (``servers._adapter_slots``)
     device: str = "auto"  # filled by parse_args: "cpu" or "cuda", the device the engine runs on
     dtype_asked: str | None = None  # filled by parse_args: the --dtype the user gave, if any
+    gpu_share_note: str = ""  # filled by parse_args on a GPU: the share taken and why
 
     def __post_init__(self) -> None:
         from weightsync.servers._update_policy import check_version_options
@@ -232,9 +234,10 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
             args.enforce_eager = True
         if not _given(rest, "--kv-cache-memory-bytes"):
             args.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
-    elif not _given(rest, "--kv-cache-memory-bytes"):
+    gpu_share_note = ""
+    if device != "cpu" and not _given(rest, "--kv-cache-memory-bytes"):
         try:
-            args.gpu_memory_utilization = _gpu_share(
+            args.gpu_memory_utilization, gpu_share_note = _gpu_share(
                 args, asked=args.gpu_memory_utilization
                 if _given(rest, "--gpu-memory-utilization") else None)
         except ValueError as e:
@@ -246,7 +249,8 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
     args.worker_extension_cls = WORKER_EXTENSION
     try:
         cfg = PolicyServerConfig(**{k: v for k, v in vars(ns).items() if v is not None},
-                                 device=device, dtype_asked=dtype_asked)
+                                 device=device, dtype_asked=dtype_asked,
+                                 gpu_share_note=gpu_share_note)
     except ValueError as e:  # options that contradict each other, named
         _our_parser().error(str(e))
     if cfg.in_flight_kv == "keep" and cfg.in_flight_requests != "continue":
@@ -268,10 +272,11 @@ def parse_args(argv: list[str] | None = None, *, device: str | None = None
     return cfg, args
 
 
-def _gpu_share(args: argparse.Namespace, *, asked: float | None) -> float:
+def _gpu_share(args: argparse.Namespace, *, asked: float | None) -> tuple[float, str]:
     """The share of the GPU the engine takes: ``asked`` (``--gpu-memory-utilization``), or
     ``POLICY_GPU_SHARE`` lowered to the card's free memory (``_gpu.fit_gpu_share``: a share
-    that does not fit is an error naming the flag, before the engine starts)."""
+    that does not fit is an error naming the flag, before the engine starts), and a line that
+    says so."""
     from weightsync._runtime.gpu import gpu_memory
     from weightsync.servers._gpu import POLICY_GPU_SHARE, fit_gpu_share, model_bytes
 
@@ -279,8 +284,7 @@ def _gpu_share(args: argparse.Namespace, *, asked: float | None) -> float:
     share, why = fit_gpu_share(
         asked, default=POLICY_GPU_SHARE, flag="--gpu-memory-utilization", memory=gpu_memory(),
         weights_bytes=model_bytes(str(args.model), dtype), what="policy server")
-    log.info("GPU memory: %.2f of the card (%s)", share, why)
-    return share
+    return share, f"GPU memory: {share:.2f} of the card ({why})"
 
 
 @dataclass
@@ -476,10 +480,13 @@ def _ready_line(cfg: PolicyServerConfig, engine: Any, version: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
+    configure_logging(cfg.log_level)
     if cfg.device == "cpu":  # vLLM's engine core on its workers' cores, if asked
         engine_core_follows_workers()
     else:
         start_engine_core_with_spawn(log)
+        if cfg.gpu_share_note:
+            log.info("%s", cfg.gpu_share_note)
     run_main(lambda stop: serve(cfg, args, stop=stop), what="policy server",
              log_level=cfg.log_level, log=log)
 

@@ -52,6 +52,7 @@ from weightsync.servers._reward_spec import json_object_arg
 from weightsync.servers._serving import (
     WARMUP_HELP,
     add_server_arguments,
+    configure_logging,
     ready_line,
     run_main,
     serve_app,
@@ -467,6 +468,7 @@ def parse_args(argv: list[str] | None = None) -> RewardServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    configure_logging(cfg.log_level)
     if cfg.resolved_device() == "cpu":  # vLLM's engine core on its workers' cores, if asked
         engine_core_follows_workers()
     else:
