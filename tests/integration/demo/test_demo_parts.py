@@ -121,7 +121,8 @@ def test_demo_config_defaults_match_yaml_and_overrides_apply(tmp_path):
     assert demo.apply_overrides(load_demo_config(), dashed).mode == "head_only"
     assert demo.strategy_label(DemoConfig().strategy) == "broadcast/gloo"
     cuda = demo.apply_overrides(load_demo_config(), demo.build_parser().parse_args(["--device", "cuda"]))
-    assert cuda.strategy == {"type": "broadcast", "backend": "nccl"} and cuda.train.device == "cuda"
+    # fewer than two GPUs (none here): CUDA IPC into servers on the trainer's GPU
+    assert cuda.strategy == {"type": "cuda_ipc"} and cuda.train.device == "cuda"
 
 
 def test_demo_bad_config_and_args_exit_2_naming_the_problem(tmp_path, capsys):
