@@ -125,7 +125,8 @@ def test_ready_line_then_sigterm_to_the_main_process_stops_without_leaks(server3
     ready = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("weightsync reward server ready")]
     assert ready == [
         f"weightsync reward server ready on {server3.url}: model {server3.model_dir} (weight "
-        f"version 0); POST /score and /get_reward (3 label(s)), vLLM's /classify, /pooling, "
+        f"version 0); dtype float32, the server's default on cpu (--dtype sets it); POST /score "
+        f"and /get_reward (3 label(s)), vLLM's /classify, /pooling, "
         f"/v1/score, /v1/models; control plane /init_communicator, "
         f"/update_param_batch, /close_communicator, token required (--api-key); update timeout "
         f"600 s, request/update wait 60 s"]
