@@ -254,3 +254,16 @@ def policy_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         yield handle
     finally:
         stop_server(handle)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray of 2 CPUs for one test module (the Ray trainer's tests), shut down after."""
+    import ray
+
+    ray.init(
+        num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+        log_to_driver=False, configure_logging=False,
+    )
+    yield
+    ray.shutdown()

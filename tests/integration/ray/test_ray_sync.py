@@ -24,16 +24,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(
-        num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-        log_to_driver=False, configure_logging=False,
-    )
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def actors(ray_cluster):
     """One trainer and two engines shared by the tests (re-wired by each): actor start-up is
     what costs time here."""

@@ -19,16 +19,6 @@ TINY = {"shape": "tiny", "dtype": "float32"}
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(
-        num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-        log_to_driver=False, configure_logging=False,
-    )
-    yield
-    ray.shutdown()
-
-
 def test_a_sharded_trainer_on_ray_sends_every_ranks_copy(ray_cluster):
     from weightsync.bench.shapes import build_module
     from weightsync.digest import module_digest
